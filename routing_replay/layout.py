@@ -1,0 +1,195 @@
+"""The routing layout: which layers route, how many experts, and how ids are stored."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from routing_replay.errors import InvalidRoutesError
+
+# Marker for "no routing recorded here" in every signed view of routes (put input, get
+# output, torch tensors, replay input). In storage it becomes `layout.missing`.
+MISSING = -1
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """Shape of one token's routing: MoE layers (global indices) x top-k expert ids."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    moe_layers: tuple[int, ...] | None = None
+    _moe: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"RoutingLayout.{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"RoutingLayout.top_k={self.top_k} exceeds num_experts={self.num_experts}"
+            )
+        if self.num_experts > 2**16 - 1:
+            raise ValueError(f"num_experts={self.num_experts} does not fit 16-bit expert ids")
+        moe = tuple(range(self.num_layers)) if self.moe_layers is None else self.moe_layers
+        moe = tuple(int(i) for i in moe)
+        if not moe or list(moe) != sorted(set(moe)) or moe[0] < 0 or moe[-1] >= self.num_layers:
+            raise ValueError(
+                f"moe_layers must be distinct, increasing layer indices in [0, {self.num_layers}),"
+                f" got {self.moe_layers!r}"
+            )
+        object.__setattr__(self, "moe_layers", moe)
+        object.__setattr__(self, "_moe", moe)
+
+    # -- derived facts --------------------------------------------------------------
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Number of MoE layers, the L of every `[T, L, K]` routes array."""
+        return len(self._moe)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Narrowest unsigned dtype holding every expert id plus the missing marker."""
+        return np.dtype(np.uint8) if self.num_experts <= 2**8 - 1 else np.dtype(np.uint16)
+
+    @property
+    def missing(self) -> int:
+        """Stored value for a missing id: the dtype's maximum (255 for uint8)."""
+        return int(np.iinfo(self.dtype).max)
+
+    @property
+    def values_per_token(self) -> int:
+        """Stored ids per token: MoE layers x top-k."""
+        return self.num_moe_layers * self.top_k
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes per token."""
+        return self.values_per_token * self.dtype.itemsize
+
+    # -- conversions at the edge ----------------------------------------------------
+
+    def encode(self, routes: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Validate `[T, L, K]` (MoE or all layers, -1 missing) and convert to the stored dtype."""
+        arr = np.asarray(routes)
+        if arr.dtype.kind not in "iu":
+            raise InvalidRoutesError(
+                f"routes must be an integer array, got dtype {arr.dtype}; cast expert ids to int"
+            )
+        if arr.ndim != 3 or arr.shape[2] != self.top_k:
+            raise InvalidRoutesError(
+                f"routes must have shape [num_tokens, num_layers, top_k={self.top_k}] with "
+                f"num_layers {self.num_moe_layers} (MoE layers) or {self.num_layers} (all "
+                f"layers), got {arr.shape}"
+            )
+        if arr.shape[1] == self.num_layers and self.num_layers != self.num_moe_layers:
+            arr = arr[:, list(self._moe), :]
+        elif arr.shape[1] != self.num_moe_layers:
+            raise InvalidRoutesError(
+                f"routes have {arr.shape[1]} layers; this layout has {self.num_moe_layers} MoE "
+                f"layers {list(self._moe)} out of {self.num_layers}: pass either"
+            )
+        if out is None:
+            out = np.empty(arr.shape, dtype=self.dtype)
+        if arr.dtype == self.dtype:
+            # Engines hand over narrow ids already (vLLM: uint8): the marker is the dtype max.
+            bad = (arr >= self.num_experts) & (arr != self.missing)
+            if bad.any():
+                self._raise_out_of_range(arr, bad)
+            np.copyto(out, arr)
+            return out
+        is_missing = arr == MISSING
+        bad = ((arr < 0) | (arr >= self.num_experts)) & ~is_missing
+        if bad.any():
+            self._raise_out_of_range(arr, bad)
+        np.copyto(out, arr, casting="unsafe")
+        out[is_missing] = self.missing
+        return out
+
+    def decode(self, stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Stored ids to int32 with -1 for missing, in one pass when the ids allow it."""
+        signed = np.dtype(f"i{self.dtype.itemsize}")
+        if out is None:
+            out = np.empty(stored.shape, dtype=np.int32)
+        if self.num_experts <= np.iinfo(signed).max:
+            # The marker is all ones: reinterpreted as signed it is -1, every id unchanged.
+            np.copyto(out, stored.view(signed), casting="same_kind")
+        else:
+            np.copyto(out, stored, casting="same_kind")
+            out[stored == self.missing] = MISSING
+        return out
+
+    def _raise_out_of_range(self, arr: np.ndarray, bad: np.ndarray) -> None:
+        token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
+        raise InvalidRoutesError(
+            f"expert id {int(arr[token, layer, slot])} at token {token}, layer {layer}, slot "
+            f"{slot} is out of range: ids must be in [0, {self.num_experts}) or -1 for missing"
+            f" ({int(bad.sum())} bad ids in all)"
+        )
+
+    # -- (de)serialisation ----------------------------------------------------------
+
+    def to_json(self) -> str:
+        """JSON text of the layout, as stored in segment headers and Arrow metadata."""
+        return json.dumps(
+            {
+                "num_layers": self.num_layers,
+                "top_k": self.top_k,
+                "num_experts": self.num_experts,
+                "moe_layers": list(self._moe),
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RoutingLayout:
+        """Inverse of `to_json`."""
+        d = json.loads(text)
+        return cls(d["num_layers"], d["top_k"], d["num_experts"], tuple(d["moe_layers"]))
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> RoutingLayout:
+        """Layout of a transformers MoE config (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...)."""
+        text = getattr(config, "text_config", None)
+        if text is not None and getattr(config, "num_hidden_layers", None) is None:
+            config = text
+        n = config.num_hidden_layers
+        top_k = _first_attr(config, "num_experts_per_tok", "experts_per_token", "moe_topk")
+        experts = _first_attr(config, "n_routed_experts", "num_local_experts", "num_experts")
+        if top_k is None or not experts:
+            raise ValueError(
+                f"{type(config).__name__} does not look like an MoE config: no expert count or "
+                "top-k attribute (num_experts / n_routed_experts / num_local_experts and "
+                "num_experts_per_tok); build RoutingLayout(num_layers, top_k, num_experts, "
+                "moe_layers) by hand"
+            )
+        layer_types = getattr(config, "mlp_layer_types", None)
+        if layer_types is not None:
+            moe = [i for i, t in enumerate(layer_types) if t == "sparse"]
+        elif getattr(config, "first_k_dense_replace", None) is not None:
+            # DeepSeek-V2/V3, GLM-4-MoE, Kimi-K2: dense first layers, then MoE every `freq`.
+            freq = getattr(config, "moe_layer_freq", 1) or 1
+            first = config.first_k_dense_replace
+            moe = [i for i in range(n) if i >= first and i % freq == 0]
+        elif getattr(config, "decoder_sparse_step", None) is not None:
+            # Qwen2-MoE / Qwen3-MoE.
+            step = config.decoder_sparse_step
+            dense = set(getattr(config, "mlp_only_layers", None) or [])
+            moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+        else:
+            moe = list(range(n))  # Mixtral, OLMoE, GPT-OSS: every layer routes.
+        return cls(n, int(top_k), int(experts), tuple(moe))
+
+
+def _first_attr(obj: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
