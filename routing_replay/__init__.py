@@ -14,6 +14,9 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.reader import cu_seqlens, to_torch
+from routing_replay.schema import layout_of, routes_schema
+from routing_replay.store import RoutingRef, RoutingStore, StoreStats
 
 __all__ = [
     "MISSING",
@@ -22,9 +25,16 @@ __all__ = [
     "InvalidRoutesError",
     "LayoutMismatchError",
     "RoutingLayout",
+    "RoutingRef",
     "RoutingReplayError",
+    "RoutingStore",
     "SampleNotFoundError",
     "StoreFullError",
+    "StoreStats",
     "StoreUnavailableError",
+    "cu_seqlens",
+    "layout_of",
+    "routes_schema",
+    "to_torch",
 ]
 __version__ = "0.1.0"

@@ -75,8 +75,8 @@ class RoutingLayout:
 
     # -- conversions at the edge ----------------------------------------------------
 
-    def encode(self, routes: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Validate `[T, L, K]` (MoE or all layers, -1 missing) and convert to the stored dtype."""
+    def check(self, routes: Any) -> np.ndarray:
+        """Validate `[T, L, K]` routes (MoE or all layers, -1 missing); return MoE layers only."""
         arr = np.asarray(routes)
         if arr.dtype.kind not in "iu":
             raise InvalidRoutesError(
@@ -95,22 +95,33 @@ class RoutingLayout:
                 f"routes have {arr.shape[1]} layers; this layout has {self.num_moe_layers} MoE "
                 f"layers {list(self._moe)} out of {self.num_layers}: pass either"
             )
-        if out is None:
-            out = np.empty(arr.shape, dtype=self.dtype)
         if arr.dtype == self.dtype:
             # Engines hand over narrow ids already (vLLM: uint8): the marker is the dtype max.
             bad = (arr >= self.num_experts) & (arr != self.missing)
-            if bad.any():
-                self._raise_out_of_range(arr, bad)
-            np.copyto(out, arr)
-            return out
-        is_missing = arr == MISSING
-        bad = ((arr < 0) | (arr >= self.num_experts)) & ~is_missing
+        else:
+            bad = ((arr < 0) | (arr >= self.num_experts)) & (arr != MISSING)
         if bad.any():
-            self._raise_out_of_range(arr, bad)
-        np.copyto(out, arr, casting="unsafe")
-        out[is_missing] = self.missing
+            token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
+            raise InvalidRoutesError(
+                f"expert id {int(arr[token, layer, slot])} at token {token}, MoE layer {layer}, "
+                f"slot {slot} is out of range: ids must be in [0, {self.num_experts}) or -1 for"
+                f" missing ({int(bad.sum())} bad ids in all)"
+            )
+        return arr
+
+    def convert(self, checked: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Write routes that passed `check` into `out` in the stored dtype and marker."""
+        if checked.dtype == self.dtype:
+            np.copyto(out, checked)
+        else:
+            # Ids fit; -1 of any signed width wraps to all ones, which is the marker.
+            np.copyto(out, checked, casting="unsafe")
         return out
+
+    def encode(self, routes: Any) -> np.ndarray:
+        """Validate routes and return them in the stored dtype (a new array)."""
+        checked = self.check(routes)
+        return self.convert(checked, np.empty(checked.shape, dtype=self.dtype))
 
     def decode(self, stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Stored ids to int32 with -1 for missing, in one pass when the ids allow it."""
@@ -124,14 +135,6 @@ class RoutingLayout:
             np.copyto(out, stored, casting="same_kind")
             out[stored == self.missing] = MISSING
         return out
-
-    def _raise_out_of_range(self, arr: np.ndarray, bad: np.ndarray) -> None:
-        token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
-        raise InvalidRoutesError(
-            f"expert id {int(arr[token, layer, slot])} at token {token}, layer {layer}, slot "
-            f"{slot} is out of range: ids must be in [0, {self.num_experts}) or -1 for missing"
-            f" ({int(bad.sum())} bad ids in all)"
-        )
 
     # -- (de)serialisation ----------------------------------------------------------
 

@@ -1,0 +1,76 @@
+"""From Arrow routes batches to torch tensors: packed `[sum_T, L, K]` or padded `[B, S, L, K]`.
+
+Copies: `RoutingStore.read` gathers a batch's pages out of shared memory into one Arrow
+buffer (copy 1; needed because a sample's pages are not contiguous and a view would
+outlive the mapping). Arrow -> numpy -> torch is zero-copy. Widening the narrow ids to
+int32 with -1 for missing is copy 2, written straight into the returned tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from routing_replay.errors import InvalidRoutesError
+from routing_replay.layout import MISSING
+from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, layout_of
+
+
+def _stored_ids(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
+    """The narrow ids of every token of a batch, `[sum_T, L*K]`, without copying."""
+    column = batch.column(ROUTED_EXPERTS)
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    flat = [c.flatten().flatten().to_numpy(zero_copy_only=True) for c in chunks]
+    ids = flat[0] if len(flat) == 1 else np.concatenate(flat)
+    return ids.reshape(-1, layout_of(batch).values_per_token)
+
+
+def cu_seqlens(batch: pa.RecordBatch | pa.Table) -> torch.Tensor:
+    """Cumulative token counts `[B + 1]` (int32) of a routes batch, for packed sequences."""
+    lengths = batch.column(NUM_TOKENS).to_numpy()
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return torch.from_numpy(out)
+
+
+def to_torch(
+    batch: pa.RecordBatch | pa.Table, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Routes of a batch as int32, -1 where missing: packed `[sum_T, L, K]`, or `[B, S, L, K]`.
+
+    Without `attention_mask` the samples are packed back to back (see `cu_seqlens`); for
+    replay on a packed `[1, sum_T]` batch, `unsqueeze(0)` it. With the `[B, S]` mask of
+    a padded batch (left or right padding), sample b's routes fill row b's unmasked
+    positions, which must be one contiguous run of exactly `num_tokens[b]` positions.
+    """
+    layout = layout_of(batch)
+    L, K = layout.num_moe_layers, layout.top_k
+    stored = _stored_ids(batch)
+    if attention_mask is None:
+        out = torch.empty((len(stored), L, K), dtype=torch.int32)
+        layout.decode(stored.reshape(-1, L, K), out=out.numpy())
+        return out
+    mask = torch.as_tensor(attention_mask).bool().cpu()
+    lengths = batch.column(NUM_TOKENS).to_numpy()
+    if mask.ndim != 2 or mask.shape[0] != len(lengths):
+        raise InvalidRoutesError(
+            f"attention_mask must be [batch={len(lengths)}, seq_len], got {tuple(mask.shape)}"
+        )
+    counts = mask.sum(1).numpy()
+    starts = mask.int().argmax(1).numpy()
+    for b, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        if counts[b] != n or not bool(mask[b, start : start + n].all()):
+            raise InvalidRoutesError(
+                f"row {b} of attention_mask has {int(counts[b])} tokens but sample {b} has "
+                f"{int(n)} routed tokens, or its tokens are not one contiguous run: routes "
+                "must cover exactly the tokens the trainer forwards, in order"
+            )
+    B, S = mask.shape
+    out = torch.full((B, S, L, K), MISSING, dtype=torch.int32)
+    out_np = out.numpy()
+    row = 0
+    for b, (n, start) in enumerate(zip(lengths.tolist(), starts.tolist(), strict=True)):
+        layout.decode(stored[row : row + n].reshape(n, L, K), out=out_np[b, start : start + n])
+        row += n
+    return out

@@ -1,0 +1,823 @@
+"""The per-node routing store: paged, prefix-sharing, crash-safe, in one shm segment.
+
+Segment layout (every region 64-byte aligned):
+
+    header | page table [num_pages] | page buckets | slot table [max_samples] |
+    sample buckets | page data [num_pages, page_tokens * L * K] (narrow dtype)
+
+A sample is a chain of pages: each page records its parent (the page holding the
+previous `page_tokens` tokens), the slot records the last page. When token ids are
+given, full pages are keyed by (parent page, hash of their tokens) so that samples with
+a common prefix (GRPO's n samples of one prompt, the turns of an episode) share those
+pages; a page is only shared if its routes are byte-equal too, so sharing never changes
+content. Each published sample holds one reference on every page of its chain.
+
+Concurrency: metadata changes happen under `SegmentLock` (a flock the kernel drops if
+the holder dies). Writers reserve pages (owner = their pid), fill them without the lock,
+then publish under the lock; readers resolve pages and their generations under the lock,
+copy without it, and re-check the generations. A holder killed while changing metadata
+leaves the `dirty` flag set, and the next locker rebuilds every derived field
+(refcounts, buckets) from the published slots; pages reserved by dead pids are freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+from routing_replay.errors import (
+    ConcurrentReleaseError,
+    DuplicateSampleError,
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutingReplayError,
+    SampleNotFoundError,
+    StoreFullError,
+    StoreUnavailableError,
+)
+from routing_replay.layout import RoutingLayout
+from routing_replay.schema import routes_batch
+from routing_replay.shm import Segment, SegmentLock, pid_alive
+
+MAGIC = b"RRSTORE1"
+VERSION = 1
+ALIGN = 64
+HEADER_BYTES = 4096
+MAX_SAMPLE_ID_BYTES = 128
+DEFAULT_PAGE_TOKENS = 128
+DEFAULT_PUT_TIMEOUT_S = 30.0
+ATTACH_WAIT_S = 5.0
+FREE, PUBLISHED = 0, 1
+NO_PAGE = -1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("dirty", "<u4"),
+        ("page_tokens", "<i8"),
+        ("num_pages", "<i8"),
+        ("max_samples", "<i8"),
+        ("page_buckets", "<i8"),
+        ("sample_buckets", "<i8"),
+        ("owner_pid", "<i8"),
+        ("created", "<f8"),
+        ("node_id", "S128"),
+        ("layout", "S2048"),
+    ]
+)
+PAGE_DTYPE = np.dtype(
+    [
+        ("refcount", "<i4"),  # published samples whose chain holds this page
+        ("owner", "<i4"),  # pid of the writer filling it, 0 once published or free
+        ("parent", "<i4"),  # page of the previous tokens, NO_PAGE for a first page
+        ("next", "<i4"),  # next page in the same key bucket
+        ("gen", "<u4"),  # bumped at every reservation: readers detect reuse
+        ("pad", "<u4"),
+        ("key", "<u8"),  # hash of the page's token ids; 0 = not shareable
+    ]
+)
+SLOT_DTYPE = np.dtype(
+    [
+        ("state", "<u4"),
+        ("next", "<i4"),  # next slot in the same sample-id bucket
+        ("num_tokens", "<i4"),
+        ("prompt_len", "<i4"),  # -1 when unknown
+        ("last_page", "<i4"),
+        ("num_pages", "<i4"),
+        ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
+    ]
+)
+
+Part = Literal["all", "prompt", "completion"]
+
+
+@dataclass(frozen=True)
+class RoutingRef:
+    """Small, picklable handle to one stored sample: what travels through the driver."""
+
+    sample_id: str
+    store: str
+    node_id: str
+    num_tokens: int
+    prompt_len: int | None = None
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Capacity and use of a store, in tokens and bytes."""
+
+    capacity_tokens: int
+    page_tokens: int
+    pages_total: int
+    pages_used: int
+    pages_pending: int  # reserved by writers that have not published (or died)
+    samples: int
+    tokens_stored: int  # sum of the samples' token counts
+    bytes_used: int  # page bytes actually held by published samples
+    bytes_unshared: int  # page bytes the same samples would take without sharing
+    dedup_saved_bytes: int
+    segment_bytes: int
+
+
+def default_node_id() -> str:
+    """This machine's id: host name plus boot id (Ray code passes Ray's node id instead)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()}-{boot}"
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 1).bit_length()
+
+
+def _sample_id_bytes(sample_id: Any) -> bytes:
+    if isinstance(sample_id, RoutingRef):
+        sample_id = sample_id.sample_id
+    if not isinstance(sample_id, str) or not sample_id:
+        raise InvalidRoutesError(f"sample_id must be a non-empty str, got {sample_id!r}")
+    raw = sample_id.encode()
+    if len(raw) > MAX_SAMPLE_ID_BYTES or "\x00" in sample_id or not sample_id.isprintable():
+        raise InvalidRoutesError(
+            f"sample_id {sample_id!r} must be printable, without NUL, and at most "
+            f"{MAX_SAMPLE_ID_BYTES} bytes of UTF-8"
+        )
+    return raw
+
+
+def _page_key(tokens: np.ndarray) -> int:
+    digest = hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i8").tobytes(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") | 1  # 0 means "not shareable"
+
+
+def _runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(index in `pages`, first page, count) for each run of consecutive page numbers."""
+    start = 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            yield start, pages[start], i - start
+            start = i
+
+
+class RoutingStore:
+    """Per-node shared-memory store of routes: `create` by the owner, `attach` by others."""
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def __init__(self, segment: Segment, put_timeout: float) -> None:
+        self._seg = segment
+        self._lock = SegmentLock(segment.fd)
+        self.put_timeout = put_timeout
+        buf = segment.mmap
+        self._hdr = np.ndarray((), HEADER_DTYPE, buffer=buf, offset=0)
+        self.layout = RoutingLayout.from_json(self._hdr["layout"].item())
+        self.node_id = self._hdr["node_id"].item().decode()
+        self.page_tokens = int(self._hdr["page_tokens"])
+        num_pages = int(self._hdr["num_pages"])
+        max_samples = int(self._hdr["max_samples"])
+        offsets = self._offsets(
+            self.layout, self.page_tokens, num_pages, max_samples,
+            int(self._hdr["page_buckets"]), int(self._hdr["sample_buckets"]),
+        )  # fmt: skip
+        if offsets["end"] != segment.size:
+            raise StoreUnavailableError(
+                f"store {segment.name!r} is {segment.size} bytes, its header says "
+                f"{offsets['end']}: the segment is corrupt or from another version; unlink it"
+            )
+        self._pages = np.ndarray((num_pages,), PAGE_DTYPE, buf, offsets["pages"])
+        self._page_heads = np.ndarray(
+            (int(self._hdr["page_buckets"]),), "<i4", buf, offsets["page_heads"]
+        )
+        self._slots = np.ndarray((max_samples,), SLOT_DTYPE, buf, offsets["slots"])
+        self._sample_heads = np.ndarray(
+            (int(self._hdr["sample_buckets"]),), "<i4", buf, offsets["sample_heads"]
+        )
+        page_values = self.page_tokens * self.layout.values_per_token
+        self._data = np.ndarray((num_pages, page_values), self.layout.dtype, buf, offsets["data"])
+        self._pid = os.getpid()
+
+    @staticmethod
+    def _offsets(
+        layout: RoutingLayout,
+        page_tokens: int,
+        num_pages: int,
+        max_samples: int,
+        page_buckets: int,
+        sample_buckets: int,
+    ) -> dict[str, int]:
+        sizes = [
+            ("pages", num_pages * PAGE_DTYPE.itemsize),
+            ("page_heads", page_buckets * 4),
+            ("slots", max_samples * SLOT_DTYPE.itemsize),
+            ("sample_heads", sample_buckets * 4),
+            ("data", num_pages * page_tokens * layout.bytes_per_token),
+        ]
+        offsets, pos = {}, HEADER_BYTES
+        for name, size in sizes:
+            offsets[name] = pos
+            pos = _aligned(pos + size)
+        offsets["end"] = pos
+        return offsets
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        layout: RoutingLayout,
+        capacity_tokens: int,
+        *,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        max_samples: int | None = None,
+        node_id: str | None = None,
+        put_timeout: float = DEFAULT_PUT_TIMEOUT_S,
+    ) -> RoutingStore:
+        """Create and own the store `name` with room for `capacity_tokens` routed tokens."""
+        if capacity_tokens <= 0 or page_tokens <= 0:
+            raise ValueError("capacity_tokens and page_tokens must be positive")
+        num_pages = -(-int(capacity_tokens) // page_tokens)
+        max_samples = int(max_samples or num_pages + 64)
+        page_buckets = _pow2_at_least(num_pages)
+        sample_buckets = _pow2_at_least(max_samples)
+        layout_json = layout.to_json().encode()
+        node = (node_id or default_node_id()).encode()
+        if len(layout_json) > HEADER_DTYPE["layout"].itemsize or len(node) > 128:
+            raise ValueError("layout or node_id too long for the store header")
+        offsets = cls._offsets(
+            layout, page_tokens, num_pages, max_samples, page_buckets, sample_buckets
+        )
+        fields = {
+            "version": VERSION,
+            "page_tokens": page_tokens,
+            "num_pages": num_pages,
+            "max_samples": max_samples,
+            "page_buckets": page_buckets,
+            "sample_buckets": sample_buckets,
+            "owner_pid": os.getpid(),
+            "created": time.time(),
+            "node_id": node,
+            "layout": layout_json,
+        }
+        seg = Segment.create(name, offsets["end"])
+        try:
+            _initialise(seg.mmap, offsets, fields)
+            return cls(seg, put_timeout)
+        except BaseException:
+            seg.unlink()  # nothing half-made stays behind
+            raise
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        layout: RoutingLayout | None = None,
+        *,
+        put_timeout: float = DEFAULT_PUT_TIMEOUT_S,
+    ) -> RoutingStore:
+        """Attach to the store `name` created by another process on this node."""
+        deadline = time.monotonic() + ATTACH_WAIT_S
+        while True:
+            try:
+                seg = Segment.attach(name)
+            except StoreUnavailableError as e:
+                if "still being created" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+                continue
+            magic = bytes(seg.mmap[:8])
+            if magic == MAGIC:
+                break
+            seg.close()
+            if magic.strip(b"\x00") or time.monotonic() > deadline:
+                raise StoreUnavailableError(
+                    f"{seg.path} is not a routing store (or not initialised): unlink it"
+                )
+            time.sleep(0.01)
+        store = cls(seg, put_timeout)
+        if layout is not None and layout != store.layout:
+            store.close()
+            raise LayoutMismatchError(
+                f"store {name!r} holds routes for {store.layout}, not {layout}: attach "
+                "without a layout to use the store's, or use a store of this model"
+            )
+        return store
+
+    @property
+    def name(self) -> str:
+        """The store's name (its segment is /dev/shm/rr_<name>)."""
+        return self._seg.name
+
+    @property
+    def is_owner(self) -> bool:
+        """Whether this handle created the store (and so unlinks it)."""
+        return self._seg.owner
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the store can hold without sharing."""
+        return len(self._pages) * self.page_tokens
+
+    def close(self) -> None:
+        """Unmap the store in this process; stored samples stay for other processes."""
+        for attr in ("_hdr", "_pages", "_page_heads", "_slots", "_sample_heads", "_data"):
+            self.__dict__.pop(attr, None)
+        self._seg.close()
+
+    def unlink(self) -> None:
+        """Remove the segment (owner only); processes that mapped it keep their view."""
+        if not self._seg.owner:
+            raise RoutingReplayError(
+                f"only the process that created store {self.name!r} unlinks it; call close()"
+            )
+        self._seg.unlink()
+
+    def __enter__(self) -> RoutingStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        owner = self._seg.owner
+        self.close()
+        if owner:
+            self._seg.unlink()
+
+    def __repr__(self) -> str:
+        return f"RoutingStore({self.name!r}, {self.layout}, capacity_tokens={self.capacity_tokens})"
+
+    # -- locking and repair -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, mutate: bool = False) -> Iterator[None]:
+        with self._lock.held():
+            if self._hdr["dirty"]:
+                self._repair()
+            if not mutate:
+                yield
+                return
+            self._hdr["dirty"] = 1
+            try:
+                yield
+            except RoutingReplayError:
+                # Raised by validation before anything changed: nothing to repair.
+                self._hdr["dirty"] = 0
+                raise
+            # Any other exception (or a kill) leaves the flag set: the next locker repairs.
+            self._hdr["dirty"] = 0
+
+    def _repair(self) -> None:
+        """Rebuild refcounts and buckets from the published slots (a locker died mid-change)."""
+        pages, slots = self._pages, self._slots
+        refcount = np.zeros(len(pages), dtype=np.int64)
+        self._sample_heads[:] = NO_PAGE
+        for s in np.flatnonzero(slots["state"] == PUBLISHED):
+            refcount[self._chain(int(s))] += 1
+            self._link_sample(int(s), bytes(slots["sample_id"][s]))
+        pages["refcount"] = refcount
+        for pid in np.unique(pages["owner"][pages["owner"] != 0]):
+            if not pid_alive(int(pid)):
+                pages["owner"][pages["owner"] == pid] = 0
+        self._page_heads[:] = NO_PAGE
+        for p in np.flatnonzero((refcount > 0) & (pages["key"] != 0)):
+            self._link_page(int(p))
+        pages["key"][refcount == 0] = 0
+        self._hdr["dirty"] = 0
+
+    # -- buckets ----------------------------------------------------------------------
+
+    def _sample_bucket(self, raw_id: bytes) -> int:
+        return zlib.crc32(raw_id) % len(self._sample_heads)
+
+    def _link_sample(self, slot: int, raw_id: bytes) -> None:
+        b = self._sample_bucket(raw_id)
+        self._slots["next"][slot] = self._sample_heads[b]
+        self._sample_heads[b] = slot
+
+    def _find_slot(self, raw_id: bytes) -> int:
+        s = int(self._sample_heads[self._sample_bucket(raw_id)])
+        slots = self._slots
+        while s != NO_PAGE:
+            if slots["state"][s] == PUBLISHED and bytes(slots["sample_id"][s]) == raw_id:
+                return s
+            s = int(slots["next"][s])
+        return NO_PAGE
+
+    def _unlink_from(self, heads: np.ndarray, nexts: np.ndarray, bucket: int, item: int) -> None:
+        cur, prev = int(heads[bucket]), NO_PAGE
+        while cur != NO_PAGE and cur != item:
+            prev, cur = cur, int(nexts[cur])
+        if cur == NO_PAGE:
+            return
+        if prev == NO_PAGE:
+            heads[bucket] = nexts[cur]
+        else:
+            nexts[prev] = nexts[cur]
+        nexts[cur] = NO_PAGE
+
+    def _page_bucket(self, parent: int, key: int) -> int:
+        return ((key ^ ((parent + 2) * _GOLDEN)) & _MASK64) % len(self._page_heads)
+
+    def _link_page(self, page: int) -> None:
+        pages = self._pages
+        b = self._page_bucket(int(pages["parent"][page]), int(pages["key"][page]))
+        pages["next"][page] = self._page_heads[b]
+        self._page_heads[b] = page
+
+    def _find_page(self, parent: int, key: int, data: np.ndarray) -> int:
+        """A published page with this parent, token key and byte-equal routes, or NO_PAGE."""
+        pages = self._pages
+        p = int(self._page_heads[self._page_bucket(parent, key)])
+        while p != NO_PAGE:
+            if (
+                pages["key"][p] == key
+                and pages["parent"][p] == parent
+                and pages["refcount"][p] > 0
+                and np.array_equal(self._data[p], data)
+            ):
+                return p
+            p = int(pages["next"][p])
+        return NO_PAGE
+
+    # -- pages ------------------------------------------------------------------------
+
+    def _chain(self, slot: int) -> np.ndarray:
+        """Pages of a published sample, first to last."""
+        n = int(self._slots["num_pages"][slot])
+        chain = np.empty(n, dtype=np.int64)
+        p, parent = int(self._slots["last_page"][slot]), self._pages["parent"]
+        for i in range(n - 1, -1, -1):
+            chain[i] = p
+            p = int(parent[p])
+        return chain
+
+    def _reserve(self, count: int) -> np.ndarray | None:
+        """Claim `count` free pages for this process, or None if there are not enough."""
+        pages = self._pages
+        free = np.flatnonzero((pages["refcount"] == 0) & (pages["owner"] == 0))
+        if len(free) < count and self._reclaim_dead_writers():
+            free = np.flatnonzero((pages["refcount"] == 0) & (pages["owner"] == 0))
+        if len(free) < count:
+            return None
+        got = free[:count]
+        pages["owner"][got] = self._pid
+        pages["gen"][got] += 1
+        pages["key"][got] = 0
+        pages["parent"][got] = NO_PAGE
+        return got
+
+    def _reclaim_dead_writers(self) -> int:
+        owners = self._pages["owner"]
+        freed = 0
+        for pid in np.unique(owners[owners != 0]):
+            if not pid_alive(int(pid)):
+                dead = owners == pid
+                freed += int(dead.sum())
+                owners[dead] = 0
+        return freed
+
+    def reclaim(self) -> int:
+        """Free pages reserved by writers that died mid-put; returns how many were freed."""
+        with self._locked(mutate=True):
+            return self._reclaim_dead_writers()
+
+    def _unreserve(self, got: np.ndarray) -> None:
+        with self._locked(mutate=True):
+            mine = got[self._pages["owner"][got] == self._pid]
+            self._pages["owner"][mine] = 0
+
+    # -- writing ----------------------------------------------------------------------
+
+    def put(
+        self,
+        sample_id: str,
+        routes: Any,
+        *,
+        prompt_len: int | None = None,
+        token_ids: Any = None,
+        timeout: float | None = None,
+    ) -> RoutingRef:
+        """Store one sample's `[T, L, K]` routes (-1 = missing) and return its reference."""
+        raw_id = _sample_id_bytes(sample_id)
+        checked = self.layout.check(routes)
+        num_tokens = len(checked)
+        if num_tokens == 0:
+            raise InvalidRoutesError(f"sample {sample_id!r} has no routed tokens")
+        if prompt_len is not None and not 0 <= prompt_len <= num_tokens:
+            raise InvalidRoutesError(
+                f"prompt_len={prompt_len} is outside [0, {num_tokens}] for sample {sample_id!r}"
+            )
+        P = self.page_tokens
+        keys = self._page_keys(token_ids, num_tokens) if token_ids is not None else []
+        num_pages = -(-num_tokens // P)
+        if num_pages > len(self._pages):
+            raise StoreFullError(
+                f"sample {sample_id!r} has {num_tokens} tokens but store {self.name!r} holds "
+                f"at most {self.capacity_tokens}: create it with a larger capacity_tokens"
+            )
+        timeout = self.put_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        wait = 0.001
+        while True:
+            with self._locked(mutate=True):
+                if self._find_slot(raw_id) != NO_PAGE:
+                    raise DuplicateSampleError(
+                        f"sample {sample_id!r} is already in store {self.name!r}: release it "
+                        "first, or give every sample a unique id"
+                    )
+                hits = self._match_prefix(keys, checked)
+                new = self._reserve(num_pages - len(hits))
+                hit_gens = self._pages["gen"][hits].copy()
+            if new is not None:
+                try:
+                    self._fill(new, checked[len(hits) * P :])
+                    ref = self._publish(raw_id, hits, hit_gens, new, keys, num_tokens, prompt_len)
+                except BaseException:
+                    self._unreserve(new)
+                    raise
+                if ref is not None:
+                    return ref
+                continue  # a shared page was released meanwhile: match again
+            if time.monotonic() >= deadline:
+                raise self._full_error(sample_id, num_tokens, timeout)
+            time.sleep(wait)
+            wait = min(wait * 2, 0.05)
+
+    def _page_keys(self, token_ids: Any, num_tokens: int) -> list[int]:
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or len(tokens) != num_tokens or tokens.dtype.kind not in "iu":
+            raise InvalidRoutesError(
+                f"token_ids must be a 1-D integer array with one id per routes row "
+                f"({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
+            )
+        P = self.page_tokens
+        return [_page_key(tokens[i * P : (i + 1) * P]) for i in range(num_tokens // P)]
+
+    def _match_prefix(self, keys: list[int], checked: np.ndarray) -> list[int]:
+        """Published pages equal to the sample's leading full pages (under the lock)."""
+        hits: list[int] = []
+        P, scratch = self.page_tokens, None
+        for i, key in enumerate(keys):
+            if scratch is None:
+                scratch = np.empty((P, *checked.shape[1:]), dtype=self.layout.dtype)
+            self.layout.convert(checked[i * P : (i + 1) * P], scratch)
+            page = self._find_page(hits[-1] if hits else NO_PAGE, key, scratch.reshape(-1))
+            if page == NO_PAGE:
+                break
+            hits.append(page)
+        return hits
+
+    def _fill(self, new: np.ndarray, checked: np.ndarray) -> None:
+        """Write routes into reserved pages, one copy per run of consecutive pages."""
+        P, shape = self.page_tokens, checked.shape[1:]
+        flat = self._data.reshape(-1)
+        page_values = self._data.shape[1]
+        for i, first, count in _runs(new.tolist()):
+            rows = checked[i * P : (i + count) * P]
+            start = first * page_values
+            out = flat[start : start + len(rows) * page_values // P].reshape(len(rows), *shape)
+            self.layout.convert(rows, out)
+
+    def _publish(
+        self,
+        raw_id: bytes,
+        hits: list[int],
+        hit_gens: np.ndarray,
+        new: np.ndarray,
+        keys: list[int],
+        num_tokens: int,
+        prompt_len: int | None,
+    ) -> RoutingRef | None:
+        pages, slots = self._pages, self._slots
+        with self._locked(mutate=True):
+            if hits and not (
+                np.array_equal(pages["gen"][hits], hit_gens) and (pages["refcount"][hits] > 0).all()
+            ):
+                pages["owner"][new] = 0
+                return None
+            if self._find_slot(raw_id) != NO_PAGE:
+                raise DuplicateSampleError(
+                    f"sample {raw_id.decode()!r} was put concurrently by another writer"
+                )
+            free_slots = np.flatnonzero(slots["state"] == FREE)
+            if len(free_slots) == 0:
+                raise StoreFullError(
+                    f"store {self.name!r} holds its maximum of {len(slots)} samples: release "
+                    "consumed samples, or create it with a larger max_samples"
+                )
+            slot = int(free_slots[0])
+            chain = [*hits, *new.tolist()]
+            if len(new):
+                pages["parent"][new] = [hits[-1] if hits else NO_PAGE, *new[:-1].tolist()]
+            for i in range(len(hits), len(keys)):
+                pages["key"][chain[i]] = keys[i]
+                self._link_page(chain[i])
+            pages["refcount"][chain] += 1
+            pages["owner"][new] = 0
+            slots["num_tokens"][slot] = num_tokens
+            slots["prompt_len"][slot] = -1 if prompt_len is None else prompt_len
+            slots["last_page"][slot] = chain[-1]
+            slots["num_pages"][slot] = len(chain)
+            slots["sample_id"][slot] = raw_id
+            self._link_sample(slot, raw_id)
+            slots["state"][slot] = PUBLISHED  # the commit point
+        return RoutingRef(raw_id.decode(), self.name, self.node_id, num_tokens, prompt_len)
+
+    def _full_error(self, sample_id: str, num_tokens: int, timeout: float) -> StoreFullError:
+        s = self.stats()
+        return StoreFullError(
+            f"store {self.name!r} is full: {s.pages_used + s.pages_pending} of "
+            f"{s.pages_total} pages ({self.page_tokens} tokens each, {s.capacity_tokens} "
+            f"tokens, {s.segment_bytes / 2**20:.1f} MiB) are in use by {s.samples} samples; "
+            f"sample {sample_id!r} needs {-(-num_tokens // self.page_tokens)} pages and none "
+            f"were released within {timeout:.1f}s. Release consumed samples with "
+            "store.release(ids), or create the store with a larger capacity_tokens"
+        )
+
+    # -- releasing --------------------------------------------------------------------
+
+    def release(self, sample_ids: Iterable[str | RoutingRef]) -> None:
+        """Drop samples; pages no other sample shares become free. Unknown ids raise first."""
+        raw_ids = [_sample_id_bytes(s) for s in _as_list(sample_ids)]
+        pages, slots = self._pages, self._slots
+        with self._locked(mutate=True):
+            found = [self._find_slot(r) for r in raw_ids]
+            self._raise_unknown(raw_ids, found, "release")
+            for raw_id, slot in zip(raw_ids, found, strict=True):
+                chain = self._chain(slot)
+                slots["state"][slot] = FREE
+                self._unlink_from(
+                    self._sample_heads, slots["next"], self._sample_bucket(raw_id), slot
+                )
+                pages["refcount"][chain] -= 1
+                for p in chain[pages["refcount"][chain] == 0].tolist():
+                    if pages["key"][p]:
+                        bucket = self._page_bucket(int(pages["parent"][p]), int(pages["key"][p]))
+                        self._unlink_from(self._page_heads, pages["next"], bucket, p)
+                        pages["key"][p] = 0
+
+    def _raise_unknown(self, raw_ids: list[bytes], found: list[int], action: str) -> None:
+        missing = [r.decode() for r, s in zip(raw_ids, found, strict=True) if s == NO_PAGE]
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise SampleNotFoundError(
+                f"cannot {action} {shown}{more}: not in store {self.name!r} (never put, already "
+                "released, or put on another node's store); nothing was changed"
+            )
+        if len(set(raw_ids)) != len(raw_ids):
+            raise InvalidRoutesError(f"sample ids passed to {action} contain duplicates")
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _locate(
+        self, sample_ids: Iterable[str | RoutingRef]
+    ) -> tuple[list[str], list[np.ndarray], np.ndarray, np.ndarray]:
+        refs = _as_list(sample_ids)
+        for r in refs:
+            if isinstance(r, RoutingRef) and r.store != self.name:
+                raise SampleNotFoundError(
+                    f"ref {r.sample_id!r} belongs to store {r.store!r} (node {r.node_id}), "
+                    f"not {self.name!r}: read it from that store"
+                )
+        raw_ids = [_sample_id_bytes(r) for r in refs]
+        with self._locked():
+            found = [self._find_slot(r) for r in raw_ids]
+            missing = [r.decode() for r, s in zip(raw_ids, found, strict=True) if s == NO_PAGE]
+            if missing:
+                self._raise_unknown(raw_ids, found, "read")
+            chains = [self._chain(s) for s in found]
+            meta = self._slots[["num_tokens", "prompt_len"]][found].copy()
+            gens = self._pages["gen"][np.concatenate(chains)] if chains else np.empty(0)
+        return [r.decode() for r in raw_ids], chains, meta, gens
+
+    def _check_unchanged(self, ids: list[str], chains: list[np.ndarray], gens: np.ndarray) -> None:
+        if not chains:
+            return
+        with self._locked():
+            now = self._pages["gen"][np.concatenate(chains)]
+        if not np.array_equal(now, gens):
+            raise ConcurrentReleaseError(
+                f"a sample among {ids[:5]} was released and its pages reused while being "
+                "read: release samples only after every reader is done with them"
+            )
+
+    def _copy_out(self, chain: np.ndarray, first: int, stop: int, out: np.ndarray) -> None:
+        """Copy tokens [first, stop) of a chain into `out` ([stop-first, L*K])."""
+        P, page_values = self.page_tokens, self._data.shape[1]
+        flat = self._data.reshape(-1)
+        lo_page, hi_page = first // P, -(-stop // P)
+        pages = chain[lo_page:hi_page].tolist()
+        vpt = self.layout.values_per_token
+        for i, page, count in _runs(pages):
+            t0 = max((lo_page + i) * P, first)
+            t1 = min((lo_page + i + count) * P, stop)
+            src = page * page_values + (t0 - (lo_page + i) * P) * vpt
+            out[t0 - first : t1 - first] = flat[src : src + (t1 - t0) * vpt].reshape(-1, vpt)
+
+    def _span(self, sample_id: str, num_tokens: int, prompt_len: int, part: Part) -> range:
+        if part == "all":
+            return range(0, num_tokens)
+        if part not in ("prompt", "completion"):
+            raise ValueError(f"part must be 'all', 'prompt' or 'completion', got {part!r}")
+        if prompt_len < 0:
+            raise InvalidRoutesError(
+                f"sample {sample_id!r} was put without prompt_len: only part='all' is available"
+            )
+        return range(0, prompt_len) if part == "prompt" else range(prompt_len, num_tokens)
+
+    def get(self, sample_id: str | RoutingRef, part: Part = "all") -> np.ndarray:
+        """One sample's routes as int32 `[T, L, K]`, -1 where missing (a copy)."""
+        ids, chains, meta, gens = self._locate([sample_id])
+        span = self._span(ids[0], int(meta["num_tokens"][0]), int(meta["prompt_len"][0]), part)
+        stored = np.empty((len(span), self.layout.values_per_token), dtype=self.layout.dtype)
+        self._copy_out(chains[0], span.start, span.stop, stored)
+        self._check_unchanged(ids, chains, gens)
+        L, K = self.layout.num_moe_layers, self.layout.top_k
+        return self.layout.decode(stored.reshape(len(span), L, K))
+
+    def read(self, sample_ids: Iterable[str | RoutingRef], part: Part = "all") -> pa.RecordBatch:
+        """Samples as one Arrow record batch (schema in `routing_replay.schema`), one copy."""
+        ids, chains, meta, gens = self._locate(sample_ids)
+        spans = [
+            self._span(i, int(n), int(p), part)
+            for i, n, p in zip(ids, meta["num_tokens"], meta["prompt_len"], strict=True)
+        ]
+        lengths = np.array([len(s) for s in spans], dtype=np.int64)
+        vpt = self.layout.values_per_token
+        buf = pa.allocate_buffer(int(lengths.sum()) * self.layout.bytes_per_token)
+        values = np.frombuffer(buf, dtype=self.layout.dtype).reshape(-1, vpt)
+        row = 0
+        for chain, span in zip(chains, spans, strict=True):
+            self._copy_out(chain, span.start, span.stop, values[row : row + len(span)])
+            row += len(span)
+        self._check_unchanged(ids, chains, gens)
+        prompt = [None if p < 0 else int(p) for p in meta["prompt_len"]]
+        return routes_batch(self.layout, ids, lengths, prompt, buf)
+
+    def __contains__(self, sample_id: object) -> bool:
+        raw_id = _sample_id_bytes(sample_id)
+        with self._locked():
+            return self._find_slot(raw_id) != NO_PAGE
+
+    def __len__(self) -> int:
+        return int((self._slots["state"] == PUBLISHED).sum())
+
+    def stats(self) -> StoreStats:
+        """Capacity, use and prefix-sharing savings."""
+        with self._locked():
+            pages, slots = self._pages, self._slots
+            published = slots["state"] == PUBLISHED
+            used = int((pages["refcount"] > 0).sum())
+            pending = int(((pages["owner"] != 0) & (pages["refcount"] == 0)).sum())
+            referenced = int(slots["num_pages"][published].sum())
+            tokens = int(slots["num_tokens"][published].sum())
+            samples = int(published.sum())
+        page_bytes = self.page_tokens * self.layout.bytes_per_token
+        return StoreStats(
+            capacity_tokens=self.capacity_tokens,
+            page_tokens=self.page_tokens,
+            pages_total=len(pages),
+            pages_used=used,
+            pages_pending=pending,
+            samples=samples,
+            tokens_stored=tokens,
+            bytes_used=used * page_bytes,
+            bytes_unshared=referenced * page_bytes,
+            dedup_saved_bytes=(referenced - used) * page_bytes,
+            segment_bytes=self._seg.size,
+        )
+
+
+def _initialise(buf: Any, offsets: dict[str, int], fields: dict[str, Any]) -> None:
+    """Write a new segment's header and empty tables; the magic goes last."""
+    hdr = np.ndarray((), HEADER_DTYPE, buffer=buf, offset=0)
+    for key, value in fields.items():
+        hdr[key] = value
+    for region, count in (("page_heads", "page_buckets"), ("sample_heads", "sample_buckets")):
+        np.ndarray((fields[count],), "<i4", buf, offsets[region])[:] = NO_PAGE
+    pages = np.ndarray((fields["num_pages"],), PAGE_DTYPE, buf, offsets["pages"])
+    pages["parent"] = NO_PAGE
+    pages["next"] = NO_PAGE
+    hdr["magic"] = MAGIC  # attachers wait for it
+
+
+def _as_list(sample_ids: Iterable[str | RoutingRef] | str | RoutingRef) -> list[Any]:
+    if isinstance(sample_ids, (str, RoutingRef)):
+        return [sample_ids]
+    return list(sample_ids)
