@@ -1,0 +1,368 @@
+"""RoutingStore with real processes on real /dev/shm: round trips, crashes, sharing, errors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from routing_replay import (
+    DuplicateSampleError,
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutingLayout,
+    RoutingRef,
+    RoutingStore,
+    SampleNotFoundError,
+    StoreFullError,
+    StoreUnavailableError,
+    cu_seqlens,
+    to_torch,
+)
+from routing_replay.shm import segment_path
+
+# 6 layers, the first and fourth dense (DeepSeek-style), top-2 of 16 experts.
+LAYOUT = RoutingLayout(num_layers=6, top_k=2, num_experts=16, moe_layers=(1, 2, 4, 5))
+FORK = mp.get_context("fork")
+
+
+def sample(i: int, layout: RoutingLayout = LAYOUT, max_len: int = 600):
+    """Deterministic sample i: (routes [T, L_moe, K] int64 with -1 rows, prompt_len)."""
+    rng = np.random.default_rng(i)
+    T = int(rng.integers(1, max_len))
+    routes = rng.integers(0, layout.num_experts, (T, layout.num_moe_layers, layout.top_k))
+    routes[rng.random(T) < 0.05] = -1  # prefix-cache gaps
+    routes[-1] = -1  # the last token is never forwarded
+    return routes, int(rng.integers(0, T + 1))
+
+
+def all_layers(routes: np.ndarray, layout: RoutingLayout = LAYOUT) -> np.ndarray:
+    """The same routes as an engine returns them: every layer, dense ones as zeros."""
+    full = np.zeros((len(routes), layout.num_layers, layout.top_k), dtype=np.uint8)
+    full[:, list(layout.moe_layers)] = routes.astype(np.uint8)  # -1 -> 255 marker
+    return full
+
+
+@pytest.fixture
+def name():
+    n = f"test-{uuid.uuid4().hex[:12]}"
+    yield n
+    if os.path.exists(segment_path(n)):
+        os.unlink(segment_path(n))
+
+
+def _writer(name: str, ids: range, done) -> None:
+    with RoutingStore.attach(name) as store:
+        for i in ids:
+            routes, prompt_len = sample(i)
+            # Odd samples arrive as an engine hands them over: uint8, all layers.
+            store.put(f"s{i}", all_layers(routes) if i % 2 else routes, prompt_len=prompt_len)
+    done.put(len(ids))
+
+
+def _reader(name: str, ids: range, result) -> None:
+    with RoutingStore.attach(name, LAYOUT) as store:
+        bad = [i for i in ids if not np.array_equal(store.get(f"s{i}"), sample(i)[0])]
+        batch = store.read([f"s{i}" for i in ids], part="completion")
+        packed, cu = to_torch(batch).numpy(), cu_seqlens(batch).numpy()
+        for j, i in enumerate(ids):
+            routes, prompt_len = sample(i)
+            if not np.array_equal(packed[cu[j] : cu[j + 1]], routes[prompt_len:]):
+                bad.append(i)
+    result.put(bad)
+
+
+def test_round_trip_across_processes(name):
+    n_samples, writers = 300, 3
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=200_000, page_tokens=64) as store:
+        q = FORK.Queue()
+        chunks = [range(w, n_samples, writers) for w in range(writers)]
+        procs = [FORK.Process(target=_writer, args=(name, c, q)) for c in chunks]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        assert sum(q.get(timeout=5) for _ in procs) == n_samples
+        readers = [FORK.Process(target=_reader, args=(name, c, q)) for c in chunks[:2]]
+        for p in readers:
+            p.start()
+        for p in readers:
+            p.join(60)
+            assert p.exitcode == 0
+        assert [q.get(timeout=5) for _ in readers] == [[], []]
+
+        # And in the owner, the whole batch through Arrow and torch, packed and padded.
+        ids = [f"s{i}" for i in range(n_samples)]
+        batch = store.read(ids)
+        assert batch.num_rows == n_samples
+        assert batch.column("sample_id").to_pylist() == ids
+        assert batch.column("prompt_len").to_pylist() == [sample(i)[1] for i in range(n_samples)]
+        packed, cu = to_torch(batch), cu_seqlens(batch)
+        assert packed.shape[1:] == (4, 2)
+        for i in range(n_samples):
+            assert np.array_equal(packed[cu[i] : cu[i + 1]].numpy(), sample(i)[0])
+        stats = store.stats()
+        assert stats.samples == n_samples
+        assert stats.tokens_stored == sum(len(sample(i)[0]) for i in range(n_samples))
+        assert stats.dedup_saved_bytes == 0
+
+
+def test_attached_process_exit_does_not_unlink(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as store:
+        routes = sample(1)[0]
+        store.put("kept", routes)
+        code = (
+            "from routing_replay import RoutingStore\n"
+            f"s = RoutingStore.attach({name!r})\n"
+            "assert 'kept' in s\n"
+            "s.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        # A second interpreter that attaches and exits without closing, too.
+        code = f"from routing_replay import RoutingStore\ns = RoutingStore.attach({name!r})\n"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        assert os.path.exists(segment_path(name))
+        assert np.array_equal(store.get("kept"), routes)
+        assert stat.S_IMODE(os.stat(segment_path(name)).st_mode) == 0o600
+    assert not os.path.exists(segment_path(name))
+
+
+def _endless_writer(name: str, last_committed) -> None:
+    store = RoutingStore.attach(name)
+    i = 0
+    while True:
+        store.put(f"k{i}", sample(i, max_len=3000)[0])
+        last_committed.value = i  # set only once the put returned: committed
+        i += 1
+        if i % 40 == 0:  # keep the store from filling: release the last 40
+            store.release([f"k{j}" for j in range(i - 40, i)])
+
+
+def test_writer_killed_mid_put(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=200_000, page_tokens=32) as store:
+        rng = np.random.default_rng(0)
+        for trial in range(8):
+            last_committed = FORK.Value("q", -1)
+            p = FORK.Process(target=_endless_writer, args=(name, last_committed))
+            p.start()
+            while last_committed.value < 0:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.05, 0.4))
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+            last = last_committed.value
+            present = {i for i in range(last + 2) if f"k{i}" in store}
+            # Everything committed and not released by the writer itself reads back exact,
+            # and the put in flight is either absent or whole.
+            for i in present:
+                assert np.array_equal(store.get(f"k{i}"), sample(i, max_len=3000)[0])
+            assert present >= set(range((last + 1) // 40 * 40, last + 1))
+            assert present <= set(range((last + 1) // 40 * 40 - 40, last + 2))
+            # The store keeps working, and the dead writer's pages come back.
+            store.release([f"k{i}" for i in present])
+            store.reclaim()
+            stats = store.stats()
+            assert (stats.samples, stats.pages_used, stats.pages_pending) == (0, 0, 0)
+            routes = sample(7)[0]
+            store.put(f"after{trial}", routes)
+            assert np.array_equal(store.get(f"after{trial}"), routes)
+            store.release([f"after{trial}"])
+
+
+def _die_inside_critical_section(name: str) -> None:
+    store = RoutingStore.attach(name)
+    with store._locked(mutate=True):
+        # Half of a release: refcounts changed, the slot not yet freed. Then death.
+        store._pages["refcount"][:] = 7
+        store._page_heads[:] = 3
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_locker_killed_inside_critical_section_is_repaired(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=20_000, page_tokens=16) as store:
+        prompt = np.arange(64)
+        for i in range(6):
+            routes = sample(i)[0][:40]
+            shared = np.concatenate([np.full((64, 4, 2), 3), routes])
+            store.put(f"r{i}", shared, token_ids=np.concatenate([prompt, np.arange(len(routes))]))
+        before = store.stats()
+        p = FORK.Process(target=_die_inside_critical_section, args=(name,))
+        p.start()
+        p.join()
+        assert p.exitcode == -signal.SIGKILL
+        after = store.stats()  # the first locker repairs
+        assert after == before
+        for i in range(6):
+            assert np.array_equal(store.get(f"r{i}")[64:], sample(i)[0][:40])
+        # Sharing still works after the buckets were rebuilt.
+        store.put("r6", np.full((64, 4, 2), 3), token_ids=prompt)
+        assert store.stats().pages_used == before.pages_used
+
+
+def test_grpo_prefix_sharing_fits_in_35_percent():
+    layout = RoutingLayout(48, 8, 128)  # Qwen3-30B-A3B shape
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(0, 150_000, 3000)
+    prompt_routes = rng.integers(0, 128, (3000, 48, 8))
+    n, completion = 8, 500
+    unshared_tokens = n * (3000 + completion)
+    name = f"test-grpo-{uuid.uuid4().hex[:8]}"
+    with RoutingStore.create(name, layout, capacity_tokens=int(0.35 * unshared_tokens)) as store:
+        samples = []
+        for j in range(n):
+            routes = np.concatenate([prompt_routes, rng.integers(0, 128, (completion, 48, 8))])
+            routes[-1] = -1
+            tokens = np.concatenate([prompt_ids, rng.integers(0, 150_000, completion)])
+            ref = store.put(f"g{j}", routes, prompt_len=3000, token_ids=tokens, timeout=0)
+            assert ref == RoutingRef(f"g{j}", name, store.node_id, 3500, 3000)
+            samples.append(routes)
+        for j, routes in enumerate(samples):
+            assert np.array_equal(store.get(f"g{j}"), routes)
+            assert np.array_equal(store.get(f"g{j}", "prompt"), prompt_routes)
+        stats = store.stats()
+        full_pages = 3000 // store.page_tokens
+        assert stats.dedup_saved_bytes == (n - 1) * full_pages * store.page_tokens * 384
+        assert stats.bytes_used <= 0.35 * unshared_tokens * layout.bytes_per_token
+
+        # Multi-turn: turn 2 extends turn 1's tokens and shares all of turn 1's full pages.
+        turn2 = np.concatenate([samples[0], rng.integers(0, 128, (100, 48, 8))])
+        store.release([f"g{j}" for j in range(1, n)])
+        used = store.stats().pages_used
+        tokens2 = np.concatenate([prompt_ids, np.arange(completion + 100)])
+        tokens1 = tokens2[:3500]
+        store.release(["g0"])
+        store.put("turn1", samples[0], token_ids=tokens1)
+        store.put("turn2", turn2, token_ids=tokens2)
+        assert store.stats().pages_used == used + -(-3600 // 128) - 3500 // 128
+        assert np.array_equal(store.get("turn2"), turn2)
+    assert not os.path.exists(segment_path(name))
+
+
+def test_same_tokens_different_routes_are_not_merged(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, page_tokens=16) as store:
+        tokens = np.arange(100)
+        a = np.full((100, 4, 2), 5)
+        b = a.copy()
+        b[40, 2, 1] = 6  # one id differs, in the third page
+        store.put("a", a, token_ids=tokens)
+        store.put("b", b, token_ids=tokens)
+        assert np.array_equal(store.get("a"), a)
+        assert np.array_equal(store.get("b"), b)
+        # Pages 0 and 1 are shared; from page 2 on the chains diverge.
+        assert store.stats().dedup_saved_bytes == 2 * 16 * LAYOUT.bytes_per_token
+        store.release(["a"])
+        assert np.array_equal(store.get("b"), b)
+
+
+def _release_later(name: str, ids: list[str], delay: float) -> None:
+    store = RoutingStore.attach(name)
+    time.sleep(delay)
+    store.release(ids)
+
+
+def test_full_store_waits_then_raises_and_keeps_data(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=256, page_tokens=64) as store:
+        r = np.ones((128, 4, 2), dtype=np.int64)
+        store.put("a", r)
+        store.put("b", r + 1)
+        t0 = time.monotonic()
+        with pytest.raises(StoreFullError, match=r"256 tokens.*capacity_tokens"):
+            store.put("c", r, timeout=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        assert np.array_equal(store.get("a"), r) and np.array_equal(store.get("b"), r + 1)
+        assert store.stats().pages_pending == 0
+        # A writer blocked on a full store resumes when another process releases.
+        p = FORK.Process(target=_release_later, args=(name, ["a"], 0.3))
+        p.start()
+        store.put("c", r + 2, timeout=10)
+        p.join()
+        assert np.array_equal(store.get("c"), r + 2)
+        with pytest.raises(StoreFullError, match="at most 256"):
+            store.put("huge", np.ones((300, 4, 2), dtype=np.int64))
+
+
+def test_bad_input_is_refused_and_store_unharmed(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=4096, page_tokens=16) as store:
+        good = sample(3)[0]
+        store.put("good", good, prompt_len=2)
+        before = store.stats()
+        bad_puts = [
+            (np.zeros((10, 4), dtype=np.int64), "shape"),  # 2-D
+            (np.zeros((10, 5, 2), dtype=np.int64), "have 5 layers"),  # neither 4 nor 6
+            (np.zeros((10, 4, 3), dtype=np.int64), "top_k=2"),
+            (np.full((10, 4, 2), 16), "out of range"),
+            (np.full((10, 4, 2), -2), "out of range"),
+            (np.zeros((10, 4, 2), dtype=np.float32), "integer"),
+            (np.zeros((0, 4, 2), dtype=np.int64), "no routed tokens"),
+        ]
+        for routes, message in bad_puts:
+            with pytest.raises(InvalidRoutesError, match=message):
+                store.put("new", routes)
+        with pytest.raises(InvalidRoutesError, match="id 200 at token 0"):
+            store.put("new", np.full((3, 4, 2), 200, dtype=np.uint8))
+        with pytest.raises(DuplicateSampleError, match="already in store"):
+            store.put("good", good)
+        with pytest.raises(InvalidRoutesError, match="prompt_len"):
+            store.put("new", good, prompt_len=len(good) + 1)
+        with pytest.raises(InvalidRoutesError, match="token_ids"):
+            store.put("new", good, token_ids=np.arange(len(good) - 1))
+        with pytest.raises(InvalidRoutesError, match="sample_id"):
+            store.put("a/b\n", good)
+        with pytest.raises(SampleNotFoundError, match="'nope'.*nothing was changed"):
+            store.get("nope")
+        with pytest.raises(SampleNotFoundError, match="'nope'"):
+            store.read(["good", "nope"])
+        with pytest.raises(SampleNotFoundError, match="cannot release 'nope'"):
+            store.release(["good", "nope"])  # all or nothing: 'good' stays
+        store.put("noprompt", good)
+        with pytest.raises(InvalidRoutesError, match="part='all'"):
+            store.get("noprompt", part="prompt")
+        store.release(["noprompt"])
+        assert store.stats() == before
+        assert np.array_equal(store.get("good"), good)
+        with pytest.raises(LayoutMismatchError, match="holds routes for"):
+            RoutingStore.attach(name, RoutingLayout(6, 2, 32, (1, 2, 4, 5)))
+        assert np.array_equal(store.get("good"), good)
+    with pytest.raises(StoreUnavailableError, match="no routing store named"):
+        RoutingStore.attach(name)
+
+
+def test_create_checks_dev_shm_space_and_existing(name):
+    huge = 10**12 // LAYOUT.bytes_per_token
+    with pytest.raises(StoreUnavailableError, match=r"free but store .* needs.*--shm-size"):
+        RoutingStore.create(name, LAYOUT, capacity_tokens=huge)
+    assert not os.path.exists(segment_path(name))
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=100):
+        with pytest.raises(StoreUnavailableError, match="already exists"):
+            RoutingStore.create(name, LAYOUT, capacity_tokens=100)
+    with pytest.raises(ValueError, match="store name"):
+        RoutingStore.create("../etc", LAYOUT, capacity_tokens=100)
+
+
+def test_only_owner_unlinks(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=100):
+        attached = RoutingStore.attach(name)
+        with pytest.raises(Exception, match="only the process that created"):
+            attached.unlink()
+        attached.close()
+        assert os.path.exists(segment_path(name))
+
+
+def test_wide_ids_layout_round_trip(name):
+    layout = RoutingLayout(5, 8, 256, (2, 3, 4))  # DeepSeek-V3-like: 256 experts, 16-bit
+    assert layout.dtype == np.uint16 and layout.bytes_per_token == 48
+    with RoutingStore.create(name, layout, capacity_tokens=5000) as store:
+        rng = np.random.default_rng(5)
+        routes = rng.integers(-1, 256, (700, 3, 8)).astype(np.int32)
+        store.put("w", routes)
+        assert np.array_equal(store.get("w"), routes)
+        assert np.array_equal(to_torch(store.read(["w"])).numpy(), routes)
