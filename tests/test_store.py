@@ -317,7 +317,7 @@ def test_bad_input_is_refused_and_store_unharmed(name):
             store.put("new", good, token_ids=np.arange(len(good) - 1))
         with pytest.raises(InvalidRoutesError, match="sample_id"):
             store.put("a/b\n", good)
-        with pytest.raises(SampleNotFoundError, match="'nope'.*nothing was changed"):
+        with pytest.raises(SampleNotFoundError, match=r"'nope'.*nothing was changed"):
             store.get("nope")
         with pytest.raises(SampleNotFoundError, match="'nope'"):
             store.read(["good", "nope"])
@@ -341,9 +341,11 @@ def test_create_checks_dev_shm_space_and_existing(name):
     with pytest.raises(StoreUnavailableError, match=r"free but store .* needs.*--shm-size"):
         RoutingStore.create(name, LAYOUT, capacity_tokens=huge)
     assert not os.path.exists(segment_path(name))
-    with RoutingStore.create(name, LAYOUT, capacity_tokens=100):
-        with pytest.raises(StoreUnavailableError, match="already exists"):
-            RoutingStore.create(name, LAYOUT, capacity_tokens=100)
+    with (
+        RoutingStore.create(name, LAYOUT, capacity_tokens=100),
+        pytest.raises(StoreUnavailableError, match="already exists"),
+    ):
+        RoutingStore.create(name, LAYOUT, capacity_tokens=100)
     with pytest.raises(ValueError, match="store name"):
         RoutingStore.create("../etc", LAYOUT, capacity_tokens=100)
 
