@@ -36,3 +36,7 @@ class StoreUnavailableError(RoutingReplayError, OSError):
 
 class ConcurrentReleaseError(RoutingReplayError, RuntimeError):
     """A sample was released while it was being read."""
+
+
+class UnsupportedModelError(RoutingReplayError, TypeError):
+    """A model has an MoE layer whose router no replay/capture adapter knows."""

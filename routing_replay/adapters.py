@@ -1,0 +1,143 @@
+"""Routers of transformers MoE models, and one adapter per score function.
+
+Every transformers 5.x MoE router returns `(router_logits, top_k_weights, top_k_index)` and its
+MoE block hands the last two to the experts module. An adapter recomputes `top_k_weights` from
+the live logits at *given* expert ids with the family's own formula, so replay can force the ids
+while the router keeps its gradient.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from routing_replay.errors import LayoutMismatchError, UnsupportedModelError
+from routing_replay.layout import RoutingLayout
+
+# weights_TK = score(router, logits_TE, ids_TK): the family's weights at the given ids.
+ScoreFunction = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Qwen2/3-MoE, OLMoE, Mixtral: float softmax over all experts, gathered, maybe renormalised."""
+    if hasattr(router, "norm_topk_prob"):  # Qwen2/3-MoE, OLMoE
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
+        renorm = router.norm_topk_prob
+    else:  # Mixtral: no flag, always renormalises (same ops, in the family's order)
+        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        renorm = True
+    weights_TK = probs_TE.gather(1, ids_TK)
+    if renorm:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK
+
+
+def topk_then_softmax(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """GPT-OSS: softmax over the chosen experts' logits only."""
+    return torch.softmax(logits_TE.gather(1, ids_TK), dim=1, dtype=logits_TE.dtype)
+
+
+def sigmoid_with_bias(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """DeepSeek-V3, GLM-4-MoE: unbiased sigmoid scores at the ids, normalised, then scaled.
+
+    The correction bias and the group limit only choose experts; they never enter the weights.
+    """
+    weights_TK = logits_TE.sigmoid().gather(1, ids_TK)
+    if router.norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * router.routed_scaling_factor
+
+
+# Router class name -> score function. Only classes whose forward was read and tested are here.
+_SCORES: dict[str, ScoreFunction] = {
+    "Qwen3MoeTopKRouter": softmax_then_topk,
+    "Qwen2MoeTopKRouter": softmax_then_topk,
+    "OlmoeTopKRouter": softmax_then_topk,
+    "MixtralTopKRouter": softmax_then_topk,
+    "GptOssTopKRouter": topk_then_softmax,
+    "DeepseekV3TopkRouter": sigmoid_with_bias,
+    "Glm4MoeTopkRouter": sigmoid_with_bias,
+}
+
+
+def register_router(class_name: str, score: ScoreFunction) -> None:
+    """Add a router class whose forward returns (logits, weights, ids), scored by `score`."""
+    _SCORES[class_name] = score
+
+
+@dataclass(frozen=True)
+class Router:
+    """One MoE router of a model: its global layer index, module path, module and score function."""
+
+    layer: int
+    name: str
+    module: nn.Module
+    score: ScoreFunction
+
+
+@dataclass(frozen=True)
+class MoeModel:
+    """A model's routing layout, its routers in layout order, and the module running the layers."""
+
+    layout: RoutingLayout
+    routers: tuple[Router, ...]
+    decoder: nn.Module
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def find_routers(model: nn.Module) -> MoeModel:
+    """Routers of every MoE layer of a transformers model; raise if one is unknown or missing."""
+    try:
+        layout = RoutingLayout.from_hf_config(model.config)
+    except ValueError as err:
+        raise UnsupportedModelError(f"{type(model).__name__} is not an MoE model: {err}") from err
+    found: dict[int, Router] = {}
+    for name, module in model.named_modules():
+        score = _SCORES.get(type(module).__name__)
+        if score is None:
+            continue
+        match = _LAYER.search(name)
+        if match is None:
+            raise UnsupportedModelError(f"router {name!r} is not inside a `layers.<i>` module list")
+        layer = int(match.group(1))
+        if layer in found:
+            raise UnsupportedModelError(
+                f"layer {layer} has two routers: {found[layer].name!r} and {name!r}"
+            )
+        found[layer] = Router(layer, name, module, score)
+    unknown = [i for i in layout.moe_layers if i not in found]
+    if unknown:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no known router in MoE layer(s) {unknown} "
+            f"({_describe_layer(model, unknown[0])}). Known router classes: {sorted(_SCORES)}. "
+            "Replay would silently route natively; register the router's score function with "
+            "routing_replay.adapters.register_router(class_name, score) if its forward returns "
+            "(logits, weights, ids)."
+        )
+    extra = sorted(set(found) - set(layout.moe_layers))
+    if extra:
+        raise LayoutMismatchError(
+            f"routers in layers {extra} are not MoE layers of the config's layout "
+            f"{list(layout.moe_layers)}"
+        )
+    routers = tuple(found[i] for i in layout.moe_layers)
+    prefix = routers[0].name[: _LAYER.search(routers[0].name).start()]
+    decoder = model.get_submodule(prefix) if prefix else model
+    return MoeModel(layout, routers, decoder)
+
+
+def _describe_layer(model: nn.Module, layer: int) -> str:
+    """The MLP-side modules of one decoder layer, two levels deep, for error messages."""
+    pattern = re.compile(rf"(?:^|\.)layers\.{layer}\.[^.]+(\.[^.]+)?$")
+    parts = [
+        f"{name}: {type(module).__name__}"
+        for name, module in model.named_modules()
+        if pattern.search(name) and not re.search(r"attn|attention|norm", name)
+    ]
+    return ", ".join(parts) or f"no module named layers.{layer}"

@@ -1,0 +1,191 @@
+"""Replay: force recorded expert ids in a transformers MoE model, weights from the live logits."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from routing_replay.adapters import MoeModel, Router, find_routers
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.layout import MISSING, RoutingLayout
+
+
+@dataclass(frozen=True)
+class _DeviceRoutes:
+    """A batch's routes on one device, flattened to the rows the routers see."""
+
+    ids_NLK: Tensor  # int64, missing ids replaced by 0 (never used: those rows route natively)
+    missing_NL: Tensor  # bool: the (token, layer) routes natively
+
+
+class Replay:
+    """Context manager under which every MoE router of `model` uses the given expert ids."""
+
+    def __init__(self, model: nn.Module, routes: Any) -> None:
+        self.model = model
+        self.moe: MoeModel = find_routers(model)
+        self.routes: Tensor = validate_routes(routes, self.moe.layout)
+        self.batch_shape: tuple[int, ...] = tuple(self.routes.shape[:-2])
+        self.num_rows: int = int(np.prod(self.batch_shape))
+        missing_NL = (self.routes == MISSING).any(dim=-1).reshape(self.num_rows, -1)
+        # Decided once on the host, so the hooks never ask the device.
+        self._all_missing_L = missing_NL.all(dim=0).tolist()
+        self._any_missing_L = missing_NL.any(dim=0).tolist()
+        self._on_device: dict[torch.device, _DeviceRoutes] = {}
+        self._handles: list[Any] = []
+        self._grad_forwards = 0
+        self._recomputes = 0
+
+    def __enter__(self) -> Replay:
+        decoder = self.moe.decoder
+        self._handles.append(
+            decoder.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
+        )
+        for j, router in enumerate(self.moe.routers):
+            self._handles.append(router.module.register_forward_hook(self._router_hook(j, router)))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if (
+            exc_type is None
+            and self._grad_forwards > self._recomputes
+            and _checkpointing(self.model)
+        ):
+            warnings.warn(
+                "replay() exited before backward under gradient checkpointing: the recomputed "
+                "forward will route natively. Call loss.backward() inside the `with replay(...)`.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def _check_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        shape = _input_shape(args, kwargs)
+        if shape is not None and shape != self.batch_shape:
+            raise InvalidRoutesError(
+                f"routes have batch shape {list(self.batch_shape)} but the model is called with "
+                f"input shape {list(shape)}: routes must be input_ids.shape + (num_moe_layers, "
+                "top_k), aligned with the same padding or packing"
+            )
+
+    def _router_hook(self, j: int, router: Router) -> Any:
+        def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+            if j == 0:
+                self._count_pass()
+            if self._all_missing_L[j]:
+                return None
+            logits_TE, native_w_TK, native_ids_TK = output
+            if native_ids_TK.shape[0] != self.num_rows:
+                raise InvalidRoutesError(
+                    f"router {router.name!r} sees {native_ids_TK.shape[0]} tokens but the routes "
+                    f"have {self.num_rows} rows (batch shape {list(self.batch_shape)})"
+                )
+            routes = self._device_routes(native_ids_TK.device)
+            ids_TK = routes.ids_NLK[:, j]
+            weights_TK = router.score(module, logits_TE, ids_TK).to(native_w_TK.dtype)
+            if self._any_missing_L[j]:
+                missing_T1 = routes.missing_NL[:, j, None]
+                ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
+                weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
+            return (logits_TE, weights_TK, ids_TK, *output[3:])
+
+        return hook
+
+    def _device_routes(self, device: torch.device) -> _DeviceRoutes:
+        """The batch's routes on `device`: copied once per device per batch, never per layer."""
+        found = self._on_device.get(device)
+        if found is None:
+            routes = self.routes
+            if device.type == "cuda" and not routes.is_cuda:
+                routes = routes.pin_memory()
+            routes = routes.to(device, non_blocking=True).reshape(self.num_rows, *routes.shape[-2:])
+            missing_NLK = routes == MISSING
+            found = _DeviceRoutes(
+                ids_NLK=routes.masked_fill(missing_NLK, 0).long(),
+                missing_NL=missing_NLK.any(dim=-1),
+            )
+            self._on_device[device] = found
+        return found
+
+    def _count_pass(self) -> None:
+        if torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint recompute
+            self._recomputes += 1
+        elif torch.is_grad_enabled():
+            self._grad_forwards += 1
+
+
+def replay(model: nn.Module, routes: Any) -> Replay:
+    """Force `routes` (input_ids.shape + (L, K), -1 = route natively) in `model`'s MoE routers."""
+    return Replay(model, routes)
+
+
+def validate_routes(routes: Any, layout: RoutingLayout) -> Tensor:
+    """Check routes against the layout (dtype, L, K, id range, duplicates); return a torch view."""
+    if isinstance(routes, np.ndarray):
+        routes = torch.from_numpy(routes)
+    if not isinstance(routes, Tensor):
+        raise InvalidRoutesError(
+            f"routes must be a torch tensor or numpy array, got {type(routes)}"
+        )
+    if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
+        raise InvalidRoutesError(f"routes must hold integer expert ids, got dtype {routes.dtype}")
+    if routes.dim() < 3:
+        raise InvalidRoutesError(
+            f"routes must have shape input_ids.shape + (num_moe_layers, top_k), got "
+            f"{list(routes.shape)}"
+        )
+    layers, top_k = routes.shape[-2:]
+    if layers != layout.num_moe_layers or top_k != layout.top_k:
+        raise LayoutMismatchError(
+            f"routes end in (layers={layers}, top_k={top_k}) but the model routes "
+            f"{layout.num_moe_layers} MoE layers {list(layout.moe_layers)} with top_k="
+            f"{layout.top_k}: routes hold MoE layers only, in layer order"
+        )
+    if routes.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        raise InvalidRoutesError(
+            f"routes have the stored dtype {routes.dtype}: decode them first (layout.decode) so "
+            "missing rows read -1"
+        )
+    bad = (routes < MISSING) | (routes >= layout.num_experts)
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise InvalidRoutesError(
+            f"expert id {int(routes[tuple(first)])} at index {first} is out of range: ids must be "
+            f"in [0, {layout.num_experts}) or -1 for missing ({int(bad.sum())} bad ids in all)"
+        )
+    sorted_ids = routes.sort(dim=-1).values
+    dup = (sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] != MISSING)
+    if bool(dup.any()):
+        first = [int(i) for i in dup.nonzero()[0][:-1]]
+        raise InvalidRoutesError(
+            f"routes repeat an expert within one token's top-k at index {first}: "
+            f"{routes[tuple(first)].tolist()}"
+        )
+    return routes
+
+
+def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(input_ids, Tensor):
+        return tuple(input_ids.shape)
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, Tensor):
+        return tuple(embeds.shape[:-1])
+    return None
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    # transformers 5.24 renamed is_gradient_checkpointing (deprecated) to is_activation_...
+    flag = getattr(model, "is_activation_checkpointing", None)
+    if flag is None:
+        flag = getattr(model, "is_gradient_checkpointing", False)
+    return bool(flag) and model.training

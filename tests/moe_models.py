@@ -1,0 +1,109 @@
+"""Tiny, seeded transformers MoE models of every supported family, for the tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    attention_dropout=0.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+CONFIGS = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+        head_dim=8,
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        norm_topk_prob=False,
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2, head_dim=8
+    ),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
+    ),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,
+        head_dim=8,
+    ),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        head_dim=8,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+}
+
+FAMILIES = sorted(CONFIGS)
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised tiny causal LM of `family`, in eval mode, with spread-out routers."""
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")) and param.dim() == 2:
+                # Router weights init near zero: widen them so routing is decided by the input.
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+    return model.to(dtype).eval()

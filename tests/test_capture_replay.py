@@ -1,0 +1,414 @@
+"""Capture and replay on tiny transformers models of every supported MoE family.
+
+Expert ids and weights are checked where the experts module is called (a forward pre-hook on
+each layer's `mlp.experts`, registered here), never through routing_replay's own hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_models import FAMILIES, tiny_model
+
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutingLayout,
+    UnsupportedModelError,
+    capture,
+    replay,
+)
+
+B, S = 2, 6
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(family):
+    return tiny_model(family)
+
+
+def layout_of(model) -> RoutingLayout:
+    return RoutingLayout.from_hf_config(model.config)
+
+
+def moe_mlps(model):
+    layout = layout_of(model)
+    return [model.model.layers[i].mlp for i in layout.moe_layers]
+
+
+def router_of(mlp):
+    return mlp.router if hasattr(mlp, "router") else mlp.gate
+
+
+class Spy:
+    """What each MoE layer's experts module was called with, and its router's logits."""
+
+    def __init__(self, model):
+        self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.logits: list[list[torch.Tensor]] = []
+        self.inputs: list[list[torch.Tensor]] = []
+        self.handles = []
+        for j, mlp in enumerate(moe_mlps(model)):
+            self.calls.append([])
+            self.logits.append([])
+            self.inputs.append([])
+            self.handles.append(mlp.experts.register_forward_pre_hook(self._experts(j)))
+            self.handles.append(router_of(mlp).register_forward_hook(self._router(j)))
+
+    def _experts(self, j):
+        def hook(module, args):
+            _, ids, weights = args
+            self.calls[j].append((ids.detach().clone(), weights.detach().clone()))
+
+        return hook
+
+    def _router(self, j):
+        def hook(module, args, output):
+            self.logits[j].append(output[0].detach().clone())
+            self.inputs[j].append(args[0].detach().clone())
+
+        return hook
+
+    def ids(self, j, call=0):
+        return self.calls[j][call][0]
+
+    def weights(self, j, call=0):
+        return self.calls[j][call][1]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def family_weights(family, router, logits_TE, ids_TK):
+    """The weights each family's router computes at `ids_TK`, written from transformers' code."""
+    if family in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        w = F.softmax(logits_TE, dtype=torch.float, dim=-1).gather(1, ids_TK)
+        if router.norm_topk_prob:
+            w /= w.sum(dim=-1, keepdim=True)
+        return w.to(logits_TE.dtype)
+    if family == "mixtral":
+        w = F.softmax(logits_TE.float(), dim=-1).gather(1, ids_TK)
+        return w / w.sum(dim=-1, keepdim=True)
+    if family == "gpt_oss":
+        top = logits_TE.gather(1, ids_TK)
+        return F.softmax(top, dim=1, dtype=top.dtype)
+    if family in ("deepseek_v3", "glm4_moe"):
+        w = logits_TE.sigmoid().gather(1, ids_TK)
+        if router.norm_topk_prob:
+            w /= w.sum(dim=-1, keepdim=True) + 1e-20
+        return w * router.routed_scaling_factor
+    raise AssertionError(family)
+
+
+def random_routes(layout, shape, seed, missing=0.0):
+    """Valid random routes (distinct ids per row), a fraction of (token, layer) rows missing."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    keys = rng.random((n, layout.num_moe_layers, layout.num_experts))
+    ids = np.argsort(keys, axis=-1)[..., : layout.top_k].astype(np.int32)
+    drop = rng.random((n, layout.num_moe_layers)) < missing
+    ids[drop] = MISSING
+    return torch.from_numpy(ids.reshape(*shape, layout.num_moe_layers, layout.top_k))
+
+
+def batch(seed=0, b=B, s=S, pad=(2, 0)):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 97, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    for i, p in enumerate(pad[:b]):
+        input_ids[i, :p] = 0
+        mask[i, :p] = 0
+    return input_ids, mask
+
+
+def left_pad(routes, s, layout):
+    out = np.full((len(routes), s, layout.num_moe_layers, layout.top_k), MISSING, np.int32)
+    for b, r in enumerate(routes):
+        out[b, s - len(r) :] = r
+    return torch.from_numpy(out)
+
+
+# -- replay: forced ids and the family's weights, at the experts -----------------------------
+
+
+def test_replay_forces_ids_with_family_weights(family, model):
+    layout = layout_of(model)
+    input_ids, mask = batch()
+    routes = random_routes(layout, (B, S), seed=1, missing=0.3)
+    spy = Spy(model)
+    with replay(model, routes), torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask)
+    spy.remove()
+    flat = routes.reshape(B * S, layout.num_moe_layers, layout.top_k)
+    for j, mlp in enumerate(moe_mlps(model)):
+        forced_TK = flat[:, j].long()
+        missing_T = (forced_TK == MISSING).any(-1)
+        assert 0 < int(missing_T.sum()) < B * S
+        ids, weights = spy.ids(j), spy.weights(j)
+        # Forced rows: exactly the given ids, in the given order.
+        assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
+        # Weights: the family's formula at those ids from the live logits. The formula is the
+        # same sequence of float ops as the family's router, so equality is exact.
+        router = router_of(mlp)
+        expected = family_weights(family, router, spy.logits[j][0], ids)
+        assert torch.equal(weights[~missing_T], expected[~missing_T])
+        # Missing rows: the model's own routing of this layer's input (forced rows in earlier
+        # layers changed it), from the router's own forward, bypassing every hook.
+        with torch.no_grad():
+            _, native_w, native_ids = router.forward(spy.inputs[j][0])
+        assert weights.dtype == native_w.dtype
+        assert torch.equal(ids[missing_T], native_ids[missing_T])
+        assert torch.equal(weights[missing_T], native_w[missing_T])
+
+
+def test_all_missing_routes_natively(family, model):
+    layout = layout_of(model)
+    input_ids, mask = batch()
+    routes = torch.full((B, S, layout.num_moe_layers, layout.top_k), MISSING)
+    with torch.no_grad():
+        native = model(input_ids=input_ids, attention_mask=mask).logits
+        with replay(model, routes):
+            replayed = model(input_ids=input_ids, attention_mask=mask).logits
+    assert torch.equal(native, replayed)
+
+
+def test_capture_then_replay_reproduces_logits(family, model):
+    input_ids, mask = batch(seed=3)
+    with capture(model) as cap, torch.no_grad():
+        native = model(input_ids=input_ids, attention_mask=mask).logits
+    routes = cap.routes()
+    assert [len(r) for r in routes] == mask.sum(1).tolist()  # padding stripped
+    padded = left_pad(routes, S, layout_of(model))
+    with replay(model, padded), torch.no_grad():
+        replayed = model(input_ids=input_ids, attention_mask=mask).logits
+    assert torch.equal(native, replayed)
+
+
+def test_router_grad_and_gradient_checkpointing(family):
+    model = tiny_model(family).train()
+    layout = layout_of(model)
+    input_ids, _ = batch(seed=4, pad=())
+    routes = random_routes(layout, (B, S), seed=5, missing=0.2)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        spy = Spy(model)
+        with replay(model, routes):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
+        spy.remove()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, spy
+
+    loss, grads, spy = loss_and_grads()
+    for mlp in moe_mlps(model):
+        name = next(n for n, p in model.named_parameters() if p is router_of(mlp).weight)
+        assert grads[name].abs().sum() > 0, name
+    assert all(len(calls) == 1 for calls in spy.calls)
+
+    model.activation_checkpointing_enable()
+    try:
+        loss_ckpt, grads_ckpt, spy_ckpt = loss_and_grads()
+    finally:
+        model.activation_checkpointing_disable()
+    # The recompute in backward routes the same: every experts call saw the forced ids.
+    assert all(len(calls) == 2 for calls in spy_ckpt.calls)
+    for j in range(layout.num_moe_layers):
+        assert torch.equal(spy_ckpt.ids(j, 0), spy_ckpt.ids(j, 1))
+        assert torch.equal(spy_ckpt.ids(j, 0), spy.ids(j, 0))
+    # Recomputing runs the same CPU kernels on the same inputs: bitwise equal.
+    assert torch.equal(loss, loss_ckpt)
+    assert grads.keys() == grads_ckpt.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_ckpt[name]), name
+
+
+# -- capture with generate --------------------------------------------------------------------
+
+
+def test_capture_generate_left_padded(family, model):
+    layout = layout_of(model)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15, 16]]
+    width = max(map(len, prompts))
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - len(p) :] = torch.tensor(p)
+        mask[b, width - len(p) :] = 1
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        first = model.generate(**kwargs, eos_token_id=None, pad_token_id=0)
+    eos = int(first[0, width + 2])  # sample 0 ends after 3 new tokens
+    with capture(model) as cap, torch.no_grad():
+        out = model.generate(**kwargs, eos_token_id=eos, pad_token_id=0)
+    routes, tokens = cap.routes(), cap.token_ids()
+    assert len(routes) == len(prompts)
+    for b, p in enumerate(prompts):
+        new = out[b, width:].tolist()
+        end = new.index(eos) + 1 if eos in new else len(new)
+        expected = p + new[:end]
+        assert tokens[b].tolist() == expected
+        r = routes[b]
+        assert r.dtype == np.int32 and r.shape == (len(expected), *routes[0].shape[1:])
+        # A token is forwarded unless it is the last column generate produced.
+        forwarded = len(p) + end - (1 if width + end == out.shape[1] else 0)
+        assert (r[:forwarded] != MISSING).all() and (r[forwarded:] == MISSING).all()
+        assert r.shape[1:] == (layout.num_moe_layers, layout.top_k)
+        # A plain float32 forward over the sample alone routes every forwarded token the same.
+        with capture(model) as full, torch.no_grad():
+            model(input_ids=torch.tensor([expected]))
+        assert np.array_equal(full.routes()[0][:forwarded], r[:forwarded])
+    assert (routes[0].shape[0], tokens[0][-1]) == (3 + 3, eos)
+
+
+def test_capture_inside_replay_records_forced_ids():
+    model = tiny_model("qwen3_moe")
+    layout = layout_of(model)
+    input_ids, _ = batch(pad=())
+    routes = random_routes(layout, (B, S), seed=7)
+    with replay(model, routes), capture(model) as cap, torch.no_grad():
+        model(input_ids=input_ids)
+    assert np.array_equal(np.stack(cap.routes()), routes.numpy())
+
+
+def test_packed_batch():
+    model = tiny_model("deepseek_v3")
+    layout = layout_of(model)
+    input_ids = torch.randint(3, 97, (1, 11))
+    routes = random_routes(layout, (1, 11), seed=8, missing=0.2)
+    spy = Spy(model)
+    with replay(model, routes), torch.no_grad():
+        model(input_ids=input_ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3]]))
+    spy.remove()
+    for j in range(layout.num_moe_layers):
+        forced = routes[0, :, j].long()
+        keep = (forced != MISSING).all(-1)
+        assert torch.equal(spy.ids(j)[keep], forced[keep])
+
+
+def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch):
+    """The CUDA design, checked on CPU: no per-layer transfer in replay or capture."""
+    # The package exports functions named like these modules: fetch the modules themselves.
+    capture_mod = importlib.import_module("routing_replay.capture")
+    replay_mod = importlib.import_module("routing_replay.replay")
+
+    model = tiny_model("qwen3_moe")
+    layout = layout_of(model)
+    input_ids, mask = batch()
+    made = []
+    real = replay_mod._DeviceRoutes
+    monkeypatch.setattr(replay_mod, "_DeviceRoutes", lambda **kw: made.append(1) or real(**kw))
+    with replay(model, random_routes(layout, (B, S), seed=9)), torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask)
+        model(input_ids=input_ids, attention_mask=mask)
+    assert len(made) == 1
+
+    copies = []
+    real_to_host = capture_mod._to_host
+    monkeypatch.setattr(capture_mod, "_to_host", lambda t: copies.append(t) or real_to_host(t))
+    with capture(model), torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask)
+    routes_copies = [t for t in copies if t is not None and t.dim() == 4]
+    assert len(routes_copies) == 1 and layout.num_moe_layers > 1
+
+
+# -- errors before the forward -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        ("layers", LayoutMismatchError, "MoE layers"),
+        ("top_k", LayoutMismatchError, "top_k"),
+        ("too_big", InvalidRoutesError, "out of range"),
+        ("negative", InvalidRoutesError, "out of range"),
+        ("float", InvalidRoutesError, "integer"),
+        ("unsigned", InvalidRoutesError, "decode"),
+        ("duplicate", InvalidRoutesError, "repeat"),
+        ("rank", InvalidRoutesError, "input_ids.shape"),
+        ("batch_shape", InvalidRoutesError, "batch shape"),
+    ],
+)
+def test_bad_routes_raise_before_forward(change, error, words):
+    model = tiny_model("deepseek_v3")
+    layout = layout_of(model)
+    input_ids, mask = batch()
+    routes = random_routes(layout, (B, S), seed=10)
+    if change == "layers":
+        routes = routes[:, :, :1]
+    elif change == "top_k":
+        routes = routes[..., :-1]
+    elif change == "too_big":
+        routes[1, 2, 0, 0] = layout.num_experts
+    elif change == "negative":
+        routes[1, 2, 0, 0] = -2
+    elif change == "float":
+        routes = routes.float()
+    elif change == "unsigned":
+        routes = routes.clamp(min=0).to(torch.uint8)
+    elif change == "duplicate":
+        routes[0, 1, 1, 1] = routes[0, 1, 1, 0]
+    elif change == "rank":
+        routes = routes[0, 0]
+    elif change == "batch_shape":
+        routes = routes[:, :-1]
+    spy = Spy(model)
+    with pytest.raises(error, match=words), replay(model, routes), torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask)
+    spy.remove()
+    assert all(not calls for calls in spy.calls)  # no expert ran
+
+
+def test_unknown_router_fails_loudly():
+    model = tiny_model("qwen3_moe")
+    gate = model.model.layers[2].mlp.gate
+
+    class CustomRouter(type(gate)):
+        pass
+
+    gate.__class__ = CustomRouter
+    routes = random_routes(layout_of(model), (B, S), seed=11)
+    with pytest.raises(UnsupportedModelError, match=r"layer\(s\) \[2\].*CustomRouter"):
+        replay(model, routes)
+    with pytest.raises(UnsupportedModelError, match="CustomRouter"):
+        capture(model)
+
+
+def test_dense_model_fails_loudly():
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match="not an MoE model"):
+        capture(model)
+
+
+def test_backward_outside_replay_under_checkpointing_warns():
+    model = tiny_model("olmoe").train()
+    model.activation_checkpointing_enable()
+    input_ids, _ = batch(pad=())
+    routes = random_routes(layout_of(model), (B, S), seed=12)
+    with pytest.warns(RuntimeWarning, match="inside the `with replay"), replay(model, routes):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    # The recompute now routes natively; torch usually notices the changed saved tensors too.
+    with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
+        loss.backward()
