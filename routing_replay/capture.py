@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from routing_replay.adapters import MoeModel, find_routers
 from routing_replay.layout import MISSING, RoutingLayout
 
+_Sample = tuple[np.ndarray | None, np.ndarray]  # (token ids or None, routes [T, L, K])
+
 
 @dataclass
 class _Forward:
@@ -124,7 +126,8 @@ class Capture:
         # One stack and one asynchronous device-to-host copy per forward; no per-layer sync.
         ids_NLK = torch.stack(fwd.ids_L, dim=1)
         fwd.ids_L = []
-        ids_NLK = ids_NLK.to(torch.int16 if self.layout.num_experts < 2**15 else torch.int32)
+        if ids_NLK.is_cuda:  # fewer bytes over PCIe; on the host, narrowing waits for routes()
+            ids_NLK = ids_NLK.to(torch.int16 if self.layout.num_experts < 2**15 else torch.int32)
         fwd.routes_BSLK = _to_host(ids_NLK.reshape(*fwd.shape, *ids_NLK.shape[1:]))
         if ids_NLK.is_cuda:
             fwd.done = torch.cuda.Event()
@@ -145,15 +148,13 @@ class Capture:
 
     def _wrap_generate(self, generate: Any) -> Any:
         def capturing_generate(*args: Any, **kwargs: Any) -> Any:
-            config = kwargs.get("generation_config") or getattr(
-                self.model, "generation_config", None
-            )
-            if max(kwargs.get("num_beams") or 1, getattr(config, "num_beams", 1) or 1) > 1:
+            settings = _generation_setting(self.model, kwargs)
+            if (settings("num_beams") or 1) > 1:
                 raise NotImplementedError(
                     "capture() follows one token per step per sample: beam search reorders "
                     "samples, use greedy or sampling"
                 )
-            group = _Group(eos=_eos_ids(kwargs.get("eos_token_id"), config))
+            group = _Group(eos=_eos_ids(settings("eos_token_id")))
             self._groups.append(group)
             self._generating = group
             try:
@@ -174,7 +175,7 @@ class Capture:
 
     # -- alignment ----------------------------------------------------------------------
 
-    def _samples(self) -> list[tuple[np.ndarray | None, np.ndarray]]:
+    def _samples(self) -> list[_Sample]:
         out = []
         for group in self._groups:
             if not group.forwards:
@@ -192,34 +193,35 @@ def capture(model: nn.Module) -> Capture:
     return Capture(model)
 
 
-def _group_samples(
-    group: _Group, layout: RoutingLayout
-) -> list[tuple[np.ndarray | None, np.ndarray]]:
+def _group_samples(group: _Group, layout: RoutingLayout) -> list[_Sample]:
     """Per sample: forwarded tokens without padding, then (after generate) up to the first EOS."""
-    batch = group.forwards[0].shape[0]
-    if any(f.shape[0] != batch for f in group.forwards):
+    forwards = group.forwards
+    batch = forwards[0].shape[0]
+    if any(f.shape[0] != batch for f in forwards):
         raise RuntimeError("capture: the batch size changed within one generate call")
+    # The whole group at once: [B, columns, L, K] and [B, columns], one slice per sample.
+    routes_BTLK = torch.cat([f.routes_BSLK for f in forwards], dim=1).numpy()
+    valid_BT = torch.cat([_valid(f) for f in forwards], dim=1).numpy()
+    has_ids = all(f.input_ids_BS is not None for f in forwards)
+    ids_BT = torch.cat([f.input_ids_BS for f in forwards], dim=1).numpy() if has_ids else None
+    position_T = np.concatenate([f.past + np.arange(f.shape[1]) for f in forwards])
+    prompt_T = position_T < group.prompt_cols
     samples = []
     for b in range(batch):
-        tokens, routes, prompt_tokens = _forwarded(group, b)
+        keep = valid_BT[b]
+        routes = routes_BTLK[b][keep].astype(np.int32)
+        tokens = ids_BT[b][keep] if ids_BT is not None else None
         if group.sequences is not None:
+            prompt_tokens = int((keep & prompt_T).sum())
             tokens, routes = _with_generated(group, b, tokens, routes, prompt_tokens, layout)
         samples.append((tokens, routes))
     return samples
 
 
-def _forwarded(group: _Group, b: int) -> tuple[np.ndarray | None, np.ndarray, int]:
-    """Sample b's forwarded tokens and routes, padding dropped, and how many are prompt."""
-    tokens, routes, prompt_tokens = [], [], 0
-    for fwd in group.forwards:
-        num = fwd.shape[1]
-        keep = np.ones(num, bool) if fwd.valid_BS is None else fwd.valid_BS[b].numpy() != 0
-        routes.append(fwd.routes_BSLK[b].numpy()[keep])
-        if fwd.input_ids_BS is not None:
-            tokens.append(fwd.input_ids_BS[b].numpy()[keep])
-        prompt_tokens += int(keep[: max(0, group.prompt_cols - fwd.past)].sum())
-    token_ids = np.concatenate(tokens) if len(tokens) == len(routes) else None
-    return token_ids, np.concatenate(routes).astype(np.int32), prompt_tokens
+def _valid(fwd: _Forward) -> Tensor:
+    if fwd.valid_BS is None:
+        return torch.ones(fwd.shape, dtype=torch.bool)
+    return fwd.valid_BS != 0
 
 
 def _with_generated(
@@ -239,12 +241,32 @@ def _with_generated(
     rows = min(total, len(routes))
     full[:rows] = routes[:rows]
     if tokens is not None:
+        fed = tokens[prompt_tokens:]  # generated tokens that were fed back as inputs
+        if not np.array_equal(fed[: len(generated)], generated[: len(fed)]):
+            raise RuntimeError(
+                "capture: the tokens forwarded during generate do not match its output; "
+                "routes cannot be aligned (was the batch reordered, e.g. by beam search?)"
+            )
         tokens = np.concatenate([tokens[:prompt_tokens], generated[:num_generated]])
     return tokens, full
 
 
-def _eos_ids(explicit: Any, config: Any) -> frozenset[int]:
-    eos = explicit if explicit is not None else getattr(config, "eos_token_id", None)
+def _generation_setting(model: nn.Module, kwargs: dict) -> Any:
+    """Look up a generate setting the way generate does: kwargs, then its config, then model's."""
+
+    def setting(name: str) -> Any:
+        if name in kwargs:  # an explicit None (eos_token_id=None) disables it
+            return kwargs[name]
+        for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+            value = getattr(config, name, None)
+            if value is not None:
+                return value
+        return None
+
+    return setting
+
+
+def _eos_ids(eos: Any) -> frozenset[int]:
     if eos is None:
         return frozenset()
     if isinstance(eos, Tensor):

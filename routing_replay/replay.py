@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.adapters import MoeModel, Router, find_routers
-from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, UnsupportedModelError
 from routing_replay.layout import MISSING, RoutingLayout
 
 
@@ -38,6 +38,7 @@ class Replay:
         self._any_missing_L = missing_NL.any(dim=0).tolist()
         self._on_device: dict[torch.device, _DeviceRoutes] = {}
         self._handles: list[Any] = []
+        self._ran_L = [False] * self.moe.layout.num_moe_layers
         self._grad_forwards = 0
         self._recomputes = 0
 
@@ -46,8 +47,11 @@ class Replay:
         self._handles.append(
             decoder.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         )
+        self._handles.append(decoder.register_forward_hook(self._check_all_routed))
         for j, router in enumerate(self.moe.routers):
-            self._handles.append(router.module.register_forward_hook(self._router_hook(j, router)))
+            # Prepended: any other hook on the router (a capture) sees the forced ids.
+            hook = self._router_hook(j, router)
+            self._handles.append(router.module.register_forward_hook(hook, prepend=True))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -77,8 +81,18 @@ class Replay:
                 "top_k), aligned with the same padding or packing"
             )
 
+    def _check_all_routed(self, module: nn.Module, args: tuple, output: Any) -> None:
+        ran, self._ran_L = self._ran_L, [False] * len(self._ran_L)
+        if not all(ran):
+            names = [r.name for r, done in zip(self.moe.routers, ran, strict=True) if not done]
+            raise UnsupportedModelError(
+                f"replay: the forward finished without calling the routers {names}; a fused MoE "
+                "kernel (e.g. use_kernels=True) routes on its own and would ignore the routes"
+            )
+
     def _router_hook(self, j: int, router: Router) -> Any:
         def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+            self._ran_L[j] = True
             if j == 0:
                 self._count_pass()
             if self._all_missing_L[j]:

@@ -273,12 +273,41 @@ def test_capture_generate_left_padded(family, model):
     assert (routes[0].shape[0], tokens[0][-1]) == (3 + 3, eos)
 
 
+def test_capture_generate_settings():
+    model = tiny_model("olmoe")
+    input_ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with torch.no_grad():
+        first = model.generate(input_ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    model.generation_config.eos_token_id = int(first[0, 4])
+    try:
+        # generate's own precedence: an explicit eos_token_id=None disables the config's EOS.
+        with capture(model) as cap, torch.no_grad():
+            model.generate(input_ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
+        assert [len(r) for r in cap.routes()] == [8, 8]
+        with capture(model) as cap, torch.no_grad():
+            model.generate(input_ids, max_new_tokens=5, do_sample=False)
+        assert len(cap.routes()[0]) == 3 + 2
+    finally:
+        model.generation_config.eos_token_id = 1
+    with capture(model) as cap, torch.no_grad():
+        out = model.generate(
+            input_ids, max_new_tokens=4, do_sample=True, num_return_sequences=3, eos_token_id=None
+        )
+    assert [t.tolist() for t in cap.token_ids()] == out.tolist()
+    with capture(model), pytest.raises(NotImplementedError, match="beam"):
+        model.generate(input_ids, max_new_tokens=2, num_beams=2)
+    assert "generate" not in vars(model)  # unwrapped on exit
+
+
 def test_capture_inside_replay_records_forced_ids():
     model = tiny_model("qwen3_moe")
     layout = layout_of(model)
     input_ids, _ = batch(pad=())
     routes = random_routes(layout, (B, S), seed=7)
     with replay(model, routes), capture(model) as cap, torch.no_grad():
+        model(input_ids=input_ids)
+    assert np.array_equal(np.stack(cap.routes()), routes.numpy())
+    with capture(model) as cap, replay(model, routes), torch.no_grad():  # either nesting order
         model(input_ids=input_ids)
     assert np.array_equal(np.stack(cap.routes()), routes.numpy())
 
@@ -384,6 +413,24 @@ def test_unknown_router_fails_loudly():
         replay(model, routes)
     with pytest.raises(UnsupportedModelError, match="CustomRouter"):
         capture(model)
+
+
+def test_router_bypassed_by_a_fused_kernel_fails_loudly():
+    model = tiny_model("gpt_oss")
+    mlp = model.model.layers[1].mlp
+
+    def fused(hidden_states):  # what a hub kernel does: routes from router.weight directly
+        router = mlp.router
+        logits = F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), router.weight)
+        weights, ids = torch.topk(logits.softmax(-1), router.top_k)
+        out = mlp.experts(hidden_states.reshape(-1, hidden_states.shape[-1]), ids, weights)
+        return out.reshape(hidden_states.shape), weights
+
+    mlp.forward = fused
+    routes = random_routes(layout_of(model), (B, S), seed=13)
+    error = pytest.raises(UnsupportedModelError, match=r"layers\.1\.mlp\.router")
+    with error, replay(model, routes), torch.no_grad():
+        model(input_ids=batch(pad=())[0])
 
 
 def test_dense_model_fails_loudly():

@@ -1,0 +1,163 @@
+"""Cost of capture and replay, as ratios to the plain model measured in the same process.
+
+    python benchmarks/overhead.py            # 8 prompts x (32 + 64 new) tokens; train 8 x 96
+    python benchmarks/overhead.py --quick    # fewer repeats and tokens
+
+- capture: `model.generate` (KV cache, greedy, fixed length) with and without `capture`,
+  including the `cap.routes()` call that aligns and returns the per-sample arrays.
+- replay: one training step (forward + backward, train mode) with and without
+  `replay(model, routes)`, including building the context (validation of the routes).
+
+Runs come in adjacent pairs (plain, with; then with, plain), so drift and other load hit
+both; the overhead is the median per-pair ratio minus one (ratios of medians and of minima
+are reported too). Writes benchmarks/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_moe import MODELS, VOCAB, build
+
+from routing_replay import RoutingLayout, capture, replay
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(plain, with_lib, repeat: int) -> dict:
+    """Time plain() and with_lib() in adjacent pairs after a warm-up; overhead = median ratio - 1.
+
+    The median of per-pair ratios is robust to load drifting during the run (other processes
+    on a shared machine); medians and minima of each side are reported too.
+    """
+    plain()
+    with_lib()
+    a, b = [], []
+    for i in range(repeat):
+        pair = (plain, with_lib) if i % 2 == 0 else (with_lib, plain)
+        first, second = timed(pair[0]), timed(pair[1])
+        a.append(first if i % 2 == 0 else second)
+        b.append(second if i % 2 == 0 else first)
+    return {
+        "plain_s": statistics.median(a),
+        "with_s": statistics.median(b),
+        "overhead": statistics.median(y / x for x, y in zip(a, b, strict=True)) - 1,
+        "overhead_of_medians": statistics.median(b) / statistics.median(a) - 1,
+        "overhead_of_minima": min(b) / min(a) - 1,
+        "repeat": repeat,
+    }
+
+
+def capture_overhead(model, prompts: int, prompt_len: int, new: int, repeat: int) -> dict:
+    input_ids = torch.randint(3, VOCAB, (prompts, prompt_len))
+    kwargs = dict(
+        input_ids=input_ids,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+    def plain():
+        with torch.no_grad():
+            model.generate(**kwargs)
+
+    def with_capture():
+        with capture(model) as cap, torch.no_grad():
+            model.generate(**kwargs)
+        routes = cap.routes()
+        assert len(routes) == prompts and len(routes[0]) == prompt_len + new
+
+    return alternate(plain, with_capture, repeat)
+
+
+def replay_overhead(model, batch: int, seq: int, repeat: int) -> dict:
+    layout = RoutingLayout.from_hf_config(model.config)
+    input_ids = torch.randint(3, VOCAB, (batch, seq))
+    rng = np.random.default_rng(0)
+    keys = rng.random((batch, seq, layout.num_moe_layers, layout.num_experts))
+    routes = torch.from_numpy(np.argsort(keys, -1)[..., : layout.top_k].astype(np.int32))
+    routes[:, -1] = -1  # the last token of each sample: never forwarded at rollout
+    model.train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+
+    def step_with_replay():
+        with replay(model, routes):
+            step()
+
+    try:
+        return alternate(step, step_with_replay, repeat)
+    finally:
+        model.eval()
+
+
+def main() -> None:
+    """Measure both overheads for both tiny models; print and write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        prompts, prompt_len, new, seq, repeat = 4, 16, 16, 48, 3
+    else:
+        prompts, prompt_len, new, seq, repeat = 8, 32, 64, 96, 21
+    torch.manual_seed(0)
+    results = {}
+    for name in MODELS:
+        model = build(name)
+        results[name] = {
+            "capture_vs_generate": capture_overhead(model, prompts, prompt_len, new, repeat),
+            "replay_vs_forward_backward": replay_overhead(model, prompts, seq, repeat),
+        }
+    print(
+        f"{'model':12} {'what':28} {'plain s':>9} {'with s':>9} {'overhead':>9} "
+        f"{'of medians':>11} {'of minima':>10}"
+    )
+    for name, res in results.items():
+        for what, r in res.items():
+            print(
+                f"{name:12} {what:28} {r['plain_s']:>9.3f} {r['with_s']:>9.3f} "
+                f"{r['overhead']:>+9.2%} {r['overhead_of_medians']:>+11.2%} "
+                f"{r['overhead_of_minima']:>+10.2%}"
+            )
+    report = {
+        "setup": {
+            "prompts": prompts,
+            "prompt_len": prompt_len,
+            "new_tokens": new,
+            "train_seq": seq,
+            "dtype": "float32",
+            "device": "cpu",
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+        },
+        "models": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / ("overhead-quick.json" if args.quick else "overhead.json")
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The two tiny MoE models the benchmarks roll out and train: Qwen3-MoE and DeepSeek-V3.
+
+Random init, seeded; wide enough (64 experts, hidden 256) that bfloat16 and float32
+routers really disagree sometimes, as they do at scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 512
+
+
+def qwen3_moe_config() -> transformers.PretrainedConfig:
+    """Qwen3-MoE: softmax then top-8 of 64 experts, renormalised, 4 MoE layers."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+
+
+def deepseek_v3_config() -> transformers.PretrainedConfig:
+    """DeepSeek-V3: sigmoid + bias, top-8 of 64 experts in 8 groups (4 kept), first layer dense."""
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_hidden_layers=5,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=64,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=64,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+
+
+MODELS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    """The float32 model `name`, randomly initialised from `seed`, in eval mode."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(MODELS[name](), dtype=torch.float32)
+    with torch.no_grad():
+        for key, buf in model.named_buffers():
+            if key.endswith("e_score_correction_bias"):  # a trained-looking load-balancing bias
+                buf.copy_(torch.randn(buf.shape) * 0.01)
+    return model.eval()
