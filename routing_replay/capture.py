@@ -49,7 +49,7 @@ class Capture:
         self._current: _Forward | None = None
         self._generating: _Group | None = None
         self._handles: list[Any] = []
-        self._had_generate = "generate" in vars(model)
+        self._own_generate: Any = vars(model).get("generate")  # an instance override, if any
 
     # -- context --------------------------------------------------------------------
 
@@ -60,6 +60,7 @@ class Capture:
         for j, router in enumerate(self.moe.routers):
             self._handles.append(router.module.register_forward_hook(self._recorder(j)))
         if callable(getattr(self.model, "generate", None)):
+            self._own_generate = vars(self.model).get("generate")
             self.model.generate = self._wrap_generate(self.model.generate)
         return self
 
@@ -67,7 +68,9 @@ class Capture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if "generate" in vars(self.model) and not self._had_generate:
+        if self._own_generate is not None:
+            self.model.generate = self._own_generate
+        elif "generate" in vars(self.model):
             del self.model.generate
         self._current = None
 

@@ -73,6 +73,7 @@ class Replay:
     # -- hooks --------------------------------------------------------------------------
 
     def _check_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._ran_L = [False] * len(self._ran_L)
         shape = _input_shape(args, kwargs)
         if shape is not None and shape != self.batch_shape:
             raise InvalidRoutesError(
@@ -131,7 +132,7 @@ class Replay:
         return found
 
     def _count_pass(self) -> None:
-        if torch._C._current_graph_task_id() != -1:  # inside backward: a checkpoint recompute
+        if _in_backward():  # a checkpoint recompute
             self._recomputes += 1
         elif torch.is_grad_enabled():
             self._grad_forwards += 1
@@ -195,6 +196,11 @@ def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     if isinstance(embeds, Tensor):
         return tuple(embeds.shape[:-1])
     return None
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)  # private; absent: assume not
+    return task is not None and task() != -1
 
 
 def _checkpointing(model: nn.Module) -> bool:

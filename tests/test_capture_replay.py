@@ -196,6 +196,34 @@ def test_capture_then_replay_reproduces_logits(family, model):
     assert torch.equal(native, replayed)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_then_replay_reproduces_bf16_logits(family):
+    model = tiny_model(family, dtype=torch.bfloat16)
+    input_ids, mask = batch(seed=6)
+    with capture(model) as cap, torch.no_grad():
+        native = model(input_ids=input_ids, attention_mask=mask).logits
+    with replay(model, left_pad(cap.routes(), S, layout_of(model))), torch.no_grad():
+        replayed = model(input_ids=input_ids, attention_mask=mask).logits
+    assert native.dtype == torch.bfloat16 and torch.equal(native, replayed)
+
+
+def test_capture_hand_written_decode_loop():
+    model = tiny_model("glm4_moe")
+    input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with capture(model) as cap, torch.no_grad():
+        out = model(input_ids=input_ids, use_cache=True)
+        sequence = input_ids
+        for _ in range(3):
+            token = out.logits[:, -1:].argmax(-1)
+            sequence = torch.cat([sequence, token], dim=1)
+            out = model(input_ids=token, cache=out.past_key_values, use_cache=True)
+    with capture(model) as full, torch.no_grad():
+        model(input_ids=sequence)
+    assert [t.tolist() for t in cap.token_ids()] == sequence.tolist()
+    for step, whole in zip(cap.routes(), full.routes(), strict=True):
+        assert np.array_equal(step, whole)
+
+
 def test_router_grad_and_gradient_checkpointing(family):
     model = tiny_model(family).train()
     layout = layout_of(model)
@@ -297,6 +325,15 @@ def test_capture_generate_settings():
     with capture(model), pytest.raises(NotImplementedError, match="beam"):
         model.generate(input_ids, max_new_tokens=2, num_beams=2)
     assert "generate" not in vars(model)  # unwrapped on exit
+    with capture(model) as outer:
+        wrapped = model.generate
+        with capture(model) as inner, torch.no_grad():
+            model.generate(input_ids, max_new_tokens=2, do_sample=False)
+        assert model.generate is wrapped  # the inner block restores the outer's wrapper
+        with torch.no_grad():
+            model.generate(input_ids, max_new_tokens=2, do_sample=False)
+    assert "generate" not in vars(model)
+    assert len(inner.routes()) == 2 and len(outer.routes()) == 4
 
 
 def test_capture_inside_replay_records_forced_ids():
