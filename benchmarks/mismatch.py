@@ -119,7 +119,7 @@ def run_model(name, num_prompts, prompt_len, new_tokens, seed):
     result = {"layout": json.loads(layout.to_json()), "tokens": int(full_mask.sum())}
     for mode, replayed in (("native", None), ("replay", routes)):
         logits, used = train_forward(model, sequences, full_mask, replayed)
-        agreement = routing_agreement(recorded, used)
+        agreement = routing_agreement(recorded, used, layout)
         result[mode] = {
             "agreement": agreement.as_dict(),
             **logprob_mismatch(inf_logits, logits, sequences, new_tokens),

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from routing_replay.errors import InvalidRoutesError
-from routing_replay.layout import MISSING
+from routing_replay.layout import MISSING, RoutingLayout
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Agreement:
     expert_overlap: float  # mean |recorded ∩ native| / K over decisions
     num_decisions: int  # (token, layer) pairs compared: neither side missing
     num_tokens: int  # tokens with at least one compared layer
+    layers: tuple[int, ...]  # global layer index of each per_layer entry
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -32,11 +33,15 @@ class Agreement:
             "expert_overlap": self.expert_overlap,
             "num_decisions": self.num_decisions,
             "num_tokens": self.num_tokens,
+            "layers": list(self.layers),
         }
 
 
-def routing_agreement(recorded: Any, native: Any) -> Agreement:
-    """Compare two routings ([..., L, K] or lists of [T, L, K]) as top-k sets; skip -1 rows."""
+def routing_agreement(recorded: Any, native: Any, layout: RoutingLayout | None = None) -> Agreement:
+    """Compare two routings ([..., L, K] or lists of [T, L, K]) as top-k sets; skip -1 rows.
+
+    With `layout`, per-layer results are labelled with global layer indices (else 0..L-1).
+    """
     rec, nat = _as_array(recorded), _as_array(native)
     if rec.shape != nat.shape or rec.ndim < 3:
         raise InvalidRoutesError(
@@ -57,6 +62,11 @@ def routing_agreement(recorded: Any, native: Any) -> Agreement:
         per_layer = same_TL.sum(0) / per_layer_counts
     disagree_T = (compared_TL & ~same_TL).any(-1)
     k = rec_TLK.shape[-1]
+    layers = tuple(range(rec_TLK.shape[1])) if layout is None else layout.moe_layers
+    if len(layers) != rec_TLK.shape[1]:
+        raise InvalidRoutesError(
+            f"routes have {rec_TLK.shape[1]} layers but the layout has {len(layers)} MoE layers"
+        )
     return Agreement(
         router_agreement=_ratio(int(same_TL.sum()), decisions),
         token_disagreement=_ratio(int(disagree_T.sum()), num_tokens),
@@ -64,6 +74,7 @@ def routing_agreement(recorded: Any, native: Any) -> Agreement:
         expert_overlap=_ratio(int(overlap_TL[compared_TL].sum()), decisions * k),
         num_decisions=decisions,
         num_tokens=num_tokens,
+        layers=tuple(layers),
     )
 
 

@@ -144,7 +144,10 @@ def replay(model: nn.Module, routes: Any) -> Replay:
 
 
 def validate_routes(routes: Any, layout: RoutingLayout) -> Tensor:
-    """Check routes against the layout (dtype, L, K, id range, duplicates); return a torch view."""
+    """Check routes against the layout (dtype, L, K, id range, duplicates) as a torch tensor.
+
+    L may be the MoE layers (the stored form) or all layers (dense ones are dropped here).
+    """
     if isinstance(routes, np.ndarray):
         routes = torch.from_numpy(routes)
     if not isinstance(routes, Tensor):
@@ -159,11 +162,15 @@ def validate_routes(routes: Any, layout: RoutingLayout) -> Tensor:
             f"{list(routes.shape)}"
         )
     layers, top_k = routes.shape[-2:]
+    if layers == layout.num_layers != layout.num_moe_layers:  # all layers, as vLLM reports them
+        routes = routes[..., list(layout.moe_layers), :]
+        layers = layout.num_moe_layers
     if layers != layout.num_moe_layers or top_k != layout.top_k:
         raise LayoutMismatchError(
             f"routes end in (layers={layers}, top_k={top_k}) but the model routes "
-            f"{layout.num_moe_layers} MoE layers {list(layout.moe_layers)} with top_k="
-            f"{layout.top_k}: routes hold MoE layers only, in layer order"
+            f"{layout.num_moe_layers} MoE layers {list(layout.moe_layers)} of "
+            f"{layout.num_layers} with top_k={layout.top_k}: pass MoE layers only, in layer "
+            "order (or all layers)"
         )
     if routes.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
         raise InvalidRoutesError(

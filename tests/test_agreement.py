@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import InvalidRoutesError, routing_agreement
+from routing_replay import InvalidRoutesError, RoutingLayout, routing_agreement
 
 
 def test_sets_not_order_and_missing_ignored():
@@ -33,6 +33,10 @@ def test_sets_not_order_and_missing_ignored():
     np.testing.assert_allclose(a.per_layer, [1.0, 1 / 3])
     assert a.expert_overlap == pytest.approx((2 + 2 + 2 + 1 + 1) / 10)
     assert a.as_dict()["per_layer"] == [1.0, pytest.approx(1 / 3)]
+    assert a.layers == (0, 1)
+    assert routing_agreement(recorded, native, RoutingLayout(4, 2, 8, (1, 3))).layers == (1, 3)
+    with pytest.raises(InvalidRoutesError, match="layout has 3"):
+        routing_agreement(recorded, native, RoutingLayout(4, 2, 8, (1, 2, 3)))
 
 
 def test_lists_tensors_and_padded_shapes():

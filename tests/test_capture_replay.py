@@ -349,6 +349,21 @@ def test_capture_inside_replay_records_forced_ids():
     assert np.array_equal(np.stack(cap.routes()), routes.numpy())
 
 
+def test_routes_over_all_layers_are_accepted():
+    model = tiny_model("deepseek_v3")  # layer 0 is dense
+    layout = layout_of(model)
+    routes = random_routes(layout, (B, S), seed=14)
+    all_layers = torch.full((B, S, layout.num_layers, layout.top_k), MISSING, dtype=torch.int32)
+    all_layers[:, :, list(layout.moe_layers)] = routes
+    input_ids, mask = batch()
+    with torch.no_grad():
+        with replay(model, routes):
+            moe_only = model(input_ids=input_ids, attention_mask=mask).logits
+        with replay(model, all_layers):
+            every_layer = model(input_ids=input_ids, attention_mask=mask).logits
+    assert torch.equal(moe_only, every_layer)
+
+
 def test_packed_batch():
     model = tiny_model("deepseek_v3")
     layout = layout_of(model)
@@ -396,7 +411,7 @@ def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch)
 @pytest.mark.parametrize(
     ("change", "error", "words"),
     [
-        ("layers", LayoutMismatchError, "MoE layers"),
+        ("layers", LayoutMismatchError, "MoE layers only"),
         ("top_k", LayoutMismatchError, "top_k"),
         ("too_big", InvalidRoutesError, "out of range"),
         ("negative", InvalidRoutesError, "out of range"),
