@@ -6,7 +6,8 @@
 - capture: `model.generate` (KV cache, greedy, fixed length) with and without `capture`,
   including the `cap.routes()` call that aligns and returns the per-sample arrays.
 - replay: one training step (forward + backward, train mode) with and without
-  `replay(model, routes)`, including building the context (validation of the routes).
+  `replay(model, routes)` of the model's own routes (so the experts' work is the same),
+  including building the context (validation of the routes).
 
 Runs come in adjacent pairs (plain, with; then with, plain), so drift and other load hit
 both; the overhead is the median per-pair ratio minus one (ratios of medians and of minima
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
 
-from routing_replay import RoutingLayout, capture, replay
+from routing_replay import capture, replay
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -89,11 +90,12 @@ def capture_overhead(model, prompts: int, prompt_len: int, new: int, repeat: int
 
 
 def replay_overhead(model, batch: int, seq: int, repeat: int) -> dict:
-    layout = RoutingLayout.from_hf_config(model.config)
     input_ids = torch.randint(3, VOCAB, (batch, seq))
-    rng = np.random.default_rng(0)
-    keys = rng.random((batch, seq, layout.num_moe_layers, layout.num_experts))
-    routes = torch.from_numpy(np.argsort(keys, -1)[..., : layout.top_k].astype(np.int32))
+    # Replay the model's own routes, so the experts do the same work with and without replay
+    # and the difference is the library's cost alone.
+    with capture(model) as cap, torch.no_grad():
+        model(input_ids=input_ids)
+    routes = torch.from_numpy(np.stack(cap.routes()))
     routes[:, -1] = -1  # the last token of each sample: never forwarded at rollout
     model.train()
 
