@@ -166,12 +166,16 @@ class Capture:
                 self._generating = None
             prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
             sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
+            embeds = kwargs.get("inputs_embeds")
             if isinstance(prompt, Tensor):
                 group.prompt_cols = prompt.shape[1]
                 group.sequences = sequences[:, group.prompt_cols :]
-            else:  # inputs_embeds only: generate returns the new tokens alone
-                group.prompt_cols = kwargs["inputs_embeds"].shape[1]
+            elif isinstance(embeds, Tensor):  # generate returns the new tokens alone
+                group.prompt_cols = embeds.shape[1]
                 group.sequences = sequences
+            elif group.forwards:  # no prompt: generate started from its own BOS column(s)
+                group.prompt_cols = group.forwards[0].shape[1]
+                group.sequences = sequences[:, group.prompt_cols :]
             return out
 
         return capturing_generate

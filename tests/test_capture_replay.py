@@ -263,6 +263,40 @@ def test_router_grad_and_gradient_checkpointing(family):
         assert torch.equal(grads[name], grads_ckpt[name]), name
 
 
+def test_replay_gradients_match_a_hand_written_forced_router(family):
+    """Gradients under replay equal those of a router rewritten by hand to force the ids."""
+    model = tiny_model(family).train()
+    layout = layout_of(model)
+    input_ids, _ = batch(seed=15, pad=())
+    routes = random_routes(layout, (B, S), seed=16)  # every row forced
+    flat = routes.reshape(B * S, layout.num_moe_layers, layout.top_k).long()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with replay(model, routes):
+        ours = grads()
+    routers = [router_of(mlp) for mlp in moe_mlps(model)]
+    for j, router in enumerate(routers):
+
+        def forced(hidden, router=router, j=j):
+            logits, _, _ = type(router).forward(router, hidden)  # the family's own logits
+            return logits, family_weights(family, router, logits, flat[:, j]), flat[:, j]
+
+        router.forward = forced
+    try:
+        reference = grads()
+    finally:
+        for router in routers:
+            del router.forward
+    assert ours.keys() == reference.keys()
+    for name in ours:
+        # The same ops in the same order forward and backward: bitwise equal.
+        assert torch.equal(ours[name], reference[name]), name
+
+
 # -- capture with generate --------------------------------------------------------------------
 
 
@@ -322,6 +356,14 @@ def test_capture_generate_settings():
             input_ids, max_new_tokens=4, do_sample=True, num_return_sequences=3, eos_token_id=None
         )
     assert [t.tolist() for t in cap.token_ids()] == out.tolist()
+    with capture(model) as cap, torch.no_grad():  # prompt given as embeddings only
+        embeds = model.get_input_embeddings()(input_ids)
+        new = model.generate(inputs_embeds=embeds, max_new_tokens=3, eos_token_id=None)
+    assert cap.token_ids() == [None, None]  # routes still align: prompt, then new tokens
+    with capture(model) as full, torch.no_grad():
+        model(input_ids=torch.cat([input_ids, new], dim=1))
+    for r, f in zip(cap.routes(), full.routes(), strict=True):
+        assert r.shape == f.shape and np.array_equal(r[:-1], f[:-1]) and (r[-1] == -1).all()
     with capture(model), pytest.raises(NotImplementedError, match="beam"):
         model.generate(input_ids, max_new_tokens=2, num_beams=2)
     assert "generate" not in vars(model)  # unwrapped on exit
