@@ -93,9 +93,12 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def find_routers(model: nn.Module) -> MoeModel:
     """Routers of every MoE layer of a transformers model; raise if one is unknown or missing."""
+    config = getattr(model, "config", None)
+    if config is None:  # a DistributedDataParallel-style wrapper
+        config = getattr(getattr(model, "module", None), "config", None)
     try:
-        layout = RoutingLayout.from_hf_config(model.config)
-    except ValueError as err:
+        layout = RoutingLayout.from_hf_config(config)
+    except (ValueError, AttributeError) as err:
         raise UnsupportedModelError(f"{type(model).__name__} is not an MoE model: {err}") from err
     found: dict[int, Router] = {}
     for name, module in model.named_modules():

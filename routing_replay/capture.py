@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.adapters import MoeModel, find_routers
+from routing_replay.errors import UnsupportedModelError
 from routing_replay.layout import MISSING, RoutingLayout
 
 _Sample = tuple[np.ndarray | None, np.ndarray]  # (token ids or None, routes [T, L, K])
@@ -125,7 +126,13 @@ class Capture:
         if fwd is None:
             return
         if any(ids is None for ids in fwd.ids_L):
-            raise RuntimeError("capture: a MoE router did not run during the forward")
+            names = [
+                r.name for r, ids in zip(self.moe.routers, fwd.ids_L, strict=True) if ids is None
+            ]
+            raise UnsupportedModelError(
+                f"capture: the forward finished without calling the routers {names}; a fused "
+                "MoE kernel (e.g. use_kernels=True) routes on its own and cannot be captured"
+            )
         # One stack and one asynchronous device-to-host copy per forward; no per-layer sync.
         ids_NLK = torch.stack(fwd.ids_L, dim=1)
         fwd.ids_L = []

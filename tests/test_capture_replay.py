@@ -525,6 +525,21 @@ def test_router_bypassed_by_a_fused_kernel_fails_loudly():
     error = pytest.raises(UnsupportedModelError, match=r"layers\.1\.mlp\.router")
     with error, replay(model, routes), torch.no_grad():
         model(input_ids=batch(pad=())[0])
+    error = pytest.raises(UnsupportedModelError, match=r"layers\.1\.mlp\.router")
+    with error, capture(model), torch.no_grad():
+        model(input_ids=batch(pad=())[0])
+
+
+def test_wrapped_model():
+    model = tiny_model("mixtral")
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # what DistributedDataParallel looks like from outside
+    routes = random_routes(layout_of(model), (B, S), seed=17)
+    spy = Spy(model)
+    with replay(wrapper, routes), torch.no_grad():
+        model(input_ids=batch(pad=())[0])
+    spy.remove()
+    assert torch.equal(spy.ids(0), routes[:, :, 0].reshape(B * S, -1).long())
 
 
 def test_dense_model_fails_loudly():
