@@ -406,6 +406,27 @@ def test_routes_over_all_layers_are_accepted():
     assert torch.equal(moe_only, every_layer)
 
 
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_other_experts_implementations(impl):
+    model = tiny_model("qwen2_moe")
+    model.set_experts_implementation(impl)
+    layout = layout_of(model)
+    input_ids, mask = batch()
+    routes = random_routes(layout, (B, S), seed=18, missing=0.3)
+    spy = Spy(model)
+    with replay(model, routes), torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask)
+    spy.remove()
+    for j in range(layout.num_moe_layers):
+        forced = routes.reshape(B * S, layout.num_moe_layers, -1)[:, j].long()
+        keep = (forced != MISSING).all(-1)
+        assert torch.equal(spy.ids(j)[keep], forced[keep])
+    with capture(model) as cap, torch.no_grad():
+        native = model(input_ids=input_ids, attention_mask=mask).logits
+    with replay(model, left_pad(cap.routes(), S, layout)), torch.no_grad():
+        assert torch.equal(native, model(input_ids=input_ids, attention_mask=mask).logits)
+
+
 def test_packed_batch():
     model = tiny_model("deepseek_v3")
     layout = layout_of(model)
