@@ -29,14 +29,17 @@ class Replay:
     def __init__(self, model: nn.Module, routes: Any) -> None:
         self.model = model
         self.moe: MoeModel = find_routers(model)
-        self.routes: Tensor = validate_routes(routes, self.moe.layout)
+        self.routes: Tensor = check_routes_shape(routes, self.moe.layout)
         self.batch_shape: tuple[int, ...] = tuple(self.routes.shape[:-2])
         self.num_rows: int = int(np.prod(self.batch_shape))
-        missing_NL = (self.routes == MISSING).any(dim=-1).reshape(self.num_rows, -1)
-        # Decided once on the host, so the hooks never ask the device.
-        self._all_missing_L = missing_NL.all(dim=0).tolist()
-        self._any_missing_L = missing_NL.any(dim=0).tolist()
-        self._on_device: dict[torch.device, _DeviceRoutes] = {}
+        # The batch goes to the routers' device once; it is validated there, and the flags the
+        # hooks need (which layers have missing rows) come back in the one host sync.
+        device = _device_of(self.moe)
+        staged_NLK = _stage(self.routes, device, self.num_rows)
+        self._any_missing_L, self._all_missing_L = _check_values(
+            staged_NLK, self.moe.layout, self.batch_shape
+        )
+        self._on_device: dict[torch.device, _DeviceRoutes] = {device: _prepare(staged_NLK)}
         self._handles: list[Any] = []
         self._ran_L = [False] * self.moe.layout.num_moe_layers
         self._grad_forwards = 0
@@ -118,16 +121,8 @@ class Replay:
     def _device_routes(self, device: torch.device) -> _DeviceRoutes:
         """The batch's routes on `device`: copied once per device per batch, never per layer."""
         found = self._on_device.get(device)
-        if found is None:
-            routes = self.routes
-            if device.type == "cuda" and not routes.is_cuda:
-                routes = routes.pin_memory()
-            routes = routes.to(device, non_blocking=True).reshape(self.num_rows, *routes.shape[-2:])
-            missing_NLK = routes == MISSING
-            found = _DeviceRoutes(
-                ids_NLK=routes.masked_fill(missing_NLK, 0).long(),
-                missing_NL=missing_NLK.any(dim=-1),
-            )
+        if found is None:  # a model spread over devices: one more copy, for this one
+            found = _prepare(_stage(self.routes, device, self.num_rows))
             self._on_device[device] = found
         return found
 
@@ -148,6 +143,14 @@ def validate_routes(routes: Any, layout: RoutingLayout) -> Tensor:
 
     L may be the MoE layers (the stored form) or all layers (dense ones are dropped here).
     """
+    routes = check_routes_shape(routes, layout)
+    num_rows = int(np.prod(routes.shape[:-2]))
+    _check_values(routes.reshape(num_rows, *routes.shape[-2:]), layout, tuple(routes.shape[:-2]))
+    return routes
+
+
+def check_routes_shape(routes: Any, layout: RoutingLayout) -> Tensor:
+    """Type, dtype and shape checks (no values read); routes over all layers lose the dense ones."""
     if isinstance(routes, np.ndarray):
         routes = torch.from_numpy(routes)
     if not isinstance(routes, Tensor):
@@ -156,6 +159,11 @@ def validate_routes(routes: Any, layout: RoutingLayout) -> Tensor:
         )
     if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
         raise InvalidRoutesError(f"routes must hold integer expert ids, got dtype {routes.dtype}")
+    if routes.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        raise InvalidRoutesError(
+            f"routes have the stored dtype {routes.dtype}: decode them first (layout.decode) so "
+            "missing rows read -1"
+        )
     if routes.dim() < 3:
         raise InvalidRoutesError(
             f"routes must have shape input_ids.shape + (num_moe_layers, top_k), got "
@@ -172,27 +180,63 @@ def validate_routes(routes: Any, layout: RoutingLayout) -> Tensor:
             f"{layout.num_layers} with top_k={layout.top_k}: pass MoE layers only, in layer "
             "order (or all layers)"
         )
-    if routes.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-        raise InvalidRoutesError(
-            f"routes have the stored dtype {routes.dtype}: decode them first (layout.decode) so "
-            "missing rows read -1"
-        )
-    bad = (routes < MISSING) | (routes >= layout.num_experts)
-    if bool(bad.any()):
-        first = [int(i) for i in bad.nonzero()[0]]
-        raise InvalidRoutesError(
-            f"expert id {int(routes[tuple(first)])} at index {first} is out of range: ids must be "
-            f"in [0, {layout.num_experts}) or -1 for missing ({int(bad.sum())} bad ids in all)"
-        )
-    sorted_ids = routes.sort(dim=-1).values
-    dup = (sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] != MISSING)
-    if bool(dup.any()):
-        first = [int(i) for i in dup.nonzero()[0][:-1]]
-        raise InvalidRoutesError(
-            f"routes repeat an expert within one token's top-k at index {first}: "
-            f"{routes[tuple(first)].tolist()}"
-        )
     return routes
+
+
+def _check_values(
+    ids_NLK: Tensor, layout: RoutingLayout, batch_shape: tuple[int, ...]
+) -> tuple[list[bool], list[bool]]:
+    """Range and duplicate checks where the ids are, one host sync; per layer: any/all missing."""
+    bad_NLK = (ids_NLK < MISSING) | (ids_NLK >= layout.num_experts)
+    low_NLK, high_NLK = _neighbours(ids_NLK.sort(dim=-1).values)
+    dup_NL = ((low_NLK == high_NLK) & (high_NLK != MISSING)).any(dim=-1)
+    missing_NL = (ids_NLK == MISSING).any(dim=-1)
+    flags = torch.cat(
+        [bad_NLK.any()[None], dup_NL.any()[None], missing_NL.any(dim=0), missing_NL.all(dim=0)]
+    ).tolist()  # the one sync
+    if flags[0]:
+        n, layer, slot = (int(i) for i in bad_NLK.nonzero()[0])
+        raise InvalidRoutesError(
+            f"expert id {int(ids_NLK[n, layer, slot])} at index "
+            f"{[*_unravel(n, batch_shape), layer, slot]} is out of range: ids must be "
+            f"in [0, {layout.num_experts}) or -1 for missing ({int(bad_NLK.sum())} bad ids in all)"
+        )
+    if flags[1]:
+        n, layer = (int(i) for i in dup_NL.nonzero()[0])
+        raise InvalidRoutesError(
+            f"routes repeat an expert within one token's top-k at index "
+            f"{[*_unravel(n, batch_shape), layer]}: {ids_NLK[n, layer].tolist()}"
+        )
+    num_layers = layout.num_moe_layers
+    return flags[2 : 2 + num_layers], flags[2 + num_layers :]
+
+
+def _unravel(row: int, batch_shape: tuple[int, ...]) -> list[int]:
+    return [int(i) for i in np.unravel_index(row, batch_shape)]
+
+
+def _neighbours(sorted_NLK: Tensor) -> tuple[Tensor, Tensor]:
+    return sorted_NLK[..., :-1], sorted_NLK[..., 1:]
+
+
+def _device_of(moe: MoeModel) -> torch.device:
+    """Where the first router computes: its first parameter's device (CPU if it has none)."""
+    param = next(moe.routers[0].module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _stage(routes: Tensor, device: torch.device, num_rows: int) -> Tensor:
+    """The routes as [N, L, K] on `device`, copied asynchronously (through pinned memory)."""
+    if device.type == "cuda" and not routes.is_cuda:
+        routes = routes.pin_memory()
+    return routes.to(device, non_blocking=True).reshape(num_rows, *routes.shape[-2:])
+
+
+def _prepare(ids_NLK: Tensor) -> _DeviceRoutes:
+    missing_NLK = ids_NLK == MISSING
+    return _DeviceRoutes(
+        ids_NLK=ids_NLK.masked_fill(missing_NLK, 0).long(), missing_NL=missing_NLK.any(dim=-1)
+    )
 
 
 def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
