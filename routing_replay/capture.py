@@ -108,8 +108,8 @@ class Capture:
         valid = mask[:, -shape[1] :] if isinstance(mask, Tensor) and mask.dim() == 2 else None
         self._current = _Forward(
             shape=shape,
-            input_ids_BS=_to_host(input_ids),
-            valid_BS=_to_host(valid),
+            input_ids_BS=_to_host(input_ids, copy=True),  # callers may reuse their buffers
+            valid_BS=_to_host(valid, copy=True),
             past=past,
             ids_L=[None] * self.layout.num_moe_layers,
         )
@@ -288,12 +288,12 @@ def _eos_ids(eos: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _to_host(t: Tensor | None) -> Tensor | None:
+def _to_host(t: Tensor | None, copy: bool = False) -> Tensor | None:
     """Copy to (pinned, on CUDA) host memory without waiting for the device."""
     if t is None:
         return None
     if not t.is_cuda:
-        return t.detach()
+        return t.detach().clone() if copy else t.detach()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t.detach(), non_blocking=True)
     return host

@@ -461,7 +461,9 @@ def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch)
 
     copies = []
     real_to_host = capture_mod._to_host
-    monkeypatch.setattr(capture_mod, "_to_host", lambda t: copies.append(t) or real_to_host(t))
+    monkeypatch.setattr(
+        capture_mod, "_to_host", lambda t, **kw: copies.append(t) or real_to_host(t, **kw)
+    )
     with capture(model), torch.no_grad():
         model(input_ids=input_ids, attention_mask=mask)
     routes_copies = [t for t in copies if t is not None and t.dim() == 4]
