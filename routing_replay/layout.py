@@ -59,6 +59,18 @@ class RoutingLayout:
         return np.dtype(np.uint8) if self.num_experts <= 2**8 - 1 else np.dtype(np.uint16)
 
     @property
+    def signed_dtype(self) -> np.dtype:
+        """Dtype of routes handed back (get, to_torch): signed, -1 missing, ids unchanged.
+
+        The stored width when every id fits as signed (int8 up to 128 experts), so the
+        stored bytes are reinterpreted, not converted; one size wider otherwise.
+        """
+        width = self.dtype.itemsize
+        if self.num_experts - 1 > np.iinfo(np.dtype(f"i{width}")).max:
+            width *= 2
+        return np.dtype(f"i{width}")
+
+    @property
     def missing(self) -> int:
         """Stored value for a missing id: the dtype's maximum (255 for uint8)."""
         return int(np.iinfo(self.dtype).max)
@@ -77,6 +89,12 @@ class RoutingLayout:
 
     def check(self, routes: Any) -> np.ndarray:
         """Validate `[T, L, K]` routes (MoE or all layers, -1 missing); return MoE layers only."""
+        arr = self.select_moe(routes)
+        self.check_ids(arr)
+        return arr
+
+    def select_moe(self, routes: Any) -> np.ndarray:
+        """Check dtype and shape of `[T, L, K]` routes and drop dense layers (ids unchecked)."""
         arr = np.asarray(routes)
         if arr.dtype.kind not in "iu":
             raise InvalidRoutesError(
@@ -95,22 +113,36 @@ class RoutingLayout:
                 f"routes have {arr.shape[1]} layers; this layout has {self.num_moe_layers} MoE "
                 f"layers {list(self._moe)} out of {self.num_layers}: pass either"
             )
-        if arr.dtype == self.dtype:
-            # Engines hand over narrow ids already (vLLM: uint8): the marker is the dtype max.
-            bad = (arr >= self.num_experts) & (arr != self.missing)
-        else:
-            bad = ((arr < 0) | (arr >= self.num_experts)) & (arr != MISSING)
-        if bad.any():
-            token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
-            raise InvalidRoutesError(
-                f"expert id {int(arr[token, layer, slot])} at token {token}, MoE layer {layer}, "
-                f"slot {slot} is out of range: ids must be in [0, {self.num_experts}) or -1 for"
-                f" missing ({int(bad.sum())} bad ids in all)"
-            )
         return arr
 
+    def check_ids(self, arr: np.ndarray) -> None:
+        """Raise unless every id is in [0, num_experts) or missing (-1, or the stored marker)."""
+        if arr.size and not self._in_range(arr):
+            if arr.dtype == self.dtype:
+                bad = (arr >= self.num_experts) & (arr != self.missing)
+            else:
+                bad = ((arr < 0) | (arr >= self.num_experts)) & (arr != MISSING)
+            if bad.any():
+                token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
+                raise InvalidRoutesError(
+                    f"expert id {int(arr[token, layer, slot])} at token {token}, MoE layer "
+                    f"{layer}, slot {slot} is out of range: ids must be in "
+                    f"[0, {self.num_experts}) or -1 for missing ({int(bad.sum())} bad ids in all)"
+                )
+
+    def _in_range(self, arr: np.ndarray) -> bool:
+        """Fast path: two reductions, no temporaries; False means "look closer"."""
+        if arr.dtype == self.dtype:
+            # Engines hand over narrow ids already (vLLM: uint8), the marker is the dtype
+            # max; read as signed it is -1, like every other input.
+            if self.signed_dtype.itemsize != arr.itemsize:
+                return False
+            arr = arr.view(self.signed_dtype)
+        lo = arr.min()
+        return (lo >= MISSING or arr.dtype.kind == "u") and arr.max() < self.num_experts
+
     def convert(self, checked: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Write routes that passed `check` into `out` in the stored dtype and marker."""
+        """Write routes that passed `check_ids` into `out` in the stored dtype and marker."""
         if checked.dtype == self.dtype:
             np.copyto(out, checked)
         else:
@@ -124,16 +156,18 @@ class RoutingLayout:
         return self.convert(checked, np.empty(checked.shape, dtype=self.dtype))
 
     def decode(self, stored: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Stored ids to int32 with -1 for missing, in one pass when the ids allow it."""
-        signed = np.dtype(f"i{self.dtype.itemsize}")
+        """Stored ids as `signed_dtype` with -1 for missing: a view when the width allows."""
+        signed = self.signed_dtype
+        if signed.itemsize == self.dtype.itemsize:
+            view = stored.view(signed)  # the all-ones marker reads as -1
+            if out is None:
+                return view
+            np.copyto(out, view, casting="same_kind")
+            return out
         if out is None:
-            out = np.empty(stored.shape, dtype=np.int32)
-        if self.num_experts <= np.iinfo(signed).max:
-            # The marker is all ones: reinterpreted as signed it is -1, every id unchanged.
-            np.copyto(out, stored.view(signed), casting="same_kind")
-        else:
-            np.copyto(out, stored, casting="same_kind")
-            out[stored == self.missing] = MISSING
+            out = np.empty(stored.shape, dtype=signed)
+        np.copyto(out, stored, casting="same_kind")
+        out[stored == self.missing] = MISSING
         return out
 
     # -- (de)serialisation ----------------------------------------------------------

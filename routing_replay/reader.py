@@ -1,9 +1,11 @@
 """From Arrow routes batches to torch tensors: packed `[sum_T, L, K]` or padded `[B, S, L, K]`.
 
 Copies: `RoutingStore.read` gathers a batch's pages out of shared memory into one Arrow
-buffer (copy 1; needed because a sample's pages are not contiguous and a view would
-outlive the mapping). Arrow -> numpy -> torch is zero-copy. Widening the narrow ids to
-int32 with -1 for missing is copy 2, written straight into the returned tensor.
+buffer (the one copy of a local read; needed because a sample's pages are not contiguous,
+and a view would outlive the mapping). Arrow -> numpy -> torch is zero-copy: the packed
+tensor *is* the Arrow buffer, reinterpreted as `layout.signed_dtype` (int8 up to 128
+experts: the stored marker 255 reads as -1). Padding is a second copy, into the padded
+tensor; a layout whose ids need a wider signed type (129-255 experts) widens in that pass.
 """
 
 from __future__ import annotations
@@ -19,11 +21,18 @@ from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, layout_of
 
 def _stored_ids(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
     """The narrow ids of every token of a batch, `[sum_T, L*K]`, without copying."""
+    layout = layout_of(batch)
     column = batch.column(ROUTED_EXPERTS)
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    flat = [c.flatten().flatten().to_numpy(zero_copy_only=True) for c in chunks]
+    flat = [_values(chunk.flatten().flatten(), layout.dtype) for chunk in chunks]
     ids = flat[0] if len(flat) == 1 else np.concatenate(flat)
-    return ids.reshape(-1, layout_of(batch).values_per_token)
+    return ids.reshape(-1, layout.values_per_token)
+
+
+def _values(array: pa.Array, dtype: np.dtype) -> np.ndarray:
+    """A primitive Arrow array's values as numpy, writable when its buffer is."""
+    buf = array.buffers()[1]
+    return np.frombuffer(buf, dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
 def cu_seqlens(batch: pa.RecordBatch | pa.Table) -> torch.Tensor:
@@ -37,20 +46,20 @@ def cu_seqlens(batch: pa.RecordBatch | pa.Table) -> torch.Tensor:
 def to_torch(
     batch: pa.RecordBatch | pa.Table, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Routes of a batch as int32, -1 where missing: packed `[sum_T, L, K]`, or `[B, S, L, K]`.
+    """Routes of a batch, -1 where missing: packed `[sum_T, L, K]`, or padded `[B, S, L, K]`.
 
-    Without `attention_mask` the samples are packed back to back (see `cu_seqlens`); for
-    replay on a packed `[1, sum_T]` batch, `unsqueeze(0)` it. With the `[B, S]` mask of
-    a padded batch (left or right padding), sample b's routes fill row b's unmasked
-    positions, which must be one contiguous run of exactly `num_tokens[b]` positions.
+    The dtype is `layout.signed_dtype` (torch.int8 up to 128 experts, int16 beyond): ids
+    are small, and replay widens them on the device. Without `attention_mask` the samples
+    are packed back to back (see `cu_seqlens`) with no copy; for replay on a packed
+    `[1, sum_T]` batch, `unsqueeze(0)` it. With the `[B, S]` mask of a padded batch (left
+    or right padding), sample b's routes fill row b's unmasked positions, which must be
+    one contiguous run of exactly `num_tokens[b]` positions.
     """
     layout = layout_of(batch)
     L, K = layout.num_moe_layers, layout.top_k
     stored = _stored_ids(batch)
     if attention_mask is None:
-        out = torch.empty((len(stored), L, K), dtype=torch.int32)
-        layout.decode(stored.reshape(-1, L, K), out=out.numpy())
-        return out
+        return torch.from_numpy(layout.decode(stored.reshape(-1, L, K)))
     mask = torch.as_tensor(attention_mask).bool().cpu()
     lengths = batch.column(NUM_TOKENS).to_numpy()
     if mask.ndim != 2 or mask.shape[0] != len(lengths):
@@ -67,10 +76,9 @@ def to_torch(
                 "must cover exactly the tokens the trainer forwards, in order"
             )
     B, S = mask.shape
-    out = torch.full((B, S, L, K), MISSING, dtype=torch.int32)
-    out_np = out.numpy()
+    out_np = np.full((B, S, L, K), MISSING, dtype=layout.signed_dtype)
     row = 0
     for b, (n, start) in enumerate(zip(lengths.tolist(), starts.tolist(), strict=True)):
         layout.decode(stored[row : row + n].reshape(n, L, K), out=out_np[b, start : start + n])
         row += n
-    return out
+    return torch.from_numpy(out_np)

@@ -213,6 +213,11 @@ class RoutingStore:
         )
         page_values = self.page_tokens * self.layout.values_per_token
         self._data = np.ndarray((num_pages, page_values), self.layout.dtype, buf, offsets["data"])
+        # One view per field, made once: field lookups are on every put's path.
+        for field in PAGE_DTYPE.names:
+            setattr(self, f"_p_{field}", self._pages[field])
+        for field in SLOT_DTYPE.names:
+            setattr(self, f"_s_{field}", self._slots[field])
         self._pid = os.getpid()
 
     @staticmethod
@@ -337,7 +342,14 @@ class RoutingStore:
 
     def close(self) -> None:
         """Unmap the store in this process; stored samples stay for other processes."""
-        for attr in ("_hdr", "_pages", "_page_heads", "_slots", "_sample_heads", "_data"):
+        for attr in [a for a in self.__dict__ if a.startswith(("_p_", "_s_"))] + [
+            "_hdr",
+            "_pages",
+            "_page_heads",
+            "_slots",
+            "_sample_heads",
+            "_data",
+        ]:
             self.__dict__.pop(attr, None)
         self._seg.close()
 
@@ -383,20 +395,20 @@ class RoutingStore:
 
     def _repair(self) -> None:
         """Rebuild refcounts and buckets from the published slots (a locker died mid-change)."""
-        pages, slots = self._pages, self._slots
+        pages = self._pages
         refcount = np.zeros(len(pages), dtype=np.int64)
         self._sample_heads[:] = NO_PAGE
-        for s in np.flatnonzero(slots["state"] == PUBLISHED):
+        for s in np.flatnonzero(self._s_state == PUBLISHED):
             refcount[self._chain(int(s))] += 1
-            self._link_sample(int(s), bytes(slots["sample_id"][s]))
-        pages["refcount"] = refcount
-        for pid in np.unique(pages["owner"][pages["owner"] != 0]):
+            self._link_sample(int(s), bytes(self._s_sample_id[s]))
+        self._p_refcount[:] = refcount
+        for pid in np.unique(self._p_owner[self._p_owner != 0]):
             if not pid_alive(int(pid)):
-                pages["owner"][pages["owner"] == pid] = 0
+                self._p_owner[self._p_owner == pid] = 0
         self._page_heads[:] = NO_PAGE
-        for p in np.flatnonzero((refcount > 0) & (pages["key"] != 0)):
+        for p in np.flatnonzero((refcount > 0) & (self._p_key != 0)):
             self._link_page(int(p))
-        pages["key"][refcount == 0] = 0
+        self._p_key[refcount == 0] = 0
         self._hdr["dirty"] = 0
 
     # -- buckets ----------------------------------------------------------------------
@@ -406,16 +418,15 @@ class RoutingStore:
 
     def _link_sample(self, slot: int, raw_id: bytes) -> None:
         b = self._sample_bucket(raw_id)
-        self._slots["next"][slot] = self._sample_heads[b]
+        self._s_next[slot] = self._sample_heads[b]
         self._sample_heads[b] = slot
 
     def _find_slot(self, raw_id: bytes) -> int:
         s = int(self._sample_heads[self._sample_bucket(raw_id)])
-        slots = self._slots
         while s != NO_PAGE:
-            if slots["state"][s] == PUBLISHED and bytes(slots["sample_id"][s]) == raw_id:
+            if self._s_state[s] == PUBLISHED and bytes(self._s_sample_id[s]) == raw_id:
                 return s
-            s = int(slots["next"][s])
+            s = int(self._s_next[s])
         return NO_PAGE
 
     def _unlink_from(self, heads: np.ndarray, nexts: np.ndarray, bucket: int, item: int) -> None:
@@ -434,33 +445,31 @@ class RoutingStore:
         return ((key ^ ((parent + 2) * _GOLDEN)) & _MASK64) % len(self._page_heads)
 
     def _link_page(self, page: int) -> None:
-        pages = self._pages
-        b = self._page_bucket(int(pages["parent"][page]), int(pages["key"][page]))
-        pages["next"][page] = self._page_heads[b]
+        b = self._page_bucket(int(self._p_parent[page]), int(self._p_key[page]))
+        self._p_next[page] = self._page_heads[b]
         self._page_heads[b] = page
 
     def _find_page(self, parent: int, key: int, data: np.ndarray) -> int:
         """A published page with this parent, token key and byte-equal routes, or NO_PAGE."""
-        pages = self._pages
         p = int(self._page_heads[self._page_bucket(parent, key)])
         while p != NO_PAGE:
             if (
-                pages["key"][p] == key
-                and pages["parent"][p] == parent
-                and pages["refcount"][p] > 0
+                self._p_key[p] == key
+                and self._p_parent[p] == parent
+                and self._p_refcount[p] > 0
                 and np.array_equal(self._data[p], data)
             ):
                 return p
-            p = int(pages["next"][p])
+            p = int(self._p_next[p])
         return NO_PAGE
 
     # -- pages ------------------------------------------------------------------------
 
     def _chain(self, slot: int) -> np.ndarray:
         """Pages of a published sample, first to last."""
-        n = int(self._slots["num_pages"][slot])
+        n = int(self._s_num_pages[slot])
         chain = np.empty(n, dtype=np.int64)
-        p, parent = int(self._slots["last_page"][slot]), self._pages["parent"]
+        p, parent = int(self._s_last_page[slot]), self._p_parent
         for i in range(n - 1, -1, -1):
             chain[i] = p
             p = int(parent[p])
@@ -468,21 +477,20 @@ class RoutingStore:
 
     def _reserve(self, count: int) -> np.ndarray | None:
         """Claim `count` free pages for this process, or None if there are not enough."""
-        pages = self._pages
-        free = np.flatnonzero((pages["refcount"] == 0) & (pages["owner"] == 0))
+        free = np.flatnonzero((self._p_refcount == 0) & (self._p_owner == 0))
         if len(free) < count and self._reclaim_dead_writers():
-            free = np.flatnonzero((pages["refcount"] == 0) & (pages["owner"] == 0))
+            free = np.flatnonzero((self._p_refcount == 0) & (self._p_owner == 0))
         if len(free) < count:
             return None
         got = free[:count]
-        pages["owner"][got] = self._pid
-        pages["gen"][got] += 1
-        pages["key"][got] = 0
-        pages["parent"][got] = NO_PAGE
+        self._p_owner[got] = self._pid
+        self._p_gen[got] += 1
+        self._p_key[got] = 0
+        self._p_parent[got] = NO_PAGE
         return got
 
     def _reclaim_dead_writers(self) -> int:
-        owners = self._pages["owner"]
+        owners = self._p_owner
         freed = 0
         for pid in np.unique(owners[owners != 0]):
             if not pid_alive(int(pid)):
@@ -498,8 +506,8 @@ class RoutingStore:
 
     def _unreserve(self, got: np.ndarray) -> None:
         with self._locked(mutate=True):
-            mine = got[self._pages["owner"][got] == self._pid]
-            self._pages["owner"][mine] = 0
+            mine = got[self._p_owner[got] == self._pid]
+            self._p_owner[mine] = 0
 
     # -- writing ----------------------------------------------------------------------
 
@@ -514,7 +522,7 @@ class RoutingStore:
     ) -> RoutingRef:
         """Store one sample's `[T, L, K]` routes (-1 = missing) and return its reference."""
         raw_id = _sample_id_bytes(sample_id)
-        checked = self.layout.check(routes)
+        checked = self.layout.select_moe(routes)  # ids are checked after the copy, in cache
         num_tokens = len(checked)
         if num_tokens == 0:
             raise InvalidRoutesError(f"sample {sample_id!r} has no routed tokens")
@@ -542,10 +550,11 @@ class RoutingStore:
                     )
                 hits = self._match_prefix(keys, checked)
                 new = self._reserve(num_pages - len(hits))
-                hit_gens = self._pages["gen"][hits].copy()
+                hit_gens = self._p_gen[hits].copy()
             if new is not None:
                 try:
                     self._fill(new, checked[len(hits) * P :])
+                    self.layout.check_ids(checked)  # before publishing: nothing bad is seen
                     ref = self._publish(raw_id, hits, hit_gens, new, keys, num_tokens, prompt_len)
                 except BaseException:
                     self._unreserve(new)
@@ -603,39 +612,38 @@ class RoutingStore:
         num_tokens: int,
         prompt_len: int | None,
     ) -> RoutingRef | None:
-        pages, slots = self._pages, self._slots
         with self._locked(mutate=True):
             if hits and not (
-                np.array_equal(pages["gen"][hits], hit_gens) and (pages["refcount"][hits] > 0).all()
+                np.array_equal(self._p_gen[hits], hit_gens) and (self._p_refcount[hits] > 0).all()
             ):
-                pages["owner"][new] = 0
+                self._p_owner[new] = 0
                 return None
             if self._find_slot(raw_id) != NO_PAGE:
                 raise DuplicateSampleError(
                     f"sample {raw_id.decode()!r} was put concurrently by another writer"
                 )
-            free_slots = np.flatnonzero(slots["state"] == FREE)
+            free_slots = np.flatnonzero(self._s_state == FREE)
             if len(free_slots) == 0:
                 raise StoreFullError(
-                    f"store {self.name!r} holds its maximum of {len(slots)} samples: release "
+                    f"store {self.name!r} holds its maximum of {len(self._slots)} samples: release "
                     "consumed samples, or create it with a larger max_samples"
                 )
             slot = int(free_slots[0])
             chain = [*hits, *new.tolist()]
             if len(new):
-                pages["parent"][new] = [hits[-1] if hits else NO_PAGE, *new[:-1].tolist()]
+                self._p_parent[new] = [hits[-1] if hits else NO_PAGE, *new[:-1].tolist()]
             for i in range(len(hits), len(keys)):
-                pages["key"][chain[i]] = keys[i]
+                self._p_key[chain[i]] = keys[i]
                 self._link_page(chain[i])
-            pages["refcount"][chain] += 1
-            pages["owner"][new] = 0
-            slots["num_tokens"][slot] = num_tokens
-            slots["prompt_len"][slot] = -1 if prompt_len is None else prompt_len
-            slots["last_page"][slot] = chain[-1]
-            slots["num_pages"][slot] = len(chain)
-            slots["sample_id"][slot] = raw_id
+            self._p_refcount[chain] += 1
+            self._p_owner[new] = 0
+            self._s_num_tokens[slot] = num_tokens
+            self._s_prompt_len[slot] = -1 if prompt_len is None else prompt_len
+            self._s_last_page[slot] = chain[-1]
+            self._s_num_pages[slot] = len(chain)
+            self._s_sample_id[slot] = raw_id
             self._link_sample(slot, raw_id)
-            slots["state"][slot] = PUBLISHED  # the commit point
+            self._s_state[slot] = PUBLISHED  # the commit point
         return RoutingRef(raw_id.decode(), self.name, self.node_id, num_tokens, prompt_len)
 
     def _full_error(self, sample_id: str, num_tokens: int, timeout: float) -> StoreFullError:
@@ -654,22 +662,21 @@ class RoutingStore:
     def release(self, sample_ids: Iterable[str | RoutingRef]) -> None:
         """Drop samples; pages no other sample shares become free. Unknown ids raise first."""
         raw_ids = [_sample_id_bytes(s) for s in _as_list(sample_ids)]
-        pages, slots = self._pages, self._slots
         with self._locked(mutate=True):
             found = [self._find_slot(r) for r in raw_ids]
             self._raise_unknown(raw_ids, found, "release")
             for raw_id, slot in zip(raw_ids, found, strict=True):
                 chain = self._chain(slot)
-                slots["state"][slot] = FREE
+                self._s_state[slot] = FREE
                 self._unlink_from(
-                    self._sample_heads, slots["next"], self._sample_bucket(raw_id), slot
+                    self._sample_heads, self._s_next, self._sample_bucket(raw_id), slot
                 )
-                pages["refcount"][chain] -= 1
-                for p in chain[pages["refcount"][chain] == 0].tolist():
-                    if pages["key"][p]:
-                        bucket = self._page_bucket(int(pages["parent"][p]), int(pages["key"][p]))
-                        self._unlink_from(self._page_heads, pages["next"], bucket, p)
-                        pages["key"][p] = 0
+                self._p_refcount[chain] -= 1
+                for p in chain[self._p_refcount[chain] == 0].tolist():
+                    if self._p_key[p]:
+                        bucket = self._page_bucket(int(self._p_parent[p]), int(self._p_key[p]))
+                        self._unlink_from(self._page_heads, self._p_next, bucket, p)
+                        self._p_key[p] = 0
 
     def _raise_unknown(self, raw_ids: list[bytes], found: list[int], action: str) -> None:
         missing = [r.decode() for r, s in zip(raw_ids, found, strict=True) if s == NO_PAGE]
@@ -703,14 +710,14 @@ class RoutingStore:
                 self._raise_unknown(raw_ids, found, "read")
             chains = [self._chain(s) for s in found]
             meta = self._slots[["num_tokens", "prompt_len"]][found].copy()
-            gens = self._pages["gen"][np.concatenate(chains)] if chains else np.empty(0)
+            gens = self._p_gen[np.concatenate(chains)] if chains else np.empty(0)
         return [r.decode() for r in raw_ids], chains, meta, gens
 
     def _check_unchanged(self, ids: list[str], chains: list[np.ndarray], gens: np.ndarray) -> None:
         if not chains:
             return
         with self._locked():
-            now = self._pages["gen"][np.concatenate(chains)]
+            now = self._p_gen[np.concatenate(chains)]
         if not np.array_equal(now, gens):
             raise ConcurrentReleaseError(
                 f"a sample among {ids[:5]} was released and its pages reused while being "
@@ -742,7 +749,7 @@ class RoutingStore:
         return range(0, prompt_len) if part == "prompt" else range(prompt_len, num_tokens)
 
     def get(self, sample_id: str | RoutingRef, part: Part = "all") -> np.ndarray:
-        """One sample's routes as int32 `[T, L, K]`, -1 where missing (a copy)."""
+        """One sample's routes `[T, L, K]` (`layout.signed_dtype`, -1 missing), a copy."""
         ids, chains, meta, gens = self._locate([sample_id])
         span = self._span(ids[0], int(meta["num_tokens"][0]), int(meta["prompt_len"][0]), part)
         stored = np.empty((len(span), self.layout.values_per_token), dtype=self.layout.dtype)
@@ -776,17 +783,17 @@ class RoutingStore:
             return self._find_slot(raw_id) != NO_PAGE
 
     def __len__(self) -> int:
-        return int((self._slots["state"] == PUBLISHED).sum())
+        return int((self._s_state == PUBLISHED).sum())
 
     def stats(self) -> StoreStats:
         """Capacity, use and prefix-sharing savings."""
         with self._locked():
-            pages, slots = self._pages, self._slots
-            published = slots["state"] == PUBLISHED
-            used = int((pages["refcount"] > 0).sum())
-            pending = int(((pages["owner"] != 0) & (pages["refcount"] == 0)).sum())
-            referenced = int(slots["num_pages"][published].sum())
-            tokens = int(slots["num_tokens"][published].sum())
+            pages = self._pages
+            published = self._s_state == PUBLISHED
+            used = int((self._p_refcount > 0).sum())
+            pending = int(((self._p_owner != 0) & (self._p_refcount == 0)).sum())
+            referenced = int(self._s_num_pages[published].sum())
+            tokens = int(self._s_num_tokens[published].sum())
             samples = int(published.sum())
         page_bytes = self.page_tokens * self.layout.bytes_per_token
         return StoreStats(

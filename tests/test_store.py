@@ -155,6 +155,7 @@ def test_writer_killed_mid_put(name):
             p = FORK.Process(target=_endless_writer, args=(name, last_committed))
             p.start()
             while last_committed.value < 0:
+                assert p.is_alive(), f"writer died before its first put: {p.exitcode}"
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.05, 0.4))
             os.kill(p.pid, signal.SIGKILL)

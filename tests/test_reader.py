@@ -1,0 +1,110 @@
+"""Arrow batches to torch: packed with cu_seqlens, padded left and right, alignment errors."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from routing_replay import (
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutingLayout,
+    RoutingStore,
+    cu_seqlens,
+    layout_of,
+    routes_schema,
+    to_torch,
+)
+from routing_replay.shm import segment_path
+
+LAYOUT = RoutingLayout(3, 2, 8, (0, 2))
+
+
+@pytest.fixture
+def store():
+    name = f"test-reader-{uuid.uuid4().hex[:8]}"
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=4096, page_tokens=8) as s:
+        yield s
+    assert not os.path.exists(segment_path(name))
+
+
+def _routes(n: int, seed: int) -> np.ndarray:
+    r = np.random.default_rng(seed).integers(0, 8, (n, 2, 2))
+    r[-1] = -1
+    return r
+
+
+def test_packed_and_padded(store):
+    lengths = [5, 1, 12]
+    samples = [_routes(n, i) for i, n in enumerate(lengths)]
+    for i, r in enumerate(samples):
+        store.put(f"s{i}", r, prompt_len=1)
+    batch = store.read(["s0", "s1", "s2"])
+    assert batch.schema.equals(routes_schema(LAYOUT), check_metadata=True)
+    assert layout_of(batch) == LAYOUT
+
+    packed = to_torch(batch)
+    assert packed.dtype == torch.int8 and packed.shape == (18, 2, 2)
+    assert cu_seqlens(batch).tolist() == [0, 5, 6, 18]
+    assert torch.equal(packed, torch.from_numpy(np.concatenate(samples)).to(torch.int8))
+
+    S = 14
+    right = torch.zeros(3, S, dtype=torch.bool)
+    left = torch.zeros(3, S, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        right[b, :n] = True
+        left[b, S - n :] = True
+    for mask in (right, left):
+        padded = to_torch(batch, mask)
+        assert padded.shape == (3, S, 2, 2)
+        assert (padded[~mask] == -1).all()
+        for b, r in enumerate(samples):
+            assert torch.equal(padded[b][mask[b]].long(), torch.from_numpy(r))
+
+    # Completion-only reads line up with a completion mask.
+    comp = store.read(["s0", "s2"], part="completion")
+    assert comp.column("num_tokens").to_pylist() == [4, 11]
+    assert torch.equal(to_torch(comp)[:4].long(), torch.from_numpy(samples[0][1:]))
+
+
+def test_sliced_and_chunked_batches(store):
+    samples = [_routes(n, i) for i, n in enumerate([3, 7, 2, 9])]
+    for i, r in enumerate(samples):
+        store.put(f"s{i}", r)
+    batch = store.read([f"s{i}" for i in range(4)])
+    tail = batch.slice(1, 2)
+    assert torch.equal(to_torch(tail).long(), torch.from_numpy(np.concatenate(samples[1:3])))
+    table = pa.Table.from_batches([batch.slice(0, 2), batch.slice(2, 2)])
+    assert torch.equal(to_torch(table).long(), torch.from_numpy(np.concatenate(samples)))
+    assert cu_seqlens(table).tolist() == [0, 3, 10, 12, 21]
+
+
+def test_misaligned_mask_is_refused(store):
+    store.put("a", _routes(4, 0))
+    store.put("b", _routes(3, 1))
+    batch = store.read(["a", "b"])
+    good = torch.tensor([[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
+    assert to_torch(batch, good).shape == (2, 5, 2, 2)
+    with pytest.raises(InvalidRoutesError, match="row 1 of attention_mask has 4 tokens"):
+        to_torch(batch, torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]))
+    with pytest.raises(InvalidRoutesError, match="contiguous"):
+        to_torch(batch, torch.tensor([[1, 1, 0, 1, 1], [0, 0, 1, 1, 1]]))
+    with pytest.raises(InvalidRoutesError, match="attention_mask must be"):
+        to_torch(batch, good[:1])
+    with pytest.raises(LayoutMismatchError, match="no routing layout metadata"):
+        to_torch(batch.replace_schema_metadata(None))
+
+
+def test_wide_layout_widens_once(store):
+    layout = RoutingLayout(2, 2, 200)  # uint8 storage, ids above 127 need int16
+    name = f"test-reader-wide-{uuid.uuid4().hex[:8]}"
+    with RoutingStore.create(name, layout, capacity_tokens=64) as wide:
+        r = np.array([[[199, 0], [-1, -1]], [[150, 3], [7, 128]]])
+        wide.put("w", r)
+        t = to_torch(wide.read(["w"]))
+        assert t.dtype == torch.int16 and torch.equal(t.long(), torch.from_numpy(r))
