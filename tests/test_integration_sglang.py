@@ -1,0 +1,174 @@
+"""SGLang payloads, built exactly as SGLang's detokenizer builds them, into a real store."""
+
+from __future__ import annotations
+
+import base64
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from integrations.sglang import decode_routed_experts, put_sglang, routes_from_sglang
+from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout, RoutingStore
+from routing_replay.shm import segment_path
+
+# 4 hidden layers, layer 1 dense (Qwen3-MoE mlp_only_layers style), top-2 of 8 experts.
+LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(0, 2, 3))
+PAGE = 4
+
+
+@pytest.fixture
+def store():
+    name = f"test-sglang-{uuid.uuid4().hex[:10]}"
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=256, page_tokens=PAGE) as s:
+        yield s
+    assert not os.path.exists(segment_path(name))
+
+
+def engine_rows(num_rows: int, seed: int) -> np.ndarray:
+    """What SGLang's capturer holds: int32 [rows, num_hidden_layers, top_k], dense rows 0."""
+    rng = np.random.default_rng(seed)
+    rows = np.zeros((num_rows, LAYOUT.num_layers, LAYOUT.top_k), dtype=np.int32)
+    for t in range(num_rows):
+        for layer in LAYOUT.moe_layers:
+            rows[t, layer] = rng.choice(LAYOUT.num_experts, LAYOUT.top_k, replace=False)
+    return rows
+
+
+def sglang_response(rows: np.ndarray, prompt_len: int, output_ids: list[int], **meta) -> dict:
+    """A /generate response as SGLang returns it (detokenizer: b64 of tensor.numpy().tobytes())."""
+    tensor = torch.from_numpy(rows).to(torch.int32)
+    payload = base64.b64encode(tensor.numpy().tobytes()).decode("utf-8")
+    info = {
+        "id": "req-0",
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(output_ids),
+        "finish_reason": {"type": "length", "length": len(output_ids)},
+        "routed_experts": payload,
+        **meta,
+    }
+    return {"text": "", "output_ids": output_ids, "meta_info": info}
+
+
+def as_b64(array: np.ndarray) -> str:
+    return base64.b64encode(array.tobytes()).decode()
+
+
+def moe_only(rows: np.ndarray) -> np.ndarray:
+    return rows[:, list(LAYOUT.moe_layers)]
+
+
+def assert_untouched(store: RoutingStore) -> None:
+    s = store.stats()
+    assert (len(store), s.pages_used, s.pages_pending) == (0, 0, 0)
+
+
+def test_full_payload_round_trip(store):
+    prompt, output = [5, 6, 7, 8, 9], [10, 11, 12]
+    rows = engine_rows(len(prompt) + len(output) - 1, seed=0)
+    ref = put_sglang(store, "s0", sglang_response(rows, 5, output), prompt)
+    assert (ref.num_tokens, ref.prompt_len) == (8, 5)
+    got = store.get("s0")
+    assert got.shape == (8, 3, 2)
+    np.testing.assert_array_equal(got[:7], moe_only(rows))
+    assert (got[7] == -1).all()  # the last sampled token was never forwarded
+    np.testing.assert_array_equal(store.get("s0", part="prompt"), moe_only(rows)[:5])
+
+
+def test_suffix_from_start_len_lands_at_its_offset(store):
+    prompt, output = list(range(20, 30)), [31, 32, 33, 34]
+    full = engine_rows(13, seed=1)
+    start = 6  # routed_experts_start_len=6: SGLang returns rows 6: only
+    response = sglang_response(full[start:], 10, output)
+    put_sglang(store, "suffix", response, prompt, start_len=start)
+    got = store.get("suffix")
+    assert (got[:start] == -1).all() and (got[13] == -1).all()
+    np.testing.assert_array_equal(got[start:13], moe_only(full)[start:])
+
+
+def test_moe_only_and_narrow_dtype_payloads(store):
+    prompt, output = [1, 2, 3], [4, 5]
+    rows = engine_rows(4, seed=2)
+    narrow = moe_only(rows).astype(np.uint8)
+    payload = base64.b64encode(narrow.tobytes()).decode()
+    response = sglang_response(rows, 3, output)
+    response["meta_info"].update(routed_experts=payload, routed_experts_dtype="uint8")
+    put_sglang(store, "narrow", response, prompt)
+    np.testing.assert_array_equal(store.get("narrow")[:4], moe_only(rows))
+
+
+def test_grpo_samples_share_prompt_pages(store):
+    prompt = list(range(40, 52))  # 12 tokens: 3 full pages of 4
+    prompt_rows = engine_rows(12, seed=3)
+    for i in range(4):
+        output = [60 + i, 61, 62, 63, 64 + i]
+        completion_rows = engine_rows(4, seed=10 + i)  # 5 generated -> 4 forwarded rows
+        rows = np.concatenate([prompt_rows, completion_rows])
+        put_sglang(store, f"p0-s{i}", sglang_response(rows, 12, output), prompt)
+    s = store.stats()
+    # each sample: 17 tokens = 5 pages; the 3 prompt pages are stored once.
+    assert (s.samples, s.pages_used) == (4, 3 + 4 * 2)
+    assert s.bytes_unshared == 4 * 5 * PAGE * LAYOUT.bytes_per_token
+    assert s.bytes_used == 11 * PAGE * LAYOUT.bytes_per_token
+
+
+def test_decode_matches_sglang_extractor():
+    rows = engine_rows(5, seed=4)
+    info = sglang_response(rows, 3, [1, 2, 3])["meta_info"]
+    flat = np.frombuffer(base64.b64decode(info["routed_experts"].encode("utf-8")), np.int32)
+    np.testing.assert_array_equal(decode_routed_experts(info, LAYOUT).reshape(-1), flat)
+
+
+def bad_cases():
+    output = [9, 10, 11]
+    rows = engine_rows(6, seed=5)
+    good = sglang_response(rows, 4, output)["meta_info"]["routed_experts"]
+
+    def response(payload=good, rows_=None, output_=output, **meta):
+        r = sglang_response(rows if rows_ is None else rows_, 4, output_, **meta)
+        if payload is not None:
+            r["meta_info"]["routed_experts"] = payload
+        return r
+
+    out_of_range = rows.copy()
+    out_of_range[2, 3, 1] = 8
+    negative = rows.copy()
+    negative[0, 0, 0] = -7
+    dense_routed = rows.copy()
+    dense_routed[1, 1] = [3, 4]
+    zeros = rows.copy()
+    zeros[:, list(LAYOUT.moe_layers)] = 0
+    three_layers = np.zeros((6, 3 + 2, 2), np.int32)
+    yield "wrong layer count", response(rows_=three_layers, payload=None), "240 bytes"
+    yield "truncated base64", response(payload=good[:-3]), "not valid base64"
+    yield "truncated at a 4-char boundary", response(payload=good[:-8]), "truncated"
+    yield "not base64", response(payload=good[:-4] + "!!!!"), "not valid base64"
+    yield "unknown dtype", response(routed_experts_dtype="float32"), "routed_experts_dtype"
+    yield "float payload", response(payload=as_b64(rows.astype(np.float32))), "out of"
+    yield "id out of range", response(rows_=out_of_range, payload=None), "expert id 8"
+    yield "negative id", response(rows_=negative, payload=None), "expert id -7"
+    extra = response()
+    extra["output_ids"] = [*output, 12]
+    yield "one output id too many", extra, "meta_info says"
+    yield "rows not matching tokens", response(rows_=rows[:5], payload=None), "6 rows"
+    yield "dense layer routed", response(rows_=dense_routed, payload=None), "layer 1 routes"
+    yield "all-zero routes", response(rows_=zeros, payload=None), "twice"
+    yield "no payload", {"meta_info": {"prompt_tokens": 4}}, "enable-return-routed-experts"
+    yield "payload None", response(payload=None) | {"meta_info": {"routed_experts": None}}, "None"
+
+
+@pytest.mark.parametrize("label,response,message", list(bad_cases()), ids=lambda x: x)
+def test_bad_payloads_raise_and_leave_store_unharmed(store, label, response, message):
+    with pytest.raises((InvalidRoutesError, LayoutMismatchError), match=message):
+        put_sglang(store, "bad", response, [5, 6, 7, 8], output_ids=None)
+    assert_untouched(store)
+    assert "bad" not in store
+
+
+def test_routes_without_store_have_trainer_rows():
+    rows = engine_rows(3, seed=6)
+    got = routes_from_sglang(sglang_response(rows, 2, [7, 8]), LAYOUT, num_tokens=4)
+    assert got.dtype == LAYOUT.signed_dtype and got.shape == (4, 3, 2)
+    np.testing.assert_array_equal(got[:3], moe_only(rows))
