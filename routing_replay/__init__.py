@@ -5,6 +5,7 @@ Data path, top to bottom: layout -> capture -> store -> read -> replay.
 
 from routing_replay.agreement import Agreement, routing_agreement
 from routing_replay.capture import Capture, capture
+from routing_replay.dataset import fetch_batch, read_dataset, release_refs, routes_collate_fn
 from routing_replay.errors import (
     ConcurrentReleaseError,
     DuplicateSampleError,
@@ -19,8 +20,10 @@ from routing_replay.errors import (
 from routing_replay.layout import MISSING, RoutingLayout
 from routing_replay.reader import cu_seqlens, to_torch
 from routing_replay.replay import Replay, replay
+from routing_replay.rollout import Rollout, RolloutWorker, rollout_worker
 from routing_replay.schema import layout_of, routes_schema
 from routing_replay.store import RoutingRef, RoutingStore, StoreStats
+from routing_replay.store_actor import node_store, shutdown_node_stores
 
 __all__ = [
     "MISSING",
@@ -31,6 +34,8 @@ __all__ = [
     "InvalidRoutesError",
     "LayoutMismatchError",
     "Replay",
+    "Rollout",
+    "RolloutWorker",
     "RoutingLayout",
     "RoutingRef",
     "RoutingReplayError",
@@ -42,10 +47,17 @@ __all__ = [
     "UnsupportedModelError",
     "capture",
     "cu_seqlens",
+    "fetch_batch",
     "layout_of",
+    "node_store",
+    "read_dataset",
+    "release_refs",
     "replay",
+    "rollout_worker",
+    "routes_collate_fn",
     "routes_schema",
     "routing_agreement",
+    "shutdown_node_stores",
     "to_torch",
 ]
 __version__ = "0.1.0"

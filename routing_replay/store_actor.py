@@ -1,0 +1,356 @@
+"""Node store actors: one Ray actor per (job, node) that owns that node's routing store.
+
+The actor is named `rr-store-<job>-<node id[:12]>` in the `routing_replay` namespace, pinned
+to its node with a hard node-affinity strategy, and *detached*: it is started by whichever
+process first calls `node_store(job, layout)` on the node (a rollout worker, usually), so
+it must not die with that process. It creates the node's segment
+`/dev/shm/rr_<job>.<node id[:12]>.<incarnation>` (with `node_id=` Ray's node id, so
+`RoutingRef.node_id` says where a sample lives), serves reads of its samples to other
+nodes as Arrow tables, releases, and unlinks on `shutdown_node_stores(job)`.
+
+A store actor that dies loses its samples: a restarted actor (the next `node_store` call
+on the node starts one) sweeps the dead incarnation's segment and creates a new one under
+a new name, so refs to the lost samples fail with `StoreUnavailableError` instead of
+silently reading another run's data.
+
+Ray is imported inside the functions: `import routing_replay` works without Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from routing_replay.errors import RoutingReplayError, StoreUnavailableError
+from routing_replay.layout import RoutingLayout
+from routing_replay.shm import SEGMENT_PREFIX, SHM_DIR, pid_alive, segment_path
+from routing_replay.store import DEFAULT_PAGE_TOKENS, HEADER_DTYPE, RoutingRef, RoutingStore
+
+NAMESPACE = "routing_replay"
+DEFAULT_CAPACITY_TOKENS = 1 << 20
+NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
+JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+_attached: dict[str, RoutingStore] = {}  # this process's mappings, by store name
+_attached_lock = threading.Lock()
+
+
+# -- names ---------------------------------------------------------------------------
+
+
+def _check_job(job: str) -> str:
+    if not isinstance(job, str) or not JOB_PATTERN.match(job):
+        raise ValueError(
+            f"job {job!r} must be 1-64 characters from [A-Za-z0-9_-]: it names the store "
+            "actors and their /dev/shm segments"
+        )
+    return job
+
+
+def actor_name(job: str, node_id: str) -> str:
+    """Name of the store actor of `job` on the Ray node `node_id`."""
+    return f"rr-store-{_check_job(job)}-{node_id[:NODE_PREFIX]}"
+
+
+def _store_prefix(job: str, node_id: str) -> str:
+    return f"{_check_job(job)}.{node_id[:NODE_PREFIX]}."
+
+
+def job_of(ref: RoutingRef) -> str:
+    """The job a ref's store belongs to (store names are `<job>.<node>.<incarnation>`)."""
+    parts = ref.store.split(".")
+    if len(parts) != 3:
+        raise StoreUnavailableError(
+            f"ref {ref.sample_id!r} is in store {ref.store!r}, which no node store actor "
+            "made: read it with RoutingStore.attach on its node"
+        )
+    return parts[0]
+
+
+def current_node_id() -> str:
+    """Ray's id of the node this process runs on (driver, task or actor)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+# -- the actor -------------------------------------------------------------------------
+
+
+class NodeStoreActor:
+    """Owns one node's RoutingStore for one job: creates it, serves reads and releases, unlinks."""
+
+    def __init__(
+        self,
+        job: str,
+        layout_json: str,
+        capacity_tokens: int,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        max_samples: int | None = None,
+    ) -> None:
+        self.job = _check_job(job)
+        self.node_id = current_node_id()
+        self.swept = sweep_dead_segments(job, self.node_id)
+        name = _store_prefix(job, self.node_id) + uuid.uuid4().hex[:8]
+        self.store = RoutingStore.create(
+            name,
+            RoutingLayout.from_json(layout_json),
+            capacity_tokens,
+            page_tokens=page_tokens,
+            max_samples=max_samples,
+            node_id=self.node_id,
+        )
+        self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        """Store name, node, pid and layout: what `node_store` needs to attach."""
+        return {
+            "store": self.store.name,
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "layout": self.store.layout.to_json(),
+            "capacity_tokens": self.store.capacity_tokens,
+            "page_tokens": self.store.page_tokens,
+        }
+
+    def read(
+        self, refs: list[RoutingRef | str], part: str = "all", release: bool = False
+    ) -> pa.Table:
+        """Samples as one Arrow table (one copy out of shm); optionally release them after."""
+        _check_refs_in(refs, self.store.name, self.node_id)
+        batch = self.store.read(refs, part=part)  # type: ignore[arg-type]
+        if release:
+            self.store.release(refs)
+        with self._lock:
+            self.counters["read_calls"] += 1
+            self.counters["samples_served"] += batch.num_rows
+            self.counters["bytes_served"] += batch.nbytes
+            self.counters["released"] += batch.num_rows if release else 0
+        return pa.Table.from_batches([batch])
+
+    def read_block(
+        self, refs: list[RoutingRef | str], part: str = "all", release: bool = False
+    ) -> tuple[pa.Table, int]:
+        """`read`, plus the row count as a second return (call with num_returns=2)."""
+        table = self.read(refs, part, release)
+        return table, table.num_rows
+
+    def release(self, refs: list[RoutingRef | str]) -> int:
+        """Release samples of this store; returns how many."""
+        _check_refs_in(refs, self.store.name, self.node_id)
+        self.store.release(refs)
+        with self._lock:
+            self.counters["released"] += len(refs)
+        return len(refs)
+
+    def stats(self) -> dict[str, Any]:
+        """The store's StoreStats fields plus this actor's read/release counters."""
+        with self._lock:
+            counters = dict(self.counters)
+        return {**vars(self.store.stats()), **counters, "store": self.store.name}
+
+    def shutdown(self) -> None:
+        """Unmap and unlink the segment (idempotent); the caller then kills the actor."""
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            with contextlib.suppress(BufferError, OSError):
+                store.close()
+            store.unlink()
+
+    def __ray_shutdown__(self) -> None:
+        """Ray's graceful-exit hook: unlink the segment if `shutdown` was not called."""
+        self.shutdown()
+
+
+def _check_refs_in(refs: list[RoutingRef | str], store: str, node_id: str) -> None:
+    lost = [r for r in refs if isinstance(r, RoutingRef) and r.store != store]
+    if lost:
+        raise lost_error(lost, f"now {store!r}")
+
+
+def lost_error(refs: list[RoutingRef], why: str) -> StoreUnavailableError:
+    """The error for refs whose store is gone (its actor died and was restarted, or stopped)."""
+    shown = ", ".join(repr(r.sample_id) for r in refs[:5])
+    more = f" and {len(refs) - 5} more" if len(refs) > 5 else ""
+    return StoreUnavailableError(
+        f"samples {shown}{more} were stored in {refs[0].store!r} on node {refs[0].node_id[:12]}, "
+        f"which no longer exists ({why}): the node's store actor died or was shut down and "
+        "its samples are lost; roll those samples out again"
+    )
+
+
+# -- starting, finding, stopping ------------------------------------------------------
+
+
+def _actor_class() -> Any:
+    import ray
+
+    global _REMOTE
+    if _REMOTE is None:
+        _REMOTE = ray.remote(NodeStoreActor)
+    return _REMOTE
+
+
+_REMOTE: Any = None
+
+
+def store_actor(
+    job: str,
+    layout: RoutingLayout | None = None,
+    *,
+    node_id: str | None = None,
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    page_tokens: int = DEFAULT_PAGE_TOKENS,
+    max_samples: int | None = None,
+) -> Any:
+    """The store actor of `job` on `node_id` (default: this node); starts it given a layout."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node_id or current_node_id()
+    name = actor_name(job, node_id)
+    if layout is None:
+        try:
+            return ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            raise StoreUnavailableError(
+                f"no store actor for job {job!r} on node {node_id[:12]} ({name!r} in namespace "
+                f"{NAMESPACE!r}): it was shut down, its node died, or nothing was stored there"
+            ) from None
+    return (
+        _actor_class()
+        .options(
+            name=name,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(job, layout.to_json(), capacity_tokens, page_tokens, max_samples)
+    )
+
+
+def node_store(
+    job: str,
+    layout: RoutingLayout,
+    *,
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    page_tokens: int = DEFAULT_PAGE_TOKENS,
+    max_samples: int | None = None,
+) -> RoutingStore:
+    """This node's RoutingStore for `job` (attached), starting the node's store actor if needed.
+
+    Call it in any Ray task, actor or driver, once per step rather than once per process: it
+    asks the actor which segment is current, so a writer never keeps putting into the
+    segment of a store actor that died. Capacity arguments apply when the actor starts.
+    """
+    import ray
+
+    actor = store_actor(
+        job,
+        layout,
+        capacity_tokens=capacity_tokens,
+        page_tokens=page_tokens,
+        max_samples=max_samples,
+    )
+    try:
+        info = ray.get(actor.info.remote())
+    except ray.exceptions.RayActorError as e:
+        raise StoreUnavailableError(
+            f"the store actor of job {job!r} on this node failed to start or died: {e}"
+        ) from e
+    return attached(info["store"], layout)
+
+
+def attached(name: str, layout: RoutingLayout | None = None) -> RoutingStore:
+    """This process's mapping of the live store `name`, attaching (once) if needed."""
+    with _attached_lock:
+        store = _attached.get(name)
+        if store is not None and not _is_live(store):
+            _attached.pop(name)
+            with contextlib.suppress(BufferError, OSError):
+                store.close()
+            store = None
+        if store is None:
+            store = RoutingStore.attach(name, layout)
+            if not _is_live(store):
+                with contextlib.suppress(BufferError, OSError):
+                    store.close()
+                raise StoreUnavailableError(
+                    f"store {name!r}: its owner process is dead (the node's store actor "
+                    "died); its samples are lost"
+                )
+            _attached[name] = store
+    if layout is not None and layout != store.layout:
+        from routing_replay.errors import LayoutMismatchError
+
+        raise LayoutMismatchError(f"store {name!r} holds routes for {store.layout}, not {layout}")
+    return store
+
+
+def _is_live(store: RoutingStore) -> bool:
+    """The mapping is still the file at its path, and the owner (the actor) is alive."""
+    try:
+        on_disk = os.stat(segment_path(store.name)).st_ino
+    except FileNotFoundError:
+        return False
+    if on_disk != os.fstat(store._seg.fd).st_ino:
+        return False
+    return pid_alive(int(store._hdr["owner_pid"]))
+
+
+def sweep_dead_segments(job: str, node_id: str) -> list[str]:
+    """Unlink this job's segments on this node whose owning process is dead; returns them."""
+    prefix = SEGMENT_PREFIX + _store_prefix(job, node_id)
+    swept = []
+    for entry in os.listdir(SHM_DIR):
+        if not entry.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            with open(path, "rb") as f:
+                header = np.frombuffer(f.read(HEADER_DTYPE.itemsize), HEADER_DTYPE)
+        except OSError:
+            continue
+        if len(header) and pid_alive(int(header["owner_pid"][0])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        swept.append(entry[len(SEGMENT_PREFIX) :])
+    return swept
+
+
+def store_actors(job: str | None = None) -> dict[str, Any]:
+    """Live store actors (of `job`, or of every job), by actor name."""
+    import ray
+
+    prefix = "rr-store-" if job is None else f"rr-store-{_check_job(job)}-"
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
+            with contextlib.suppress(ValueError):
+                found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+    return found
+
+
+def shutdown_node_stores(job: str, timeout: float = 30.0) -> int:
+    """Unlink every node's segment of `job` and stop its store actors; returns how many."""
+    import ray
+
+    actors = store_actors(job)
+    pending = {name: a.shutdown.remote() for name, a in actors.items()}
+    for name, ref in pending.items():
+        with contextlib.suppress(ray.exceptions.RayError, RoutingReplayError):
+            ray.get(ref, timeout=timeout)
+        ray.kill(actors[name])
+    return len(actors)

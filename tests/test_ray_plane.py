@@ -1,0 +1,318 @@
+"""The Ray data plane on a real two-node Ray cluster (ray.cluster_utils, one machine).
+
+Two simulated nodes share /dev/shm, as the design expects: store names carry the job and
+the node id. One cluster serves the whole module (Ray takes seconds to start).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from routing_replay import RoutingLayout, StoreUnavailableError, to_torch  # noqa: E402
+from routing_replay.dataset import (  # noqa: E402
+    fetch_batch,
+    read_dataset,
+    release_refs,
+    routes_collate_fn,
+)
+from routing_replay.rollout import RolloutWorker, demo_model, rollout_worker  # noqa: E402
+from routing_replay.shm import SHM_DIR, segment_path  # noqa: E402
+from routing_replay.store_actor import (  # noqa: E402
+    node_store,
+    shutdown_node_stores,
+    store_actor,
+    store_actors,
+)
+
+LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
+MB = 2**20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head node and one worker node, 2 CPUs and 80 MB of object store each."""
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "object_store_memory": 80 * MB},
+    )
+    c.add_node(num_cpus=2, object_store_memory=80 * MB)
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    # The test module's own helpers travel by value: workers cannot import it.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    assert len(nodes) == 2
+    yield nodes
+    for job in {name.split("-")[2] for name in store_actors()}:
+        shutdown_node_stores(job)
+    ray.shutdown()
+    c.shutdown()
+
+
+def on(node_id: str, **options):
+    """Actor/task options pinning it to `node_id`."""
+    return {
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+        "num_cpus": options.pop("num_cpus", 0.25),
+        **options,
+    }
+
+
+def sample_routes(i: int, T: int | None = None) -> np.ndarray:
+    """Deterministic routes of sample i, a few missing rows, last row missing."""
+    rng = np.random.default_rng(i)
+    T = T or int(rng.integers(5, 300))
+    routes = rng.integers(0, LAYOUT.num_experts, (T, LAYOUT.num_moe_layers, LAYOUT.top_k))
+    routes[rng.random(T) < 0.05] = -1
+    routes[-1] = -1
+    return routes
+
+
+class Writer:
+    """Puts deterministic samples into its node's store (as an inference worker would)."""
+
+    def __init__(self, job: str, capacity_tokens: int = 1 << 15) -> None:
+        self.job = job
+        self.capacity_tokens = capacity_tokens
+
+    def put(self, ids: list[int], prefix: str = "x", T: int | None = None) -> list:
+        store = node_store(self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32)
+        return [store.put(f"{prefix}{i}", sample_routes(i, T), prompt_len=2) for i in ids]
+
+    def segment(self) -> str:
+        return node_store(self.job, LAYOUT).name
+
+
+class Reader:
+    """A trainer-side worker: fetches batches, builds datasets."""
+
+    def fetch(self, refs: list, release: bool = False):
+        batch = fetch_batch(refs, release=release)
+        return [r.numpy() for r in _split(batch)]
+
+    def dataset(self, refs: list, release: bool = False, layout: RoutingLayout | None = None):
+        ds = read_dataset(refs, release=release)
+        out = {}
+        for batch in ds.iter_torch_batches(batch_size=7, collate_fn=routes_collate_fn(layout)):
+            cu = batch["cu_seqlens"].tolist()
+            for b, sid in enumerate(batch["sample_ids"]):
+                out[sid] = batch["routes"][cu[b] : cu[b + 1]].numpy().copy()
+        return out
+
+    def release(self, refs: list) -> int:
+        return release_refs(refs)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def _split(batch):
+    routes = to_torch(batch)
+    cu = np.concatenate([[0], np.cumsum(batch.column("num_tokens").to_numpy())])
+    return [routes[cu[b] : cu[b + 1]] for b in range(batch.num_rows)]
+
+
+def served(job: str) -> dict[str, int]:
+    """samples_served per node id prefix."""
+    stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
+    return {s["store"].split(".")[1]: s["samples_served"] for s in stats}
+
+
+class CheckedRolloutWorker(RolloutWorker):
+    """A rollout worker that also keeps what it put (for the test to compare, never shipped)."""
+
+    def generate_checked(self, prompts: list, **kwargs):
+        import routing_replay.rollout as ro
+
+        kept, real = {}, ro.node_store
+
+        class Spy:
+            def __init__(self, store):
+                self.store = store
+
+            def put(self, sample_id, routes, **kw):
+                kept[sample_id] = np.asarray(routes).copy()
+                return self.store.put(sample_id, routes, **kw)
+
+        ro.node_store = lambda *a, **k: Spy(real(*a, **k))
+        try:
+            rollouts = self.generate(prompts, **kwargs)
+        finally:
+            ro.node_store = real
+        return rollouts, kept
+
+
+def test_rollout_on_both_nodes_read_back_exact_on_one(cluster):
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    model_fn = functools.partial(demo_model, 0, torch.bfloat16)
+    workers = [
+        ray.remote(CheckedRolloutWorker).options(**on(node, num_cpus=0.5)).remote(job, model_fn)
+        for node in cluster
+    ]
+    prompts = [[2, 5, 6, 7, 8, 9, 10, 11], [2, 30, 31], [2, *range(40, 60)], [2, 99]]
+    results = ray.get(
+        [
+            w.generate_checked.remote(
+                prompts[2 * k : 2 * k + 2], n=3, max_new_tokens=10, first_prompt_index=2 * k
+            )
+            for k, w in enumerate(workers)
+        ]
+    )
+    rollouts = [r for rolls, _ in results for r in rolls]
+    expected = {sid: routes for _, kept in results for sid, routes in kept.items()}
+    refs = [r.ref for r in rollouts]
+    # Each worker's samples live on its own node, under Ray's node id.
+    assert [r.node_id for r in refs] == [head] * 6 + [other] * 6
+    assert all(r.tokens is not None and len(r.tokens) == r.ref.num_tokens for r in rollouts)
+
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    got = ray.get(reader.fetch.remote(refs))
+    assert len(got) == len(refs)
+    for ref, routes in zip(refs, got, strict=True):
+        np.testing.assert_array_equal(routes, expected[ref.sample_id])
+    # The head's samples were read from shm; the other node's crossed through its actor, once.
+    assert served(job) == {head[:12]: 0, other[:12]: 6}
+
+    # The same through Ray Data, from the reader and from the driver.
+    for data in (ray.get(reader.dataset.remote(refs)), Reader().dataset(refs)):
+        assert sorted(data) == sorted(expected)
+        for sid, routes in data.items():
+            np.testing.assert_array_equal(routes, expected[sid])
+    # Reader: head local, other via actor (6 more); driver: both via actors.
+    assert served(job) == {head[:12]: 6, other[:12]: 18}
+
+    assert ray.get(reader.release.remote(refs)) == len(refs)
+    assert all(
+        s["samples"] == 0 and s["pages_used"] == 0
+        for s in ray.get([a.stats.remote() for a in store_actors(job).values()])
+    )
+    for w in workers:
+        ray.kill(w)
+    assert shutdown_node_stores(job) == 2
+
+
+def test_driver_receives_refs_only_o_samples(cluster):
+    job = f"t{uuid.uuid4().hex[:6]}"
+    worker = rollout_worker(job, functools.partial(demo_model, 0), node_id=cluster[1], num_cpus=0.5)
+    sizes = {}
+    for new_tokens in (4, 64):
+        rollouts = ray.get(
+            worker.generate.remote(
+                [[2, 7, 8, 9]] * 4, n=2, max_new_tokens=new_tokens, step=new_tokens,
+                return_tokens=False,
+            )
+        )  # fmt: skip
+        assert all(r.tokens is None for r in rollouts)
+        routes_bytes = sum(r.ref.num_tokens for r in rollouts) * LAYOUT_BYTES(worker)
+        sizes[new_tokens] = (len(pickle.dumps(rollouts)) / len(rollouts), routes_bytes)
+    (small, routes_small), (large, routes_large) = sizes[4], sizes[64]
+    # Per-sample bytes do not grow with sequence length (16x more tokens)...
+    assert abs(large - small) <= 4, sizes
+    assert small < 400
+    # ... while the routes they stand for did.
+    assert routes_large > 4 * routes_small  # (EOS ends some samples early)
+    ray.kill(worker)
+    shutdown_node_stores(job)
+
+
+def LAYOUT_BYTES(worker) -> int:
+    """Stored bytes per token of a rollout worker's model."""
+    info = ray.get(worker.info.remote())
+    return RoutingLayout.from_json(info["layout"]).bytes_per_token
+
+
+def test_node_store_idempotent_per_node(cluster):
+    job = f"t{uuid.uuid4().hex[:6]}"
+    head, other = cluster
+    writers = [ray.remote(Writer).options(**on(n)).remote(job) for n in (head, head, other)]
+    names = ray.get([w.segment.remote() for w in writers])
+    assert names[0] == names[1] != names[2]
+    assert other[:12] in names[2] and job in names[2]
+    assert len(store_actors(job)) == 2
+    assert os.path.exists(segment_path(names[0]))
+    shutdown_node_stores(job)
+    assert not any(os.path.exists(segment_path(n)) for n in names)
+    assert store_actors(job) == {}
+
+
+def test_store_actor_killed_and_restarted(cluster):
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    writer = ray.remote(Writer).options(**on(other)).remote(job)
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    local_reader = ray.remote(Reader).options(**on(other)).remote()
+    old = ray.get(writer.put.remote([1, 2, 3]))
+    old_segment = old[0].store
+    ray.kill(store_actor(job, node_id=other))
+    # Nothing serves the node's samples any more: a clear error, not a hang.
+    with pytest.raises(StoreUnavailableError, match="lost"):
+        ray.get(reader.fetch.remote(old))
+    # The next use on the node starts a new store actor with a new segment.
+    new = ray.get(writer.put.remote([4, 5]))
+    assert new[0].store != old_segment
+    assert not os.path.exists(segment_path(old_segment))  # the dead one's segment is swept
+    for r in (reader, local_reader):  # remote (through the new actor) and local (shm)
+        with pytest.raises(StoreUnavailableError, match="lost"):
+            ray.get(r.fetch.remote(old))
+        with pytest.raises(StoreUnavailableError, match="lost"):
+            ray.get(r.fetch.remote([new[0], old[0]]))
+    got = ray.get(reader.fetch.remote(new, release=True))
+    for i, routes in zip((4, 5), got, strict=True):
+        np.testing.assert_array_equal(routes, sample_routes(i))
+    assert shutdown_node_stores(job) == 1
+
+
+def shm_usage() -> tuple[int, list[str]]:
+    st = os.statvfs(SHM_DIR)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize, sorted(os.listdir(SHM_DIR))
+
+
+def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):
+    head = cluster[0]
+    job = f"t{uuid.uuid4().hex[:6]}"
+    writers = [ray.remote(Writer).options(**on(n)).remote(job, 4096) for n in cluster]
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    ray.get([w.segment.remote() for w in writers])  # the stores exist before we measure
+    start = shm_usage()
+    for step in range(50):
+        refs = [
+            r
+            for k, w in enumerate(writers)
+            for r in ray.get(w.put.remote(range(8 * k, 8 * k + 8), prefix=f"s{step}-", T=100))
+        ]
+        if step % 2:
+            got = ray.get(reader.fetch.remote(refs, release=True))
+            assert len(got) == 16
+        else:
+            assert len(ray.get(reader.dataset.remote(refs, release=True, layout=LAYOUT))) == 16
+        # 16 samples x 100 tokens per step, 50 steps: 80000 tokens through 2 x 4096 tokens.
+    stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
+    assert [(s["samples"], s["pages_used"], s["pages_pending"]) for s in stats] == [(0, 0, 0)] * 2
+    end = shm_usage()
+    assert end[1] == start[1]  # no segment added or lost
+    # /dev/shm also holds Ray's object store files: allow a little of its own churn.
+    assert abs(end[0] - start[0]) <= 4 * MB, (start[0], end[0])
+    shutdown_node_stores(job)
+    after = shm_usage()
+    assert not [f for f in after[1] if f.startswith(f"rr_{job}.")]
+
+
+def test_import_routing_replay_does_not_import_ray():
+    code = "import routing_replay, sys; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
