@@ -11,7 +11,10 @@
 
 Runs come in adjacent pairs (plain, with; then with, plain), so drift and other load hit
 both; the overhead is the median per-pair ratio minus one (ratios of medians and of minima
-are reported too). Writes benchmarks/results/overhead.json.
+are reported too). On a shared machine that end-to-end figure is noisy (±1-2%), so the
+share of wall time spent inside routing_replay's own code (its hooks, setup and routes(),
+timed from the inside; not PyTorch's hook dispatch, nor the backward of replay's few
+weight ops) is reported as well ("own code"). Writes benchmarks/results/overhead.json.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
 
-from routing_replay import capture, replay
+from routing_replay import Capture, Replay, capture, replay
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -39,6 +42,51 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+class LibraryClock:
+    """Accumulates wall time spent inside routing_replay's own code (hooks, setup, routes())."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._patches: list[tuple[type, str, object]] = []
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return wrapper
+
+    def _hook_factory(self, factory):
+        def make(*args, **kwargs):
+            return self._timed(factory(*args, **kwargs))
+
+        return make
+
+    def __enter__(self) -> LibraryClock:
+        for cls, name, wrap in (
+            (Capture, "__init__", self._timed),
+            (Capture, "_begin", self._timed),
+            (Capture, "_end", self._timed),
+            (Capture, "routes", self._timed),
+            (Capture, "_recorder", self._hook_factory),
+            (Replay, "__init__", self._timed),
+            (Replay, "_check_inputs", self._timed),
+            (Replay, "_check_all_routed", self._timed),
+            (Replay, "_router_hook", self._hook_factory),
+        ):
+            original = cls.__dict__[name]
+            self._patches.append((cls, name, original))
+            setattr(cls, name, wrap(original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, name, original in reversed(self._patches):
+            setattr(cls, name, original)
 
 
 def alternate(plain, with_lib, repeat: int) -> dict:
@@ -55,7 +103,13 @@ def alternate(plain, with_lib, repeat: int) -> dict:
         first, second = timed(pair[0]), timed(pair[1])
         a.append(first if i % 2 == 0 else second)
         b.append(second if i % 2 == 0 else first)
+    own = []
+    for _ in range(repeat):  # time inside routing_replay's code, as a share of a plain run
+        with LibraryClock() as clock:
+            total = timed(with_lib)
+        own.append(clock.seconds / total)
     return {
+        "own_code_share": statistics.median(own),
         "plain_s": statistics.median(a),
         "with_s": statistics.median(b),
         "overhead": statistics.median(y / x for x, y in zip(a, b, strict=True)) - 1,
@@ -132,14 +186,14 @@ def main() -> None:
         }
     print(
         f"{'model':12} {'what':28} {'plain s':>9} {'with s':>9} {'overhead':>9} "
-        f"{'of medians':>11} {'of minima':>10}"
+        f"{'of medians':>11} {'of minima':>10} {'own code':>9}"
     )
     for name, res in results.items():
         for what, r in res.items():
             print(
                 f"{name:12} {what:28} {r['plain_s']:>9.3f} {r['with_s']:>9.3f} "
                 f"{r['overhead']:>+9.2%} {r['overhead_of_medians']:>+11.2%} "
-                f"{r['overhead_of_minima']:>+10.2%}"
+                f"{r['overhead_of_minima']:>+10.2%} {r['own_code_share']:>9.2%}"
             )
     report = {
         "setup": {
