@@ -33,6 +33,7 @@ import numpy as np
 from integrations._rows import place_rows, token_array
 from routing_replay.errors import InvalidRoutesError
 from routing_replay.layout import RoutingLayout
+from routing_replay.rollout import Rollout
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore
 
 # What the rollout worker passes to vllm.LLM unless told otherwise (CPU, in-process).
@@ -205,18 +206,10 @@ def encode_npy_b64(array: np.ndarray) -> str:
 
 
 @dataclass(frozen=True)
-class VllmRollout:
-    """One sample as the rollout side hands it out: tokens, log-probs and a ref, never routes.
+class VllmRollout(Rollout):
+    """A `routing_replay.rollout.Rollout` plus the sampled tokens' log-probs (float32)."""
 
-    Field for field `routing_replay.rollout.Rollout`, plus the sampled tokens' log-probs.
-    """
-
-    sample_id: str
-    prompt_index: int
-    prompt_len: int
-    ref: RoutingRef
-    tokens: np.ndarray | None = None  # int32 prompt + completion ids, aligned with the routes
-    logprobs: np.ndarray | None = None  # float32 [completion length]
+    logprobs: np.ndarray | None = None  # [completion length]
 
 
 class VllmRolloutWorker:

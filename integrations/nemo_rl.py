@@ -1,0 +1,266 @@
+"""NeMo-RL-style trainer batches: routes aligned with `input_ids`, then CP and SP slices.
+
+A batch is a dict of tensors: `input_ids` `[B, S]` (right padded), `input_lengths` `[B]`,
+and the samples' `RoutingRef`s (a list under `routing_refs`, None where a row has no
+routes). `attach_routes` adds `routed_experts` `[B, S, L, K]` (signed ids, -1 missing),
+`pack` turns the batch into `[1, sum_T]` with `cu_seqlens` the way NeMo-RL packs for
+Megatron (each sequence padded to a multiple of 2 x CP (x TP with sequence parallelism)),
+and the slicing functions cut ids and routes identically, as Megatron cuts `input_ids`:
+
+- context parallel (`cp_slice`): the sequence in 2 x CP chunks, rank r keeps chunks r and
+  2 x CP - 1 - r (`megatron.core.utils.get_batch_on_this_cp_rank`; per sequence for packed
+  THD batches, as Transformer Engine's `thd_get_partitioned_indices`);
+- sequence parallel (`sp_slice`): after the embedding, each tensor-parallel rank keeps a
+  contiguous 1/TP of the (CP-local) sequence (`scatter_to_sequence_parallel_region`).
+
+`fill_missing` gives rows without routes real ids for engines whose dispatch needs one per
+row (Megatron's RouterReplay): distinct within a row, spread over every expert and so every
+expert-parallel rank, never a column of expert 0 (verl #4986).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from routing_replay.errors import InvalidRoutesError
+from routing_replay.layout import MISSING
+from routing_replay.reader import to_torch
+from routing_replay.schema import NUM_TOKENS, layout_of
+from routing_replay.store import RoutingRef
+
+ROUTES_KEY = "routed_experts"
+REFS_KEY = "routing_refs"
+Fetch = Callable[[list[RoutingRef]], pa.RecordBatch]
+
+
+def _default_fetch(refs: list[RoutingRef]) -> pa.RecordBatch:
+    from routing_replay.dataset import fetch_batch
+
+    return fetch_batch(refs)
+
+
+def attach_routes(
+    batch: dict[str, Any],
+    *,
+    fetch: Fetch | None = None,
+    refs_key: str = REFS_KEY,
+    key: str = ROUTES_KEY,
+) -> dict[str, Any]:
+    """Fetch the batch's routes and add `batch[key]` `[B, S, L, K]` aligned with input_ids.
+
+    Row b's routes fill positions `[0, input_lengths[b])` (right padding); padding and rows
+    whose ref is None are -1 (missing: replay routes those natively). `fetch` turns refs
+    into an Arrow routes batch (default: `routing_replay.dataset.fetch_batch`, Ray-aware;
+    `store.read` for one process). Returns the same dict.
+    """
+    input_ids, lengths = _ids_and_lengths(batch)
+    B, S = input_ids.shape
+    refs = list(batch[refs_key])
+    if len(refs) != B:
+        raise InvalidRoutesError(f"batch[{refs_key!r}] has {len(refs)} refs for {B} rows")
+    rows = [b for b, r in enumerate(refs) if r is not None]
+    for b in rows:
+        if refs[b].num_tokens != int(lengths[b]):
+            raise InvalidRoutesError(
+                f"row {b}: sample {refs[b].sample_id!r} has {refs[b].num_tokens} routed tokens "
+                f"but input_lengths[{b}] = {int(lengths[b])}: routes cover exactly the tokens "
+                "the trainer forwards (prompt + completion); rebuild the batch from the rollout"
+            )
+    if not rows:
+        raise InvalidRoutesError(f"no row of the batch has a ref in batch[{refs_key!r}]")
+    table = (fetch or _default_fetch)([refs[b] for b in rows])
+    _check_fetched(table, [refs[b] for b in rows])
+    layout = layout_of(table)
+    mask = torch.zeros((len(rows), S), dtype=torch.bool)
+    for i, b in enumerate(rows):
+        mask[i, : int(lengths[b])] = True
+    fetched = to_torch(table, attention_mask=mask)
+    out = torch.full((B, S, layout.num_moe_layers, layout.top_k), MISSING, dtype=fetched.dtype)
+    out[torch.tensor(rows)] = fetched
+    batch[key] = out
+    return batch
+
+
+def _ids_and_lengths(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = batch["input_ids"]
+    lengths = torch.as_tensor(batch["input_lengths"])
+    if input_ids.ndim != 2 or lengths.shape != (input_ids.shape[0],):
+        raise InvalidRoutesError(
+            f"input_ids must be [B, S] and input_lengths [B], got {tuple(input_ids.shape)} and "
+            f"{tuple(lengths.shape)}"
+        )
+    if (lengths < 0).any() or (lengths > input_ids.shape[1]).any():
+        raise InvalidRoutesError(
+            f"input_lengths must be in [0, {input_ids.shape[1]}], got {lengths.tolist()}"
+        )
+    return input_ids, lengths
+
+
+def _check_fetched(table: pa.RecordBatch | pa.Table, refs: list[RoutingRef]) -> None:
+    got = table.column("sample_id").to_pylist()
+    want = [r.sample_id for r in refs]
+    if got != want:
+        raise InvalidRoutesError(f"fetch returned samples {got}, asked for {want} in that order")
+    counts = table.column(NUM_TOKENS).to_pylist()
+    if counts != [r.num_tokens for r in refs]:
+        raise InvalidRoutesError(f"fetched token counts {counts} differ from the refs'")
+
+
+def pack(
+    batch: dict[str, Any],
+    *,
+    multiple: int = 1,
+    pad_id: int = 0,
+    key: str = ROUTES_KEY,
+) -> dict[str, Any]:
+    """Sequence packing `[B, S]` -> `[1, sum_T]`: each sequence padded to `multiple`.
+
+    Returns a new dict: `input_ids` `[1, T]`, `position_ids` `[1, T]`, `cu_seqlens`
+    (padded boundaries, int32 `[B + 1]`), `cu_seqlens_unpadded`, and `batch[key]` packed to
+    `[1, T, L, K]` with padding positions missing. For Megatron with CP use
+    `multiple = 2 * cp_size` (times `tp_size` with sequence parallelism), as NeMo-RL does.
+    """
+    input_ids, lengths = _ids_and_lengths(batch)
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    padded = (lengths + multiple - 1) // multiple * multiple
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(padded, 0)
+    cu_unpadded = torch.zeros_like(cu)
+    cu_unpadded[1:] = torch.cumsum(lengths, 0)
+    total = int(cu[-1])
+    ids = torch.full((1, total), pad_id, dtype=input_ids.dtype)
+    pos = torch.zeros((1, total), dtype=torch.long)
+    routes = batch.get(key)
+    out_routes = None
+    if routes is not None:
+        out_routes = torch.full((1, total, *routes.shape[2:]), MISSING, dtype=routes.dtype)
+    for b, n in enumerate(lengths.tolist()):
+        start = int(cu[b])
+        ids[0, start : start + n] = input_ids[b, :n]
+        pos[0, start : int(cu[b + 1])] = torch.arange(int(padded[b]))
+        if out_routes is not None:
+            out_routes[0, start : start + n] = routes[b, :n]
+    packed = {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu}
+    packed["cu_seqlens_unpadded"] = cu_unpadded
+    if out_routes is not None:
+        packed[key] = out_routes
+    return packed
+
+
+def cp_slice(
+    x: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    seq_dim: int = 1,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This CP rank's part of `x` along `seq_dim`: chunks r and 2*CP-1-r of 2*CP (zigzag).
+
+    Padded `[B, S, ...]`: the whole sequence dimension in 2*CP chunks (Megatron's
+    `get_batch_on_this_cp_rank`). Packed (with `cu_seqlens`, padded boundaries): every
+    sequence on its own, results concatenated (Transformer Engine's THD partitioning).
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+    if cp_size == 1:
+        return x
+    if cu_seqlens is None:
+        return _zigzag(x, cp_size, cp_rank, seq_dim)
+    bounds = torch.as_tensor(cu_seqlens).tolist()
+    if bounds[-1] != x.shape[seq_dim]:
+        raise InvalidRoutesError(
+            f"cu_seqlens ends at {bounds[-1]}, the tensor has {x.shape[seq_dim]} positions"
+        )
+    parts = [
+        _zigzag(x.narrow(seq_dim, a, b - a), cp_size, cp_rank, seq_dim)
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return torch.cat(parts, dim=seq_dim)
+
+
+def _zigzag(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int) -> torch.Tensor:
+    S = x.shape[seq_dim]
+    if S % (2 * cp_size):
+        raise InvalidRoutesError(
+            f"a sequence of {S} positions does not split into 2*cp_size = {2 * cp_size} "
+            "equal chunks: pad sequences to a multiple of 2*cp_size (pack(multiple=...))"
+        )
+    chunks = x.unflatten(seq_dim, (2 * cp_size, S // (2 * cp_size)))
+    index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=x.device)
+    return chunks.index_select(seq_dim, index).flatten(seq_dim, seq_dim + 1)
+
+
+def sp_slice(x: torch.Tensor, tp_size: int, tp_rank: int, *, seq_dim: int = 1) -> torch.Tensor:
+    """This TP rank's contiguous 1/TP of the sequence (Megatron sequence parallelism)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    S = x.shape[seq_dim]
+    if S % tp_size:
+        raise InvalidRoutesError(
+            f"{S} positions do not split over tp_size = {tp_size} ranks: pad to a multiple "
+            "of tp_size (and of 2*cp_size*tp_size with context parallelism)"
+        )
+    return x.narrow(seq_dim, tp_rank * (S // tp_size), S // tp_size)
+
+
+def fill_missing(
+    routes: torch.Tensor, num_experts: int, *, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes with every missing (token, layer) row given real ids, and the filled mask.
+
+    The i-th filled row (counting from `offset`) gets expert `(i + j * (E // K)) % E` in
+    slot j: distinct within the row, the K ids E/K apart (evenly over the expert-parallel
+    ranks when EP divides K), the start cycling from row to row so that over rows every
+    expert, and every EP rank, gets the same share: padding never piles onto expert 0.
+    Returns (routes as int64, filled mask `[..., L]`).
+    """
+    top_k = routes.shape[-1]
+    if num_experts < top_k:
+        raise InvalidRoutesError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    out = routes.to(torch.int64)
+    filled = (out == MISSING).any(-1)
+    if filled.any():
+        n = filled.sum()
+        row = torch.arange(int(n), dtype=torch.int64).unsqueeze(1) + offset
+        slot = torch.arange(top_k, dtype=torch.int64) * (num_experts // top_k)
+        out[filled] = (row + slot) % num_experts
+    return out, filled
+
+
+def routes_for_rank(
+    batch: dict[str, Any],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    sequence_parallel: bool = False,
+    key: str = ROUTES_KEY,
+) -> torch.Tensor:
+    """The routes this (CP, TP) rank's routers see: CP zigzag, then the SP scatter.
+
+    `batch` is padded `[B, S, ...]` or packed (`cu_seqlens` present, `[1, T, ...]`).
+    """
+    routes = batch[key]
+    cu = batch.get("cu_seqlens")
+    routes = cp_slice(routes, cp_size, cp_rank, cu_seqlens=cu)
+    if sequence_parallel:
+        routes = sp_slice(routes, tp_size, tp_rank)
+    return routes
+
+
+def input_ids_for_rank(
+    batch: dict[str, Any],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
+    """This CP rank's `input_ids` (Megatron scatters SP after the embedding, not here)."""
+    return cp_slice(batch["input_ids"], cp_size, cp_rank, cu_seqlens=batch.get("cu_seqlens"))
