@@ -316,3 +316,24 @@ def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):
 def test_import_routing_replay_does_not_import_ray():
     code = "import routing_replay, sys; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ray_job_step_across_two_nodes(cluster):
+    """examples/ray_job.py's step with a rollout worker on each node, the trainer on one."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "ray_job.py")
+    spec = importlib.util.spec_from_file_location("ray_job_example", path)
+    ray_job = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ray_job
+    spec.loader.exec_module(ray_job)
+    ray.cloudpickle.register_pickle_by_value(ray_job)
+    job = f"t{uuid.uuid4().hex[:6]}"
+    try:
+        m = ray_job.run(job, num_prompts=4, n=2, max_new_tokens=8)
+    finally:
+        shutdown_node_stores(job)
+    assert m["nodes"] == 2 and m["samples"] == 8
+    assert m["with"]["router_agreement"] == 1.0
+    assert m["stored_before"]["samples"] == 8 and m["stored_after"]["samples"] == 0
+    assert m["ref_bytes_per_sample"] < 200
