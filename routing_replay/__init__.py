@@ -22,7 +22,14 @@ from routing_replay.reader import cu_seqlens, to_torch
 from routing_replay.replay import Replay, replay
 from routing_replay.rollout import Rollout, RolloutWorker, rollout_worker
 from routing_replay.schema import layout_of, routes_schema
-from routing_replay.store import RoutingRef, RoutingStore, StoreStats
+from routing_replay.store import (
+    RoutingRef,
+    RoutingStore,
+    StoreInfo,
+    StoreStats,
+    list_stores,
+    sweep_stores,
+)
 from routing_replay.store_actor import node_store, shutdown_node_stores
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "RoutingStore",
     "SampleNotFoundError",
     "StoreFullError",
+    "StoreInfo",
     "StoreStats",
     "StoreUnavailableError",
     "UnsupportedModelError",
@@ -49,6 +57,7 @@ __all__ = [
     "cu_seqlens",
     "fetch_batch",
     "layout_of",
+    "list_stores",
     "node_store",
     "read_dataset",
     "release_refs",
@@ -58,6 +67,7 @@ __all__ = [
     "routes_schema",
     "routing_agreement",
     "shutdown_node_stores",
+    "sweep_stores",
     "to_torch",
 ]
 __version__ = "0.1.0"

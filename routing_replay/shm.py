@@ -19,7 +19,9 @@ from collections.abc import Iterator
 
 from routing_replay.errors import StoreUnavailableError
 
-SHM_DIR = "/dev/shm"
+# Where segments live: POSIX shared memory on Linux. ROUTING_REPLAY_SHM_DIR points the
+# stores of every process that sets it at another tmpfs (for a /dev/shm that is too small).
+SHM_DIR = os.environ.get("ROUTING_REPLAY_SHM_DIR", "/dev/shm")
 SEGMENT_PREFIX = "rr_"
 SEGMENT_MODE = 0o600  # owner-only: another user cannot open, let alone map, a store
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
@@ -44,17 +46,31 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process exists and is not a zombie (a killed, unreaped child is dead)."""
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """Fields of /proc/<pid>/stat after the command name, or None if there is no such pid."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
-        return False
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def process_start(pid: int) -> int:
+    """Start time of a process in clock ticks since boot (tells a pid from its reuse)."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else 0
+
+
+def pid_alive(pid: int, start: int = 0) -> bool:
+    """Whether a process exists, is not a zombie, and (if `start` is given) is that process."""
+    try:
+        fields = _proc_stat(pid)
     except PermissionError:
         return True
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
+    if fields is None or fields[0] in (b"Z", b"X"):  # a killed, unreaped child is dead
+        return False
+    return not start or int(fields[19]) == start
 
 
 class Segment:
@@ -85,7 +101,7 @@ class Segment:
             raise StoreUnavailableError(
                 f"a store named {name!r} already exists ({path}): attach to it with "
                 "RoutingStore.attach, or if its owner is dead remove it with "
-                "RoutingStore.sweep() / `routing-replay sweep`"
+                "routing_replay.sweep_stores() or `routing-replay sweep`"
             ) from None
         try:
             os.fchmod(fd, SEGMENT_MODE)

@@ -47,13 +47,21 @@ from routing_replay.errors import (
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.schema import routes_batch
-from routing_replay.shm import Segment, SegmentLock, pid_alive
+from routing_replay.shm import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    Segment,
+    SegmentLock,
+    pid_alive,
+    process_start,
+)
 
 MAGIC = b"RRSTORE1"
 VERSION = 1
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
+FORBIDDEN_ID_CHARS = "/\\\x00"
 DEFAULT_PAGE_TOKENS = 128
 DEFAULT_PUT_TIMEOUT_S = 30.0
 ATTACH_WAIT_S = 5.0
@@ -73,6 +81,7 @@ HEADER_DTYPE = np.dtype(
         ("page_buckets", "<i8"),
         ("sample_buckets", "<i8"),
         ("owner_pid", "<i8"),
+        ("owner_start", "<u8"),  # the owner's start time: a reused pid is not the owner
         ("created", "<f8"),
         ("node_id", "S128"),
         ("layout", "S2048"),
@@ -156,10 +165,15 @@ def _sample_id_bytes(sample_id: Any) -> bytes:
     if not isinstance(sample_id, str) or not sample_id:
         raise InvalidRoutesError(f"sample_id must be a non-empty str, got {sample_id!r}")
     raw = sample_id.encode()
-    if len(raw) > MAX_SAMPLE_ID_BYTES or "\x00" in sample_id or not sample_id.isprintable():
+    if (
+        len(raw) > MAX_SAMPLE_ID_BYTES
+        or not sample_id.isprintable()
+        or any(c in sample_id for c in FORBIDDEN_ID_CHARS)
+    ):
         raise InvalidRoutesError(
-            f"sample_id {sample_id!r} must be printable, without NUL, and at most "
-            f"{MAX_SAMPLE_ID_BYTES} bytes of UTF-8"
+            f"sample_id {sample_id!r} must be printable, at most {MAX_SAMPLE_ID_BYTES} bytes "
+            f"of UTF-8, and free of {FORBIDDEN_ID_CHARS!r} (ids name samples, never paths): "
+            "use e.g. 'step12-prompt3-sample5'"
         )
     return raw
 
@@ -192,6 +206,7 @@ class RoutingStore:
         self.layout = RoutingLayout.from_json(self._hdr["layout"].item())
         self.node_id = self._hdr["node_id"].item().decode()
         self.page_tokens = int(self._hdr["page_tokens"])
+        self.capacity_tokens = int(self._hdr["num_pages"]) * self.page_tokens
         num_pages = int(self._hdr["num_pages"])
         max_samples = int(self._hdr["max_samples"])
         offsets = self._offsets(
@@ -277,6 +292,7 @@ class RoutingStore:
             "page_buckets": page_buckets,
             "sample_buckets": sample_buckets,
             "owner_pid": os.getpid(),
+            "owner_start": process_start(os.getpid()),
             "created": time.time(),
             "node_id": node,
             "layout": layout_json,
@@ -335,10 +351,6 @@ class RoutingStore:
         """Whether this handle created the store (and so unlinks it)."""
         return self._seg.owner
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens the store can hold without sharing."""
-        return len(self._pages) * self.page_tokens
 
     def close(self) -> None:
         """Unmap the store in this process; stored samples stay for other processes."""
@@ -785,6 +797,38 @@ class RoutingStore:
     def __len__(self) -> int:
         return int((self._s_state == PUBLISHED).sum())
 
+    def verify(self) -> None:
+        """Check every invariant of the shared tables; raise RoutingReplayError on the first break.
+
+        Refcounts equal the references of published chains; a page is referenced, reserved
+        by a live writer, or free; shareable pages are findable in their bucket; every
+        published sample is findable by id. For tests and for `routing-replay ls --verify`.
+        """
+        with self._locked():
+            published = np.flatnonzero(self._s_state == PUBLISHED)
+            expected = np.zeros(len(self._pages), dtype=np.int64)
+            for s in published.tolist():
+                chain = self._chain(s)
+                if len(chain) != -(-int(self._s_num_tokens[s]) // self.page_tokens):
+                    raise RoutingReplayError(f"slot {s}: chain of {len(chain)} pages is wrong")
+                expected[chain] += 1
+                if self._find_slot(bytes(self._s_sample_id[s])) != s:
+                    raise RoutingReplayError(f"slot {s} is not findable by its sample id")
+            if not np.array_equal(expected, self._p_refcount):
+                bad = np.flatnonzero(expected != self._p_refcount)[:5].tolist()
+                raise RoutingReplayError(f"refcounts disagree with the chains at pages {bad}")
+            both = (self._p_refcount > 0) & (self._p_owner != 0)
+            if both.any():
+                raise RoutingReplayError(
+                    f"pages {np.flatnonzero(both)[:5]} are both published and reserved"
+                )
+            for p in np.flatnonzero((self._p_key != 0) & (self._p_refcount > 0)).tolist():
+                parent, key = int(self._p_parent[p]), int(self._p_key[p])
+                if self._find_page(parent, key, self._data[p]) == NO_PAGE:
+                    raise RoutingReplayError(f"shareable page {p} is not in its bucket")
+            if (self._p_key[self._p_refcount == 0] != 0).any():
+                raise RoutingReplayError("a free page still carries a sharing key")
+
     def stats(self) -> StoreStats:
         """Capacity, use and prefix-sharing savings."""
         with self._locked():
@@ -828,3 +872,83 @@ def _as_list(sample_ids: Iterable[str | RoutingRef] | str | RoutingRef) -> list[
     if isinstance(sample_ids, (str, RoutingRef)):
         return [sample_ids]
     return list(sample_ids)
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """One store segment found in the shared-memory directory, as `list_stores` sees it."""
+
+    name: str
+    path: str
+    size_bytes: int
+    owner_pid: int
+    owner_alive: bool
+    node_id: str
+    layout: RoutingLayout | None  # None: not a complete store (half-made or foreign)
+    age_s: float
+    stats: StoreStats | None  # None when it could not be attached (other user, half-made)
+
+
+def _read_info(path: str) -> StoreInfo:
+    name = os.path.basename(path)[len(SEGMENT_PREFIX) :]
+    st = os.stat(path)
+    age = time.time() - st.st_mtime
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        return StoreInfo(name, path, st.st_size, 0, True, "", None, age, None)
+    try:
+        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+    finally:
+        os.close(fd)
+    if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
+        return StoreInfo(name, path, st.st_size, 0, False, "", None, age, None)
+    hdr = np.frombuffer(raw, HEADER_DTYPE)[0]
+    pid, start = int(hdr["owner_pid"]), int(hdr["owner_start"])
+    stats = None
+    with contextlib.suppress(RoutingReplayError, OSError, ValueError):
+        store = RoutingStore.attach(name)
+        stats = store.stats()
+        store.close()
+    return StoreInfo(
+        name=name,
+        path=path,
+        size_bytes=st.st_size,
+        owner_pid=pid,
+        owner_alive=pid_alive(pid, start),
+        node_id=hdr["node_id"].decode(),
+        layout=RoutingLayout.from_json(hdr["layout"]),
+        age_s=age,
+        stats=stats,
+    )
+
+
+def list_stores() -> list[StoreInfo]:
+    """Every routing store segment in the shared-memory directory, with owner and use."""
+    paths = sorted(
+        e.path for e in os.scandir(SHM_DIR) if e.name.startswith(SEGMENT_PREFIX) and e.is_file()
+    )
+    infos = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):  # unlinked meanwhile
+            infos.append(_read_info(path))
+    return infos
+
+
+def sweep_stores(dry_run: bool = False, min_age_s: float = 60.0) -> list[StoreInfo]:
+    """Unlink stores whose owner process is dead (and half-made ones older than min_age_s).
+
+    A store whose owner lives is never touched. Processes that still map a swept store
+    keep their mapping; the memory returns when the last of them closes.
+    """
+    stale = [
+        info
+        for info in list_stores()
+        if (info.layout is not None and not info.owner_alive)
+        or (info.layout is None and not info.owner_alive and info.age_s >= min_age_s)
+    ]
+    if not dry_run:
+        for info in stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(info.path)
+    return stale

@@ -151,7 +151,7 @@ def test_writer_killed_mid_put(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=200_000, page_tokens=32) as store:
         rng = np.random.default_rng(0)
         for trial in range(8):
-            last_committed = FORK.Value("q", -1)
+            last_committed = FORK.Value("q", -1, lock=False)
             p = FORK.Process(target=_endless_writer, args=(name, last_committed))
             p.start()
             while last_committed.value < 0:

@@ -1,0 +1,52 @@
+"""`routing-replay`: list the node's routing stores and sweep the ones whose owner died."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from routing_replay.shm import SHM_DIR
+from routing_replay.store import StoreInfo, list_stores, sweep_stores
+
+
+def _row(info: StoreInfo) -> str:
+    owner = f"{info.owner_pid}{'' if info.owner_alive else ' (dead)'}" if info.owner_pid else "?"
+    if info.stats is None:
+        use = "incomplete" if info.layout is None else "not readable"
+    else:
+        s = info.stats
+        use = (
+            f"{s.samples} samples, {s.pages_used + s.pages_pending}/{s.pages_total} pages, "
+            f"{s.dedup_saved_bytes / 2**20:.1f} MiB saved by sharing"
+        )
+    return f"{info.name:<40} {info.size_bytes / 2**20:>9.1f} MiB  owner {owner:<14} {use}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `routing-replay` console command."""
+    parser = argparse.ArgumentParser(prog="routing-replay", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("ls", help=f"list routing stores in {SHM_DIR} with their use")
+    sweep = commands.add_parser("sweep", help="remove stores whose owner process is dead")
+    sweep.add_argument("--dry-run", action="store_true", help="only print what would go")
+    sweep.add_argument(
+        "--min-age", type=float, default=60.0, help="seconds before a half-made segment is stale"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "ls":
+        infos = list_stores()
+        for info in infos:
+            print(_row(info))
+        print(f"{len(infos)} store(s) in {SHM_DIR}")
+        return 0
+    stale = sweep_stores(dry_run=args.dry_run, min_age_s=args.min_age)
+    verb = "would remove" if args.dry_run else "removed"
+    for info in stale:
+        print(f"{verb} {info.path} (owner {info.owner_pid or '?'} is dead)")
+    print(f"{verb} {len(stale)} stale store(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
