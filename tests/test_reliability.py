@@ -78,7 +78,7 @@ def _put_forever(name: str, first: int, committed) -> None:
             store.put(sid, routes)
         committed.value = i
         if i % 20 == 19:
-            store.release([f"w{j}" for j in range(i - 19, i + 1)])
+            store.release([f"w{j}" for j in range(max(first, i - 19), i + 1)])
 
 
 def _expected(sid: str) -> np.ndarray:
