@@ -351,7 +351,6 @@ class RoutingStore:
         """Whether this handle created the store (and so unlinks it)."""
         return self._seg.owner
 
-
     def close(self) -> None:
         """Unmap the store in this process; stored samples stay for other processes."""
         for attr in [a for a in self.__dict__ if a.startswith(("_p_", "_s_"))] + [
@@ -923,10 +922,12 @@ def _read_info(path: str) -> StoreInfo:
     )
 
 
-def list_stores() -> list[StoreInfo]:
-    """Every routing store segment in the shared-memory directory, with owner and use."""
+def list_stores(prefix: str = "") -> list[StoreInfo]:
+    """Routing stores in the shared-memory directory (names starting with `prefix`)."""
     paths = sorted(
-        e.path for e in os.scandir(SHM_DIR) if e.name.startswith(SEGMENT_PREFIX) and e.is_file()
+        e.path
+        for e in os.scandir(SHM_DIR)
+        if e.name.startswith(SEGMENT_PREFIX + prefix) and e.is_file()
     )
     infos = []
     for path in paths:
@@ -935,7 +936,9 @@ def list_stores() -> list[StoreInfo]:
     return infos
 
 
-def sweep_stores(dry_run: bool = False, min_age_s: float = 60.0) -> list[StoreInfo]:
+def sweep_stores(
+    dry_run: bool = False, min_age_s: float = 60.0, prefix: str = ""
+) -> list[StoreInfo]:
     """Unlink stores whose owner process is dead (and half-made ones older than min_age_s).
 
     A store whose owner lives is never touched. Processes that still map a swept store
@@ -943,7 +946,7 @@ def sweep_stores(dry_run: bool = False, min_age_s: float = 60.0) -> list[StoreIn
     """
     stale = [
         info
-        for info in list_stores()
+        for info in list_stores(prefix)
         if (info.layout is not None and not info.owner_alive)
         or (info.layout is None and not info.owner_alive and info.age_s >= min_age_s)
     ]
