@@ -1,0 +1,203 @@
+"""Megatron-core: feed routing_replay routes to `RouterReplay` (megatron-core 0.16).
+
+Megatron-core replays routes when `TransformerConfig(moe_enable_routing_replay=True)`:
+every `TopKRouter` appends a `RouterReplay` to a class-level list in build order (the list
+is never pruned), `RouterReplay.set_replay_data(list)` takes one `[seq * batch, top_k]`
+int64 tensor per router of this rank (rows seq-major, as the router flattens its
+`[S, B, H]` input), and `REPLAY_FORWARD` / `REPLAY_BACKWARD` pick the ids; every
+`set_replay_data` also queues the tensors for the recompute in backward, a queue that only
+`clear_global_indices()` empties. Megatron checks none of it: a wrong k, int32 ids, a
+batch-major order or too few rows replay silently wrong, and with `moe_router_fusion`
+replay is skipped without a word.
+
+`MegatronRouterFeed` does the conversion and the checks: routes `[B, S, L, K]` (or packed
+`[1, T, L, K]`, after the CP / SP slicing of `integrations.nemo_rl`) over all MoE layers of
+the model -> this pipeline stage's MoE layers (dense layers have no router) -> one int64
+`[S * B, K]` tensor per router; shape, dtype, top-k, id range and each router's row count
+(checked when it runs) are validated, fusion is refused, the backward queue is cleared at
+step boundaries. Megatron is imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from integrations.nemo_rl import fill_missing
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.layout import RoutingLayout
+
+
+def _replay_module() -> Any:
+    from megatron.core.transformer.moe import router_replay
+
+    return router_replay
+
+
+def stage_moe_layers(
+    layout: RoutingLayout, layer_offset: int = 0, num_local_layers: int | None = None
+) -> list[int]:
+    """Global indices of the MoE layers built on a pipeline stage, in build order.
+
+    `layer_offset` is the stage's first global layer (Megatron's
+    `get_transformer_layer_offset`), `num_local_layers` its layer count (default: to the end).
+    """
+    end = layout.num_layers if num_local_layers is None else layer_offset + num_local_layers
+    if not 0 <= layer_offset < end <= layout.num_layers:
+        raise LayoutMismatchError(
+            f"layers [{layer_offset}, {end}) are not inside the model's {layout.num_layers} layers"
+        )
+    return [i for i in layout.moe_layers if layer_offset <= i < end]
+
+
+class MegatronRouterFeed:
+    """Validated feed from routes to Megatron-core's `RouterReplay` for one pipeline stage."""
+
+    def __init__(
+        self,
+        layout: RoutingLayout,
+        config: Any,
+        *,
+        layer_offset: int = 0,
+        num_local_layers: int | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        _check_config(layout, config)
+        self.layout = layout
+        self.layers = stage_moe_layers(layout, layer_offset, num_local_layers)
+        self._columns = [layout.moe_layers.index(i) for i in self.layers]
+        rr = _replay_module()
+        instances = rr.RouterReplay.global_router_replay_instances
+        if len(instances) != len(self.layers):
+            raise LayoutMismatchError(
+                f"RouterReplay has {len(instances)} router instances but this stage builds "
+                f"{len(self.layers)} MoE layers {self.layers}: instances of an earlier model "
+                "stay registered; call RouterReplay.clear_global_router_replay_instances() "
+                "before building the model, and check layer_offset / num_local_layers"
+            )
+        self._rows: list[int] = []
+        self._handles = []
+        if model is not None:
+            self._watch(model, instances)
+
+    def _watch(self, model: torch.nn.Module, instances: list) -> None:
+        """Check each router's token count against its replay tensor when it runs."""
+        routers = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
+        if [r.router_replay for r in routers] != list(instances):
+            raise LayoutMismatchError(
+                f"the model's {len(routers)} routers are not RouterReplay's {len(instances)} "
+                "registered instances (in build order): build one model per process, after "
+                "RouterReplay.clear_global_router_replay_instances()"
+            )
+        for j, router in enumerate(routers):
+            self._handles.append(router.register_forward_pre_hook(self._row_check(j)))
+
+    def _row_check(self, j: int) -> Any:
+        rr = _replay_module()
+
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            action = module.router_replay.router_replay_action
+            if action is None or action == rr.RouterReplayAction.RECORD or not self._rows:
+                return
+            tokens = args[0].numel() // args[0].shape[-1]
+            if tokens != self._rows[j]:
+                raise InvalidRoutesError(
+                    f"the router of layer {self.layers[j]} sees {tokens} tokens but was fed "
+                    f"{self._rows[j]} rows: feed the routes of exactly this micro-batch, after "
+                    "the same CP / SP slicing as its input_ids"
+                )
+
+        return hook
+
+    def tensors(self, routes: torch.Tensor, *, fill: bool = True) -> list[torch.Tensor]:
+        """One int64 `[S * B, K]` tensor per router of this stage (seq-major), validated.
+
+        `routes` is `[B, S, L, K]` (a packed batch is `[1, T, L, K]`) over all MoE layers,
+        -1 missing. Megatron has no per-row native fallback: with `fill`, missing rows get
+        padding ids from `integrations.nemo_rl.fill_missing` (distinct, spread over experts);
+        without, they raise. Use `fill` for padding and each sample's last token; a batch
+        whose real tokens lack routes (prefix-cache gaps) should be checked first.
+        """
+        routes = torch.as_tensor(routes)
+        L, K = self.layout.num_moe_layers, self.layout.top_k
+        if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+            raise InvalidRoutesError(f"routes must hold integer expert ids, got {routes.dtype}")
+        if routes.ndim != 4 or routes.shape[2:] != (L, K):
+            raise InvalidRoutesError(
+                f"routes must be [batch, seq, {L} MoE layers, top_k={K}] (packed: [1, T, L, K]), "
+                f"got {tuple(routes.shape)}: pass the routes of every MoE layer of the model; "
+                "the feed picks this stage's"
+            )
+        ids = routes.long()
+        bad = (ids < -1) | (ids >= self.layout.num_experts)
+        if bad.any():
+            b, s, j, k = (int(i) for i in bad.nonzero()[0])
+            raise InvalidRoutesError(
+                f"expert id {int(ids[b, s, j, k])} at batch {b}, position {s}, MoE layer "
+                f"{self.layout.moe_layers[j]}: ids must be in [0, {self.layout.num_experts}) "
+                "or -1 for missing"
+            )
+        local = ids[:, :, self._columns]  # [B, S, L_local, K]
+        if fill:
+            local, _ = fill_missing(local, self.layout.num_experts)
+        elif (local == -1).any():
+            b, s, j, _ = (int(i) for i in (local == -1).nonzero()[0])
+            raise InvalidRoutesError(
+                f"batch {b}, position {s} has no route for layer {self.layers[j]}; Megatron "
+                "replays every row: pass fill=True to give such rows padding ids"
+            )
+        seq_major = local.transpose(0, 1)  # [S, B, L, K]: the router flattens [S, B, H]
+        return [seq_major[:, :, j].reshape(-1, K).contiguous() for j in range(len(self.layers))]
+
+    def set(self, routes: torch.Tensor, *, fill: bool = True) -> None:
+        """Hand one micro-batch's routes to every router of this stage and replay them."""
+        per_router = self.tensors(routes, fill=fill)
+        rr = _replay_module()
+        rr.RouterReplay.set_replay_data(per_router)
+        rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_FORWARD)
+        self._rows = [len(t) for t in per_router]
+
+    def backward(self) -> None:
+        """Switch to replaying the queued routes for activation recompute in backward."""
+        rr = _replay_module()
+        rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_BACKWARD)
+
+    def end_step(self) -> None:
+        """Step boundary: drop targets and the recompute queue; routers route natively."""
+        rr = _replay_module()
+        rr.RouterReplay.clear_global_indices()
+        rr.RouterReplay.clear_global_router_replay_action()
+        self._rows = []
+
+    def close(self) -> None:
+        """End the step and remove the row-count hooks."""
+        self.end_step()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _check_config(layout: RoutingLayout, config: Any) -> None:
+    if getattr(config, "moe_router_fusion", False):
+        raise LayoutMismatchError(
+            "moe_router_fusion=True: Megatron's fused top-k kernel skips RouterReplay "
+            "silently, so nothing would be replayed; set moe_router_fusion=False"
+        )
+    if not getattr(config, "moe_enable_routing_replay", False):
+        raise LayoutMismatchError(
+            "the TransformerConfig has moe_enable_routing_replay=False: its routers have no "
+            "RouterReplay; build the model with moe_enable_routing_replay=True"
+        )
+    checks: Sequence[tuple[str, int, int]] = [
+        ("moe_router_topk", config.moe_router_topk, layout.top_k),
+        ("num_moe_experts", config.num_moe_experts, layout.num_experts),
+        ("num_layers", config.num_layers, layout.num_layers),
+    ]
+    for name, theirs, ours in checks:
+        if theirs != ours:
+            raise LayoutMismatchError(
+                f"TransformerConfig.{name}={theirs} but the routes' layout has {ours}: the "
+                "routes were recorded for another model"
+            )

@@ -1,0 +1,200 @@
+"""The feed into a real megatron-core 0.16.1 `TopKRouter` / `RouterReplay`, on CPU.
+
+Two adjustments let Megatron's router run without CUDA or Transformer Engine: a
+`gating()` that keeps the weights where they are (Megatron's moves them to CUDA), and
+`moe_utils.te_general_gemm = None` when Transformer Engine is absent. One-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="pip install megatron-core==0.16.1 (extra: megatron)")
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+
+from integrations.megatron import MegatronRouterFeed, stage_moe_layers  # noqa: E402
+from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
+
+# 4 layers, layer 1 dense; top-2 of 8 experts. Hidden 16.
+LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(0, 2, 3))
+H, B, S = 16, 3, 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_cpu():
+    """One-rank gloo group, model parallel (1, 1), and the two CPU adjustments."""
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = TopKRouter.gating
+
+    def gating(self, input):  # Megatron's, minus the move of the weights to CUDA
+        return moe_utils.router_gating_linear(input, self.weight, self.bias, torch.float32)
+
+    TopKRouter.gating = gating
+    started = not dist.is_initialized()
+    if started:
+        init = f"file:///tmp/rr-mcore-{uuid.uuid4().hex}"
+        dist.init_process_group("gloo", init_method=init, world_size=1, rank=0)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    if started:
+        dist.destroy_process_group()
+    TopKRouter.gating = original
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def config(**overrides) -> TransformerConfig:
+    kw = dict(
+        num_layers=4,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_enable_routing_replay=True,
+        use_cpu_initialization=True,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )
+    return TransformerConfig(**{**kw, **overrides})
+
+
+def build_stage(cfg: TransformerConfig, moe_layers: list[int]) -> torch.nn.ModuleList:
+    """The routers of one pipeline stage, in build order, as Megatron's MoE layers make them."""
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(0)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    return torch.nn.ModuleList(TopKRouter(cfg, pg) for _ in moe_layers)
+
+
+def distinct_routes(seed: int = 0) -> torch.Tensor:
+    """[B, S, L=3, K=2] routes, distinct ids per row, different per (b, s, layer)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(B * S * 3)]).view(
+        B, S, 3, 2
+    )
+
+
+def test_forced_ids_reach_routing_map_probs_follow_live_scores_grads_flow():
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    routes = distinct_routes()
+    feed.set(routes)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))  # Megatron: [S, B, H]
+    for j, router in enumerate(routers):
+        router.zero_grad()
+        probs, routing_map = router(x)
+        want = routes[:, :, j].transpose(0, 1).reshape(S * B, 2)  # row s*B + b
+        got = routing_map.nonzero()[:, 1].view(S * B, 2)
+        assert torch.equal(got, want.sort(-1).values)
+        # probs: softmax over the live logits at the forced ids (topk-then-softmax).
+        weight = router.weight.detach().clone().requires_grad_(True)
+        bias = router.bias.detach().clone().requires_grad_(True)  # add_bias_linear=True
+        logits = x.reshape(-1, H) @ weight.t() + bias
+        ref = torch.softmax(logits.gather(1, want), -1)
+        assert torch.allclose(probs.gather(1, want), ref, atol=1e-6)
+        coef = torch.arange(1.0, 1 + 8).expand(S * B, 8)
+        (probs * coef).sum().backward()
+        (ref * coef.gather(1, want)).sum().backward()
+        assert router.weight.grad.abs().sum() > 0
+        assert torch.allclose(router.weight.grad, weight.grad, atol=1e-6)
+        assert torch.allclose(router.bias.grad, bias.grad, atol=1e-6)
+    feed.close()
+
+
+def test_pipeline_stage_takes_its_layers_and_skips_dense():
+    assert stage_moe_layers(LAYOUT, 0, 2) == [0]
+    assert stage_moe_layers(LAYOUT, 1, 3) == [2, 3]
+    cfg = config()
+    routers = build_stage(cfg, [2, 3])  # stage 2 of 2: layers 2 and 3
+    feed = MegatronRouterFeed(LAYOUT, cfg, layer_offset=2, num_local_layers=2, model=routers)
+    routes = distinct_routes(1)
+    tensors = feed.tensors(routes)
+    assert [t.dtype for t in tensors] == [torch.int64, torch.int64]
+    for t, column in zip(tensors, [1, 2], strict=True):
+        assert torch.equal(t, routes[:, :, column].transpose(0, 1).reshape(-1, 2))
+    feed.close()
+
+
+def test_packed_batch_and_missing_rows_get_spread_padding_ids():
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    packed = distinct_routes(2).reshape(1, B * S, 3, 2).clone()
+    packed[0, -4:] = -1  # padding
+    tensors = feed.tensors(packed)
+    assert all(t.shape == (B * S, 2) for t in tensors)
+    pad = tensors[0][-4:]
+    assert (pad.sort(-1).values.diff(dim=-1) > 0).all() and not (pad == 0).all(0).any()
+    with pytest.raises(InvalidRoutesError, match="no route for layer 0"):
+        feed.tensors(packed, fill=False)
+    feed.close()
+
+
+def test_step_boundary_clears_the_recompute_queue_and_backward_replays():
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    first, second = distinct_routes(3), distinct_routes(4)
+    feed.set(first)
+    feed.set(second)  # two micro-batches: both queued for recompute
+    assert [len(r.replay_backward_list) for r in RouterReplay.global_router_replay_instances] == [
+        2,
+        2,
+        2,
+    ]
+    feed.backward()  # recompute of micro-batch 1 pops its routes first
+    x = torch.randn(S, B, H)
+    _, routing_map = routers[0](x)
+    want = first[:, :, 0].transpose(0, 1).reshape(-1, 2).sort(-1).values
+    assert torch.equal(routing_map.nonzero()[:, 1].view(-1, 2), want)
+    feed.end_step()
+    assert all(
+        not r.replay_backward_list and r.target_topk_idx is None and r.router_replay_action is None
+        for r in RouterReplay.global_router_replay_instances
+    )
+    feed.close()
+
+
+def test_validation_megatron_lacks():
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    routes = distinct_routes(5)
+    with pytest.raises(InvalidRoutesError, match="top_k=2"):
+        feed.tensors(routes[..., :1])
+    with pytest.raises(InvalidRoutesError, match="integer expert ids"):
+        feed.tensors(routes.float())
+    with pytest.raises(InvalidRoutesError, match="3 MoE layers"):
+        feed.tensors(routes[:, :, :2])
+    bad = routes.clone()
+    bad[1, 2, 0, 1] = 8
+    with pytest.raises(InvalidRoutesError, match="expert id 8 at batch 1, position 2"):
+        feed.tensors(bad)
+    feed.set(routes[:, :4])  # fewer rows than the router will see
+    with pytest.raises(InvalidRoutesError, match="sees 15 tokens but was fed 12 rows"):
+        routers[0](torch.randn(S, B, H))
+    feed.close()
+    with pytest.raises(LayoutMismatchError, match="moe_router_fusion"):
+        MegatronRouterFeed(LAYOUT, config(moe_router_fusion=True))
+    with pytest.raises(LayoutMismatchError, match="moe_enable_routing_replay=False"):
+        MegatronRouterFeed(LAYOUT, config(moe_enable_routing_replay=False))
+    with pytest.raises(LayoutMismatchError, match="moe_router_topk=4"):
+        MegatronRouterFeed(LAYOUT, config(moe_router_topk=4))
+    build_stage(cfg, [0, 2, 3])
+    TopKRouter(cfg, ProcessGroupCollection.use_mpu_process_groups())  # joins the class list
+    with pytest.raises(LayoutMismatchError, match="clear_global_router_replay_instances"):
+        MegatronRouterFeed(LAYOUT, cfg)
