@@ -198,3 +198,43 @@ def test_validation_megatron_lacks():
     TopKRouter(cfg, ProcessGroupCollection.use_mpu_process_groups())  # joins the class list
     with pytest.raises(LayoutMismatchError, match="clear_global_router_replay_instances"):
         MegatronRouterFeed(LAYOUT, cfg)
+
+
+def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    cfg = config(
+        ffn_hidden_size=32,
+        moe_token_dispatcher_type="allgather",
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+    )
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(0)
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    spec = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp))
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    layers = torch.nn.ModuleList(
+        MoELayer(cfg, submodules=spec, layer_number=i + 1, pg_collection=pg) for i in range(3)
+    )
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=layers)
+    routes = distinct_routes(6)
+    routes[2, 3:] = -1  # padding at the end of the last sequence
+    feed.set(routes)
+    received: dict[int, int] = {}
+    for e, expert in enumerate(layers[1].experts.local_experts):
+        expert.register_forward_hook(
+            lambda m, args, out, e=e: received.__setitem__(e, args[0].shape[0])
+        )
+    x = torch.randn(S, B, H, requires_grad=True)
+    out, _ = layers[1](x)  # global layer 2: routes column 1
+    sent = feed.tensors(routes)[1]
+    assert received == {e: int((sent == e).sum()) for e in range(8)}
+    assert torch.equal(sent[: 3 * B], routes[:, :3, 1].transpose(0, 1).reshape(-1, 2))
+    out.sum().backward()
+    assert layers[1].router.weight.grad.abs().sum() > 0 and x.grad is not None
+    feed.close()
