@@ -178,7 +178,7 @@ def test_ray_rollout_worker_store_replay(model_dir):
     from integrations.vllm import vllm_rollout_worker
 
     job = f"vllm{uuid.uuid4().hex[:6]}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         worker = vllm_rollout_worker(job, model_dir, page_tokens=PAGE, capacity_tokens=4096)
         info = ray.get(worker.info.remote())
