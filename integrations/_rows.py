@@ -86,6 +86,26 @@ def place_rows(
     return out
 
 
+def fill_prefix(store: Any, routes: np.ndarray, prefix: Any, start: int) -> None:
+    """Copy rows `[0, start)` of an earlier stored sample (the previous turn) into `routes`.
+
+    For multi-turn requests that asked for routes from `start` only (SGLang
+    `routed_experts_start_len`, vLLM `routed_experts_prompt_start`): the earlier turn's
+    rows fill the gap, so the sample is complete and shares the earlier turn's pages.
+    The earlier turn's tokens must be this sample's first tokens (the caller's contract).
+    """
+    if prefix is None or start == 0:
+        return
+    earlier = store.get(prefix)
+    if len(earlier) < start:
+        name = getattr(prefix, "sample_id", prefix)
+        raise InvalidRoutesError(
+            f"prefix sample {name!r} has {len(earlier)} tokens, fewer than start={start}: "
+            "pass the earlier turn whose tokens this request extended"
+        )
+    routes[:start] = earlier[:start]
+
+
 def token_array(token_ids: Any, name: str) -> np.ndarray:
     """1-D int64 array of token ids, or a clear error."""
     arr = np.asarray(token_ids)

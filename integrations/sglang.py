@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations._rows import place_rows, token_array
+from integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.errors import InvalidRoutesError
 from routing_replay.layout import RoutingLayout
 from routing_replay.store import RoutingRef, RoutingStore
@@ -129,11 +129,13 @@ def put_sglang(
     output_ids: Sequence[int] | None = None,
     *,
     start_len: int = 0,
+    prefix: str | RoutingRef | None = None,
 ) -> RoutingRef:
     """Put one SGLang /generate response's routes into `store` (prompt pages shared).
 
     `output_ids` defaults to `response["output_ids"]`. Token ids go with the routes so
-    samples of one prompt store their common prefix once.
+    samples of one prompt store their common prefix once. With `start_len`, rows before it
+    are missing, or copied from `prefix` (the stored earlier turn of a multi-turn episode).
     """
     _meta(response)  # a response without routes fails first, whatever else it lacks
     if output_ids is None:
@@ -145,6 +147,7 @@ def put_sglang(
     prompt = token_array(prompt_ids, "prompt_ids")
     tokens = np.concatenate([prompt, token_array(output_ids, "output_ids")])
     routes = routes_from_sglang(response, store.layout, len(tokens), start_len)
+    fill_prefix(store, routes, prefix, start_len)
     return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
 
 

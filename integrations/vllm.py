@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations._rows import place_rows, token_array
+from integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.errors import InvalidRoutesError
 from routing_replay.layout import RoutingLayout
 from routing_replay.rollout import Rollout
@@ -157,10 +157,17 @@ def put_request_output(
     sample_ids: Sequence[str] | Callable[[int], str],
     *,
     start: int = 0,
+    prefix: str | RoutingRef | None = None,
 ) -> list[RoutingRef]:
-    """Put each completion of a `vllm.RequestOutput` into `store`; one ref per completion."""
+    """Put each completion of a `vllm.RequestOutput` into `store`; one ref per completion.
+
+    `start` is the request's `routed_experts_prompt_start`; rows before it are missing, or
+    copied from `prefix` (the stored earlier turn of a multi-turn episode).
+    """
     samples = samples_of(request_output, store.layout, start)
     ids = [sample_ids(j) if callable(sample_ids) else sample_ids[j] for j in range(len(samples))]
+    for s in samples:
+        fill_prefix(store, s.routes, prefix, start)
     return [
         store.put(i, s.routes, prompt_len=s.prompt_len, token_ids=s.tokens)
         for i, s in zip(ids, samples, strict=True)
@@ -175,8 +182,12 @@ def put_http_choice(
     prompt_routed_experts: str | None = None,
     *,
     start: int = 0,
+    prefix: str | RoutingRef | None = None,
 ) -> RoutingRef:
-    """Put one choice of a vLLM HTTP response (`token_ids`, `.npy` base64 routes)."""
+    """Put one choice of a vLLM HTTP response (`token_ids`, `.npy` base64 routes).
+
+    `start` and `prefix` as in `put_request_output`.
+    """
     prompt = token_array(prompt_ids, "prompt_ids")
     if choice.get("token_ids") is None:
         raise InvalidRoutesError(
@@ -192,6 +203,7 @@ def put_http_choice(
         prompt_len=len(prompt),
         start=start,
     )
+    fill_prefix(store, routes, prefix, start)
     return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
 
 

@@ -172,3 +172,24 @@ def test_routes_without_store_have_trainer_rows():
     got = routes_from_sglang(sglang_response(rows, 2, [7, 8]), LAYOUT, num_tokens=4)
     assert got.dtype == LAYOUT.signed_dtype and got.shape == (4, 3, 2)
     np.testing.assert_array_equal(got[:3], moe_only(rows))
+
+
+def test_second_turn_suffix_takes_its_prefix_from_the_first_turn(store):
+    turn1_prompt, turn1_out = list(range(10, 18)), [20, 21, 22, 23]  # 12 tokens
+    turn1_rows = engine_rows(11, seed=20)
+    first = put_sglang(store, "ep0-t0", sglang_response(turn1_rows, 8, turn1_out), turn1_prompt)
+    # Turn 2 extends turn 1's 12 tokens; it asks for routes from 11 (turn 1's last token was
+    # never forwarded in turn 1, it is in turn 2).
+    turn2_prompt = [*turn1_prompt, *turn1_out, 30, 31, 32, 33]  # 16 tokens
+    turn2_out = [40, 41, 42, 43]
+    turn2_rows = engine_rows(20 - 1 - 11, seed=21)
+    response = sglang_response(turn2_rows, 16, turn2_out)
+    put_sglang(store, "ep0-t1", response, turn2_prompt, start_len=11, prefix=first)
+    got = store.get("ep0-t1")
+    np.testing.assert_array_equal(got[:11], store.get("ep0-t0")[:11])
+    np.testing.assert_array_equal(got[11:19], moe_only(turn2_rows))
+    # pages of 4: turn 2 shares turn 1's first two pages (page 3 holds turn 1's -1 row 11).
+    assert store.stats().pages_used == 3 + 5 - 2
+    with pytest.raises(InvalidRoutesError, match="fewer than start=13"):
+        response = sglang_response(engine_rows(6, seed=22), 16, turn2_out)
+        put_sglang(store, "ep0-t2", response, turn2_prompt, start_len=13, prefix="ep0-t0")

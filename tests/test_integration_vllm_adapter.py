@@ -191,3 +191,15 @@ def test_routes_from_vllm_checks_prompt_len():
     prompt = engine_rows(5, 0)
     with pytest.raises(InvalidRoutesError, match="pass prompt_len"):
         routes_from_vllm(LAYOUT, 8, engine_rows(2, 1), prompt)
+
+
+def test_multi_turn_prompt_start_takes_rows_from_the_previous_turn(store):
+    first = put_request_output(store, grpo_output(n=1), ["t0"])[0]  # 16 tokens
+    turn1 = store.get(first)
+    second = grpo_output(n=1, prompt_len=20)  # a prompt extending turn 1 (ids are synthetic)
+    full = second.outputs[0].routed_experts
+    second.outputs[0].routed_experts = full[15:]  # routed_experts_prompt_start=15
+    put_request_output(store, second, ["t1"], start=15, prefix=first)
+    got = store.get("t1")
+    np.testing.assert_array_equal(got[:15], turn1[:15])
+    np.testing.assert_array_equal(got[15:25], moe(full)[15:])
