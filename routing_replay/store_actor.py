@@ -3,7 +3,9 @@
 The actor is named `rr-store-<job>-<node id[:12]>` in the `routing_replay` namespace, pinned
 to its node with a hard node-affinity strategy, and *detached*: it is started by whichever
 process first calls `node_store(job, layout)` on the node (a rollout worker, usually), so
-it must not die with that process. It creates the node's segment
+it must not die with that process. It is tied to the Ray job instead: it watches the job
+that started it and unlinks its segment and exits when that job's driver is gone, even if
+the driver died without `shutdown_node_stores(job)`. It creates the node's segment
 `/dev/shm/rr_<job>.<node id[:12]>.<incarnation>` (with `node_id=` Ray's node id, so
 `RoutingRef.node_id` says where a sample lives), serves reads of its samples to other
 nodes as Arrow tables, releases, and unlinks on `shutdown_node_stores(job)`.
@@ -22,6 +24,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -35,6 +38,7 @@ from routing_replay.store import DEFAULT_PAGE_TOKENS, HEADER_DTYPE, RoutingRef, 
 
 NAMESPACE = "routing_replay"
 DEFAULT_CAPACITY_TOKENS = 1 << 20
+DEFAULT_JOB_WATCH_S = 5.0
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
 JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
@@ -94,7 +98,10 @@ class NodeStoreActor:
         capacity_tokens: int,
         page_tokens: int = DEFAULT_PAGE_TOKENS,
         max_samples: int | None = None,
+        job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
     ) -> None:
+        import ray
+
         self.job = _check_job(job)
         self.node_id = current_node_id()
         self.swept = sweep_dead_segments(job, self.node_id)
@@ -109,6 +116,28 @@ class NodeStoreActor:
         )
         self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
         self._lock = threading.Lock()
+        self.ray_job_id = ray.get_runtime_context().get_job_id()
+        if job_watch_s:
+            threading.Thread(target=self._watch_job, args=(job_watch_s,), daemon=True).start()
+
+    def _watch_job(self, interval: float) -> None:
+        """Unlink and exit once the Ray job that started this actor is dead."""
+        import ray
+
+        try:
+            from ray._private.state import jobs  # no public API without the dashboard
+        except ImportError:  # pragma: no cover - a Ray outside the supported range
+            return
+        while "store" in self.__dict__:
+            time.sleep(interval)
+            try:
+                table = jobs()
+            except Exception:  # the GCS may be briefly unreachable: try again later
+                continue
+            if any(j["JobID"] == self.ray_job_id and j["IsDead"] for j in table):
+                self.shutdown()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
 
     def info(self) -> dict[str, Any]:
         """Store name, node, pid and layout: what `node_store` needs to attach."""
@@ -210,6 +239,7 @@ def store_actor(
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
     page_tokens: int = DEFAULT_PAGE_TOKENS,
     max_samples: int | None = None,
+    job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
 ) -> Any:
     """The store actor of `job` on `node_id` (default: this node); starts it given a layout."""
     import ray
@@ -236,7 +266,7 @@ def store_actor(
             max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(job, layout.to_json(), capacity_tokens, page_tokens, max_samples)
+        .remote(job, layout.to_json(), capacity_tokens, page_tokens, max_samples, job_watch_s)
     )
 
 
@@ -247,12 +277,15 @@ def node_store(
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
     page_tokens: int = DEFAULT_PAGE_TOKENS,
     max_samples: int | None = None,
+    job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
 ) -> RoutingStore:
     """This node's RoutingStore for `job` (attached), starting the node's store actor if needed.
 
     Call it in any Ray task, actor or driver, once per step rather than once per process: it
     asks the actor which segment is current, so a writer never keeps putting into the
-    segment of a store actor that died. Capacity arguments apply when the actor starts.
+    segment of a store actor that died. Capacity arguments apply when the actor starts;
+    so does `job_watch_s`: how often the actor checks that the Ray job that started it is
+    alive (it unlinks and exits when not); None keeps it until `shutdown_node_stores`.
     """
     import ray
 
@@ -262,6 +295,7 @@ def node_store(
         capacity_tokens=capacity_tokens,
         page_tokens=page_tokens,
         max_samples=max_samples,
+        job_watch_s=job_watch_s,
     )
     try:
         info = ray.get(actor.info.remote())

@@ -12,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -299,6 +300,38 @@ def test_store_actor_that_cannot_start_raises_clearly_and_can_retry(cluster):
     # The failed actor left nothing behind: a store that fits starts on the next call.
     assert ray.get(ray.remote(Writer).options(**on(cluster[1])).remote(job).segment.remote())
     assert shutdown_node_stores(job) == 1
+
+
+DRIVER = """
+import sys, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from routing_replay import RoutingLayout, node_store
+address, job, node = sys.argv[1:4]
+ray.init(address=address, log_to_driver=False)
+layout = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
+task = ray.remote(lambda: node_store(job, layout, job_watch_s=0.5).name)
+strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+print(ray.get(task.options(scheduling_strategy=strategy, num_cpus=0).remote()))
+"""  # exits without shutdown_node_stores: a crashed driver, as far as the stores know
+
+
+def test_store_actor_ends_with_the_job_that_started_it(cluster):
+    job = f"t{uuid.uuid4().hex[:6]}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, address, job, cluster[1]],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    name = proc.stdout.strip().splitlines()[-1]
+    assert name.startswith(f"{job}.{cluster[1][:12]}.")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (store_actors(job) or os.path.exists(segment_path(name))):
+        time.sleep(0.5)
+    assert not os.path.exists(segment_path(name))
+    assert store_actors(job) == {}
 
 
 def shm_usage(job: str) -> tuple[int, list[str]]:
