@@ -10,6 +10,8 @@ tensor; a layout whose ids need a wider signed type (129-255 experts) widens in 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -50,7 +52,8 @@ def to_torch(
 
     The dtype is `layout.signed_dtype` (torch.int8 up to 128 experts, int16 beyond): ids
     are small, and replay widens them on the device. Without `attention_mask` the samples
-    are packed back to back (see `cu_seqlens`) with no copy; for replay on a packed
+    are packed back to back (see `cu_seqlens`) with no copy (the tensor shares the Arrow
+    buffer: treat it as read-only); for replay on a packed
     `[1, sum_T]` batch, `unsqueeze(0)` it. With the `[B, S]` mask of a padded batch (left
     or right padding), sample b's routes fill row b's unmasked positions, which must be
     one contiguous run of exactly `num_tokens[b]` positions.
@@ -59,7 +62,12 @@ def to_torch(
     L, K = layout.num_moe_layers, layout.top_k
     stored = _stored_ids(batch)
     if attention_mask is None:
-        return torch.from_numpy(layout.decode(stored.reshape(-1, L, K)))
+        packed = layout.decode(stored.reshape(-1, L, K))
+        with warnings.catch_warnings():
+            # An Arrow buffer that arrived through Ray is read-only; the tensor shares it,
+            # so it must not be written to (replay only reads routes).
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return torch.from_numpy(packed)
     mask = torch.as_tensor(attention_mask).bool().cpu()
     lengths = batch.column(NUM_TOKENS).to_numpy()
     if mask.ndim != 2 or mask.shape[0] != len(lengths):

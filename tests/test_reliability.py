@@ -207,7 +207,7 @@ def _hammer_reader(name: str, writers: int, progress, stop, result) -> None:
     rng = np.random.default_rng(os.getpid())
     checked = raced = 0
     wrong = []
-    while not stop.value:
+    while not stop.value or checked < 250:  # every reader checks 250 samples at least
         ids = []
         for w in rng.integers(0, writers, 8).tolist():
             if progress[w]:
