@@ -28,13 +28,12 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from routing_replay.errors import RoutingReplayError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
-from routing_replay.shm import SEGMENT_PREFIX, SHM_DIR, pid_alive, segment_path
-from routing_replay.store import DEFAULT_PAGE_TOKENS, HEADER_DTYPE, RoutingRef, RoutingStore
+from routing_replay.shm import pid_alive, segment_path
+from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore, sweep_stores
 
 NAMESPACE = "routing_replay"
 DEFAULT_CAPACITY_TOKENS = 1 << 20
@@ -340,28 +339,13 @@ def _is_live(store: RoutingStore) -> bool:
         return False
     if on_disk != os.fstat(store._seg.fd).st_ino:
         return False
-    return pid_alive(int(store._hdr["owner_pid"]))
+    hdr = store._hdr
+    return pid_alive(int(hdr["owner_pid"]), int(hdr["owner_start"]))
 
 
 def sweep_dead_segments(job: str, node_id: str) -> list[str]:
     """Unlink this job's segments on this node whose owning process is dead; returns them."""
-    prefix = SEGMENT_PREFIX + _store_prefix(job, node_id)
-    swept = []
-    for entry in os.listdir(SHM_DIR):
-        if not entry.startswith(prefix):
-            continue
-        path = os.path.join(SHM_DIR, entry)
-        try:
-            with open(path, "rb") as f:
-                header = np.frombuffer(f.read(HEADER_DTYPE.itemsize), HEADER_DTYPE)
-        except OSError:
-            continue
-        if len(header) and pid_alive(int(header["owner_pid"][0])):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        swept.append(entry[len(SEGMENT_PREFIX) :])
-    return swept
+    return [info.name for info in sweep_stores(prefix=_store_prefix(job, node_id))]
 
 
 def store_actors(job: str | None = None) -> dict[str, Any]:

@@ -6,7 +6,6 @@ the node id. One cluster serves the whole module (Ray takes seconds to start).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pickle
@@ -334,18 +333,14 @@ def test_store_actor_ends_with_the_job_that_started_it(cluster):
     assert store_actors(job) == {}
 
 
-def shm_usage(job: str) -> tuple[int, list[str]]:
-    """Bytes used in /dev/shm less other jobs' store segments, and this job's segments."""
+def shm_usage(job: str) -> tuple[int, dict[str, int]]:
+    """Bytes used in /dev/shm, and the bytes allocated to each of this job's segments."""
     st = os.statvfs(SHM_DIR)
-    used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    mine, others = [], 0
+    mine = {}
     for f in sorted(os.listdir(SHM_DIR)):
         if f.startswith(f"rr_{job}."):
-            mine.append(f)
-        elif f.startswith("rr_"):  # another test or session's store, growing or not
-            with contextlib.suppress(FileNotFoundError):
-                others += os.stat(os.path.join(SHM_DIR, f)).st_blocks * 512
-    return used - others, mine
+            mine[f] = os.stat(os.path.join(SHM_DIR, f)).st_blocks * 512
+    return (st.f_blocks - st.f_bfree) * st.f_frsize, mine
 
 
 def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):
@@ -370,12 +365,14 @@ def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):
     stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
     assert [(s["samples"], s["pages_used"], s["pages_pending"]) for s in stats] == [(0, 0, 0)] * 2
     end = shm_usage(job)
-    assert end[1] == start[1] and len(start[1]) == 2  # no segment added or lost
-    # /dev/shm also holds Ray's object store files: allow a little of its own churn.
+    # The same segments, the same bytes allocated to each: nothing added, lost or grown.
+    assert end[1] == start[1] and len(start[1]) == 2
+    # /dev/shm as a whole: Ray's object store lives there too (a little churn), and other
+    # processes on the machine may free memory meanwhile, so only growth is checked.
     print(f"/dev/shm used: {start[0]} -> {end[0]} bytes")
-    assert abs(end[0] - start[0]) <= 4 * MB, (start[0], end[0])
+    assert end[0] - start[0] <= 4 * MB, (start[0], end[0])
     shutdown_node_stores(job)
-    assert shm_usage(job)[1] == []
+    assert shm_usage(job)[1] == {}
 
 
 def test_import_routing_replay_does_not_import_ray():
