@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +34,9 @@ from routing_replay.reader import cu_seqlens, to_torch
 from routing_replay.schema import LAYOUT_METADATA_KEY, SAMPLE_ID, layout_of, routes_schema
 from routing_replay.store import Part, RoutingRef
 from routing_replay.store_actor import attached, current_node_id, job_of, lost_error, store_actor
+
+if TYPE_CHECKING:
+    import ray.data
 
 
 def _by_store(refs: Sequence[RoutingRef]) -> dict[str, list[int]]:
@@ -133,7 +136,7 @@ def read_dataset(
     part: Part = "all",
     release: bool = False,
     samples_per_block: int = 256,
-) -> Any:
+) -> ray.data.Dataset:
     """A `ray.data.Dataset` of the refs' routes (Arrow schema), each sample read on its node.
 
     Each node's samples are read by that node's store actor into Arrow tables that stay in

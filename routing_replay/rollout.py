@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from routing_replay.capture import capture
 from routing_replay.layout import RoutingLayout
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef
 from routing_replay.store_actor import DEFAULT_CAPACITY_TOKENS, current_node_id, node_store
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ def rollout_worker(
     node_id: str | None = None,
     num_cpus: float = 1,
     **kwargs: Any,
-) -> Any:
+) -> ActorHandle:
     """Start a `RolloutWorker` Ray actor (pinned to `node_id` if given); returns its handle."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -34,6 +34,9 @@ from routing_replay.errors import RoutingReplayError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
 from routing_replay.shm import pid_alive, segment_path
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore, sweep_stores
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 NAMESPACE = "routing_replay"
 DEFAULT_CAPACITY_TOKENS = 1 << 20
@@ -239,7 +242,7 @@ def store_actor(
     page_tokens: int = DEFAULT_PAGE_TOKENS,
     max_samples: int | None = None,
     job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
-) -> Any:
+) -> ActorHandle:
     """The store actor of `job` on `node_id` (default: this node); starts it given a layout."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -348,7 +351,7 @@ def sweep_dead_segments(job: str, node_id: str) -> list[str]:
     return [info.name for info in sweep_stores(prefix=_store_prefix(job, node_id))]
 
 
-def store_actors(job: str | None = None) -> dict[str, Any]:
+def store_actors(job: str | None = None) -> dict[str, ActorHandle]:
     """Live store actors (of `job`, or of every job), by actor name."""
     import ray
 
