@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 NAMESPACE = "routing_replay"
 DEFAULT_CAPACITY_TOKENS = 1 << 20
 DEFAULT_JOB_WATCH_S = 5.0
+START_ATTEMPTS = 3
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
 JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
@@ -291,20 +292,24 @@ def node_store(
     """
     import ray
 
-    actor = store_actor(
-        job,
-        layout,
-        capacity_tokens=capacity_tokens,
-        page_tokens=page_tokens,
-        max_samples=max_samples,
-        job_watch_s=job_watch_s,
-    )
-    try:
-        info = ray.get(actor.info.remote())
-    except ray.exceptions.RayActorError as e:
-        raise StoreUnavailableError(
-            f"the store actor of job {job!r} on this node failed to start or died: {e}"
-        ) from e
+    options = {
+        "capacity_tokens": capacity_tokens,
+        "page_tokens": page_tokens,
+        "max_samples": max_samples,
+        "job_watch_s": job_watch_s,
+    }
+    for attempt in range(START_ATTEMPTS):
+        # A store actor killed a moment ago may still hold its name: get_if_exists then
+        # hands back the dying actor. Ask again, briefly, before giving up.
+        try:
+            info = ray.get(store_actor(job, layout, **options).info.remote())
+            break
+        except ray.exceptions.RayActorError as e:
+            if attempt == START_ATTEMPTS - 1:
+                raise StoreUnavailableError(
+                    f"the store actor of job {job!r} on this node failed to start or died: {e}"
+                ) from e
+            time.sleep(0.2 * (attempt + 1))
     return attached(info["store"], layout)
 
 

@@ -326,7 +326,7 @@ def test_store_actor_ends_with_the_job_that_started_it(cluster):
     assert proc.returncode == 0, proc.stderr
     name = proc.stdout.strip().splitlines()[-1]
     assert name.startswith(f"{job}.{cluster[1][:12]}.")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (store_actors(job) or os.path.exists(segment_path(name))):
         time.sleep(0.5)
     assert not os.path.exists(segment_path(name))
@@ -369,6 +369,11 @@ def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):
     assert end[1] == start[1] and len(start[1]) == 2
     # /dev/shm as a whole: Ray's object store lives there too (a little churn), and other
     # processes on the machine may free memory meanwhile, so only growth is checked.
+    for _ in range(5):  # let a transient neighbour's use pass before failing
+        if end[0] - start[0] <= 4 * MB:
+            break
+        time.sleep(1)
+        end = shm_usage(job)
     print(f"/dev/shm used: {start[0]} -> {end[0]} bytes")
     assert end[0] - start[0] <= 4 * MB, (start[0], end[0])
     shutdown_node_stores(job)
