@@ -39,6 +39,7 @@ def start_ray(num_cpus: int = 2) -> None:
         ray.init(address="auto", log_to_driver=False)
     else:
         ray.init(
+            address="local",  # a new Ray even if another local cluster is running
             num_cpus=num_cpus,
             object_store_memory=100 * 2**20,  # Ray's object store lives in /dev/shm too
             include_dashboard=False,
@@ -106,6 +107,7 @@ class Trainer:
         refs: list[Any],
     ) -> dict[str, Any]:
         """Fetch the routes by ref, compare native routing, update under replay."""
+        here = ray.get_runtime_context().get_node_id()
         t0 = time.perf_counter()
         batch = fetch_batch(refs, release=True)  # consumed: the stores free the pages
         fetch_s = time.perf_counter() - t0
@@ -133,7 +135,7 @@ class Trainer:
             "fetch_s": fetch_s,
             "routes_bytes": batch.nbytes,
             "tokens": int(mask.sum()),
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "local_samples": sum(r.node_id == here for r in refs),
         }
 
 
@@ -222,6 +224,9 @@ def summary(m: dict[str, Any]) -> str:
             f"  node stores after rollout: {before['samples']} samples, {before['pages_used']} "
             f"pages, {before['dedup_saved_bytes']} B saved by prompt-page sharing; after the "
             f"trainer consumed them: {after['samples']} samples, {after['pages_used']} pages",
+            f"  trainer read {m['local_samples']} samples from its node's shared memory and "
+            f"{m['samples'] - m['local_samples']} through other nodes' store actors "
+            f"({m['routes_bytes'] / 1024:.1f} KiB of routes, fetch {m['fetch_s'] * 1e3:.1f} ms)",
             f"  routing agreement, trainer (fp32) vs rollout (bf16), without replay: "
             f"{m['without']['router_agreement']:.4f} of router decisions, "
             f"{m['without']['token_disagreement']:.3f} of tokens differ in some layer; "
@@ -230,8 +235,8 @@ def summary(m: dict[str, Any]) -> str:
             f"(per layer {per_layer(m['with'])})",
             f"  replayed update: loss {m['loss']:.4f}, router grad norm "
             f"{m['router_grad_norm']:.3g} (routers still learn)",
-            f"  time: rollout {m['rollout_s']:.1f} s, fetch {m['fetch_s'] * 1e3:.1f} ms, "
-            f"train step {m['train_s']:.1f} s, total {m['total_s']:.1f} s",
+            f"  time: rollout {m['rollout_s']:.1f} s (actor start included), train step "
+            f"{m['train_s']:.1f} s, total {m['total_s']:.1f} s",
         ]
     )
 
