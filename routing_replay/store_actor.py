@@ -305,7 +305,7 @@ def node_store(
             info = ray.get(store_actor(job, layout, **options).info.remote())
             break
         except ray.exceptions.RayActorError as e:
-            if attempt == START_ATTEMPTS - 1:
+            if attempt == START_ATTEMPTS - 1 or "creation task" in str(e):  # __init__ raised
                 raise StoreUnavailableError(
                     f"the store actor of job {job!r} on this node failed to start or died: {e}"
                 ) from e
