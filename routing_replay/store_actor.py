@@ -142,25 +142,36 @@ class NodeStoreActor:
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
 
+    def _live(self) -> RoutingStore:
+        store = self.__dict__.get("store")
+        if store is None:
+            raise StoreUnavailableError(
+                f"the store actor of job {self.job!r} on node {self.node_id[:12]} was shut "
+                "down: its samples are gone"
+            )
+        return store
+
     def info(self) -> dict[str, Any]:
         """Store name, node, pid and layout: what `node_store` needs to attach."""
+        store = self._live()
         return {
-            "store": self.store.name,
+            "store": store.name,
             "node_id": self.node_id,
             "pid": os.getpid(),
-            "layout": self.store.layout.to_json(),
-            "capacity_tokens": self.store.capacity_tokens,
-            "page_tokens": self.store.page_tokens,
+            "layout": store.layout.to_json(),
+            "capacity_tokens": store.capacity_tokens,
+            "page_tokens": store.page_tokens,
         }
 
     def read(
         self, refs: list[RoutingRef | str], part: str = "all", release: bool = False
     ) -> pa.Table:
         """Samples as one Arrow table (one copy out of shm); optionally release them after."""
-        _check_refs_in(refs, self.store.name, self.node_id)
-        batch = self.store.read(refs, part=part)  # type: ignore[arg-type]
+        store = self._live()
+        _check_refs_in(refs, store.name, self.node_id)
+        batch = store.read(refs, part=part)  # type: ignore[arg-type]
         if release:
-            self.store.release(refs)
+            store.release(refs)
         with self._lock:
             self.counters["read_calls"] += 1
             self.counters["samples_served"] += batch.num_rows
@@ -177,8 +188,9 @@ class NodeStoreActor:
 
     def release(self, refs: list[RoutingRef | str]) -> int:
         """Release samples of this store; returns how many."""
-        _check_refs_in(refs, self.store.name, self.node_id)
-        self.store.release(refs)
+        store = self._live()
+        _check_refs_in(refs, store.name, self.node_id)
+        store.release(refs)
         with self._lock:
             self.counters["released"] += len(refs)
         return len(refs)
@@ -187,7 +199,8 @@ class NodeStoreActor:
         """The store's StoreStats fields plus this actor's read/release counters."""
         with self._lock:
             counters = dict(self.counters)
-        return {**vars(self.store.stats()), **counters, "store": self.store.name}
+        store = self._live()
+        return {**vars(store.stats()), **counters, "store": store.name}
 
     def shutdown(self) -> None:
         """Unmap and unlink the segment (idempotent); the caller then kills the actor."""
