@@ -147,6 +147,13 @@ class Segment:
         """Mapped bytes."""
         return len(self.mmap)
 
+    def is_current(self) -> bool:
+        """Whether the file at the segment's path is still this mapping (not unlinked/replaced)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
+        except (FileNotFoundError, OSError):
+            return False
+
     def close(self) -> None:
         """Unmap and close; every numpy view of the mapping must be dropped first."""
         if self.fd < 0:

@@ -364,6 +364,14 @@ class RoutingStore:
             self.__dict__.pop(attr, None)
         self._seg.close()
 
+    def owner_alive(self) -> bool:
+        """Whether the process that created this store still runs (pid and start time)."""
+        return pid_alive(int(self._hdr["owner_pid"]), int(self._hdr["owner_start"]))
+
+    def is_current(self) -> bool:
+        """Whether this mapping is still the store at its name (not swept or recreated)."""
+        return self._seg.is_current()
+
     def unlink(self) -> None:
         """Remove the segment (owner only); processes that mapped it keep their view."""
         if not self._seg.owner:

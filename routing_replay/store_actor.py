@@ -32,7 +32,6 @@ import pyarrow as pa
 
 from routing_replay.errors import RoutingReplayError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
-from routing_replay.shm import pid_alive, segment_path
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore, sweep_stores
 
 if TYPE_CHECKING:
@@ -354,14 +353,7 @@ def attached(name: str, layout: RoutingLayout | None = None) -> RoutingStore:
 
 def _is_live(store: RoutingStore) -> bool:
     """The mapping is still the file at its path, and the owner (the actor) is alive."""
-    try:
-        on_disk = os.stat(segment_path(store.name)).st_ino
-    except FileNotFoundError:
-        return False
-    if on_disk != os.fstat(store._seg.fd).st_ino:
-        return False
-    hdr = store._hdr
-    return pid_alive(int(hdr["owner_pid"]), int(hdr["owner_start"]))
+    return store.is_current() and store.owner_alive()
 
 
 def sweep_dead_segments(job: str, node_id: str) -> list[str]:
