@@ -55,6 +55,10 @@ import numpy as np
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 MB = 2**20
+# Every process allocates with the system allocator, Arrow included: a pool that keeps freed
+# pages (Arrow's default jemalloc/mimalloc) would hand later repeats pre-faulted memory that
+# the numpy-based ways do not get, and would hide the reader's peak memory across ways.
+ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system"}
 
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {"num_layers": 48, "top_k": 8, "num_experts": 128, "moe_layers": None},
@@ -129,6 +133,11 @@ def scaling_spec(model: str, tokens: int, per_sample: int = 2500, distinct: int 
     }
 
 
+def capacity(spec: dict, page_tokens: int = 128) -> int:
+    """Store tokens for the whole batch unshared: every sample rounded up to whole pages."""
+    return sum(-(-s[0] // page_tokens) * page_tokens for s in spec["samples"]) + page_tokens
+
+
 def total_tokens(spec: dict) -> int:
     return sum(s[0] for s in spec["samples"])
 
@@ -172,8 +181,14 @@ def to_int32(narrow: np.ndarray, layout: Any) -> np.ndarray:
 def expected(spec: dict, layout: Any, keep: bool) -> tuple[int, np.ndarray | None]:
     """CRC32 of the int16 form (-1 missing) of every sample in order, and the array if `keep`."""
     crc, parts, cache = 0, [], {}
+    distinct: dict[tuple, np.ndarray] = {}  # the scaling series repeats 64 samples
     for i in range(len(spec["samples"])):
-        canon = to_int32(sample_routes(spec, i, layout, cache), layout).astype(np.int16)
+        key = spec["samples"][i]
+        canon = distinct.get(key) if spec["kind"] == "scaling" else None
+        if canon is None:
+            canon = to_int32(sample_routes(spec, i, layout, cache), layout).astype(np.int16)
+            if spec["kind"] == "scaling":
+                distinct[key] = canon
         crc = zlib.crc32(canon, crc)
         if keep:
             parts.append(canon)
@@ -254,12 +269,11 @@ def writer_setup(way: str, spec: dict, opts: dict) -> dict:
     st: dict[str, Any] = {"way": way, "spec": spec, "layout": layout, "opts": opts}
     cache: dict = {}
     n = len(spec["samples"])
-    narrow = [sample_routes(spec, i, layout, cache) for i in range(n)]
-    if way in ("json", "base64-i32", "ray-i32", "ray-i32-x", "store-i32-in"):
-        st["src"] = [to_int32(a, layout) for a in narrow]
-        del narrow
-    else:
-        st["src"] = narrow
+    wide = way in ("json", "base64-i32", "ray-i32", "ray-i32-x", "store-i32-in")
+    st["src"] = []
+    for i in range(n):  # one sample at a time: no full-size narrow copy next to the int32 one
+        narrow = sample_routes(spec, i, layout, cache)
+        st["src"].append(to_int32(narrow, layout) if wide else narrow)
     if way.startswith("store"):
         st["tokens"] = [sample_tokens(spec, i) for i in range(n)] if opts["token_ids"] else None
         if way in ("store", "store-i32-in"):
@@ -432,6 +446,7 @@ def read_and_check(st: dict, sock: Any, payload: Any, rep: int, base: dict) -> d
 def proc_main(role: str, ctrl: Any, data: Any) -> None:
     """A writer or reader process: runs the ways the parent sends, one at a time."""
     sys.path.insert(0, str(ROOT))
+    os.environ.update(ENV)
     import torch  # noqa: F401  (imported before any baseline is taken)
 
     import routing_replay  # noqa: F401
@@ -463,6 +478,7 @@ def proc_main(role: str, ctrl: Any, data: Any) -> None:
             extra = {"src_bytes": st.get("src_bytes")}
             if "store" in st:
                 st.pop("store").close()
+            del st  # the next way starts from an empty process
             ctrl.send(("ok", {"reps": reps, **extra}))
         except BaseException:
             ctrl.send(("error", traceback.format_exc()))
@@ -474,11 +490,13 @@ def run_copyto(way: str, spec: dict, repeats: int, opts: dict) -> dict:
 
     layout = layout_of_model(spec["model"])
     cache: dict = {}
-    parts = [sample_routes(spec, i, layout, cache) for i in range(len(spec["samples"]))]
-    if way == "copyto-i32":
-        parts = [to_int32(a, layout) for a in parts]
-    src = np.concatenate(parts)
-    del parts
+    L, K = layout.num_moe_layers, layout.top_k
+    src = np.empty((total_tokens(spec), L, K), np.int32 if way == "copyto-i32" else layout.dtype)
+    row = 0
+    for i in range(len(spec["samples"])):
+        a = sample_routes(spec, i, layout, cache)
+        src[row : row + len(a)] = to_int32(a, layout) if way == "copyto-i32" else a
+        row += len(a)
     base = mem_start()
     dst = np.empty_like(src)
     times = []
@@ -529,14 +547,29 @@ class Procs:
     def pair(self, way: str, spec: dict, repeats: int, opts: dict) -> dict:
         for role in ("reader", "writer"):
             self.ctrl[role].send((way, spec, repeats, opts))
-        for role in ("reader", "writer"):
-            self._get(role, 900)
+        self._both(900)
         for _ in range(repeats):
             for role in ("reader", "writer"):
                 self.ctrl[role].send("go")
-            for role in ("reader", "writer"):
-                self._get(role, 900)
-        return {role: self._get(role, 900) for role in ("writer", "reader")}
+            self._both(900)
+        return self._both(900)
+
+    def _both(self, timeout: float) -> dict:
+        """One answer from each process, in whichever order: an error from either raises at
+        once (the other may be blocked on the data socket; close() then kills it)."""
+        from multiprocessing.connection import wait
+
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < 2:
+            pending = [self.ctrl[r] for r in ("writer", "reader") if r not in got]
+            ready = wait(pending, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"no answer within {timeout:.0f}s")
+            for role in ("writer", "reader"):
+                if role not in got and self.ctrl[role] in ready:
+                    got[role] = self._get(role, 0)
+        return got
 
     def close(self) -> None:
         for role, conn in self.ctrl.items():
@@ -602,7 +635,8 @@ class RayCluster:
         self.cluster.wait_for_nodes()
         env = {
             "env_vars": {
-                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+                **ENV,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             }
         }
         ray.init(
@@ -675,11 +709,11 @@ def measure(
     if way in ("store", "store-i32-in"):
         from routing_replay import RoutingStore
 
-        store = RoutingStore.create(f"bench-{uuid.uuid4().hex[:8]}", layout, T + 512)
+        store = RoutingStore.create(f"bench-{uuid.uuid4().hex[:8]}", layout, capacity(spec))
         opts["store"] = store.name
     if way in ("store-ray", "store-x"):
         opts["job"] = f"bench{uuid.uuid4().hex[:8]}"
-        opts["capacity"] = T + 512
+        opts["capacity"] = capacity(spec)
     try:
         if where == "local":
             r = procs.local(way, spec, repeats, opts)
@@ -737,6 +771,7 @@ def run(
     ways: list[str] | None = None,
     scaling: list[int] | None = None,
     log: Any = print,
+    checkpoint: Any = None,
 ) -> dict:
     """Every way on every workload (and the scaling series); returns the results dict."""
     sys.path.insert(0, str(ROOT))
@@ -757,14 +792,20 @@ def run(
     procs = Procs()
     ray_cluster = None
     results: dict[str, Any] = {"workloads": {}, "scaling": []}
+    expected_cache: dict[tuple, tuple] = {}
     try:
         if any(WAYS[w][0].startswith("ray") for w in ways):
             biggest = max(
-                total_tokens(s) * layout_of_model(s["model"]).values_per_token * 4
+                max(
+                    total_tokens(ray_subset(s, quick))
+                    * layout_of_model(s["model"]).values_per_token
+                    * 4,
+                    total_tokens(s) * layout_of_model(s["model"]).bytes_per_token,
+                )
                 for s in specs.values()
             )
             t = time.perf_counter()
-            ray_cluster = RayCluster(max(200 * MB, int(biggest * 1.15)))
+            ray_cluster = RayCluster(max(200 * MB, int(biggest * 2.5)))
             log(f"ray: 2-node cluster up in {time.perf_counter() - t:.1f}s")
         for key, spec in specs.items():
             layout = layout_of_model(spec["model"])
@@ -778,12 +819,17 @@ def run(
                 sub = spec
                 if way in SLOW_WAYS and not quick:
                     sub = subset(spec, slow_samples[spec["kind"]])
+                if way in ("ray-i32", "ray-i32-x"):
+                    sub = ray_subset(spec, quick)
                 reps = 1 if way in SLOW_WAYS and not quick else repeats
                 t = time.perf_counter()
                 row = measure(
                     way, sub, procs, ray_cluster, reps, keep, token_ids=spec["kind"] == "grpo"
                 )
-                crc, routes = expected(sub, layout, keep)
+                ekey = (key, len(sub["samples"]))
+                if ekey not in expected_cache or keep:
+                    expected_cache[ekey] = expected(sub, layout, keep)
+                crc, routes = expected_cache[ekey]
                 row["identical"] = row["crc"] == crc
                 row["expected_routes"] = routes
                 if sub is not spec:  # scale per token to the full batch
@@ -807,9 +853,15 @@ def run(
                 "int32_bytes": T * layout.values_per_token * 4,
                 "rows": rows,
             }
+            if checkpoint:
+                checkpoint(results)
+        if ray_cluster is not None:  # its object stores hold memory the big batches need
+            ray_cluster.close()
+            ray_cluster = None
         for n in scaling or []:
             spec = scaling_spec("qwen3-30b-a3b", n)
             layout = layout_of_model(spec["model"])
+            crc_n = None
             for way in ("store", "raw-narrow", "copyto-narrow", "base64-i32", "json"):
                 if (way == "json" and n > 10**4) or (way == "base64-i32" and n > 10**5):
                     continue
@@ -823,12 +875,16 @@ def run(
                     spec,
                     procs,
                     ray_cluster,
-                    1 if n >= 10**7 else repeats,
+                    repeats,
                     False,
                     token_ids=False,
                 )
-                row["identical"] = row["crc"] == expected(spec, layout, False)[0]
+                crc_n = expected(spec, layout, False)[0] if crc_n is None else crc_n
+                row["identical"] = row["crc"] == crc_n
+                row.pop("routes", None)
                 results["scaling"].append(row)
+                if checkpoint:
+                    checkpoint(results)
                 log(
                     f"  scaling {row['tokens']:>9} {way:<14} {row['seconds']:9.4f}s "
                     f"{row['ns_per_token']:8.1f} ns/token identical={row['identical']} "
@@ -844,6 +900,20 @@ def run(
         "python": platform.python_version(),
     }
     return results
+
+
+RAY_I32_CAP = 1_500_000_000  # int32 bytes per Ray batch: up to 4 copies live (24 GB box)
+
+
+def ray_subset(spec: dict, quick: bool) -> dict:
+    """The Ray int32 ways hold the batch up to 4 times (writer, object store on each node,
+    reader): above RAY_I32_CAP they run on the leading half/quarter of the samples."""
+    layout = layout_of_model(spec["model"])
+    nbytes = total_tokens(spec) * layout.values_per_token * 4
+    keep = len(spec["samples"])
+    while not quick and nbytes * keep / len(spec["samples"]) > RAY_I32_CAP and keep % 2 == 0:
+        keep //= 2
+    return spec if keep == len(spec["samples"]) else subset(spec, keep)
 
 
 def add_ratios(rows: dict) -> None:
@@ -896,6 +966,42 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: dict) -> str:
+    """The tables as Markdown (for docs/performance.md)."""
+    out = []
+    for key, w in results["workloads"].items():
+        out.append(
+            f"\n**{key}**: {w['name']}, {w['tokens']:,} tokens, {w['int32_bytes'] / 1e9:.2f} GB "
+            f"as int32, {w['bytes_per_token_stored']} B/token stored\n"
+        )
+        out.append(
+            "| way | seconds | ns/token | GB/s (int32-eq.) | x this project | reader peak MB "
+            "(x returned, private) | writer peak MB | /dev/shm MB | object store MB |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in w["rows"].values():
+            label = r["label"] + (
+                f" (on {r['measured_tokens']:,} tokens)" if r.get("scaled") else ""
+            )
+            x = f"{r['x_store']:.1f}" if r["x_store"] is not None else "-"
+            wr = f"{r['writer_mem']['peak_delta'] / MB:.0f}" if r["writer_mem"] else "-"
+            out.append(
+                f"| {label} | {r['seconds']:.3f} | {r['ns_per_token']:,.0f} | "
+                f"{r['GBps_int32']:.2f} | {x} | {r['reader_mem']['peak_delta'] / MB:.0f} "
+                f"({r['reader_private_over_returned']:.2f}) | {wr} | "
+                f"{r['shm_used_bytes'] / MB:.0f} | {r['object_store_bytes'] / MB:.0f} |"
+            )
+    if results["scaling"]:
+        out.append("\n| routed tokens | way | seconds | ns/token |")
+        out.append("|---|---|---|---|")
+        for r in results["scaling"]:
+            out.append(
+                f"| {r['tokens']:,} | {WAYS[r['way']][1]} | {r['seconds']:.4f} | "
+                f"{r['ns_per_token']:,.0f} |"
+            )
+    return "\n".join(out)
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -937,6 +1043,23 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def strip(results: dict) -> dict:
+    """The results without the routes arrays (kept only for the test)."""
+    drop = ("routes", "expected_routes")
+    out = {k: v for k, v in results.items() if k not in ("workloads", "scaling")}
+    out["workloads"] = {
+        key: {
+            **w,
+            "rows": {
+                way: {k: v for k, v in r.items() if k not in drop} for way, r in w["rows"].items()
+            },
+        }
+        for key, w in results["workloads"].items()
+    }
+    out["scaling"] = [{k: v for k, v in r.items() if k not in drop} for r in results["scaling"]]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for CI")
@@ -950,9 +1073,20 @@ def main() -> None:
         help="token counts for the scaling series (default 1e4..1e7)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "transport.json")
+    parser.add_argument(
+        "--report", type=Path, help="print the tables of a results JSON as Markdown, run nothing"
+    )
     args = parser.parse_args()
+    if args.report:
+        print(markdown(json.loads(args.report.read_text())))
+        return
     if args.scaling is None:
         args.scaling = [1e4] if args.quick else [1e4, 1e5, 1e6, 1e7]
+
+    def checkpoint(partial: dict) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".partial.json").write_text(json.dumps(strip(partial), indent=1))
+
     results = run(
         args.quick,
         1 if args.quick else args.repeat,
@@ -960,18 +1094,16 @@ def main() -> None:
         args.workloads,
         args.ways,
         [int(n) for n in args.scaling],
+        checkpoint=checkpoint,
     )
     text = table(results)
     print(text)
-    for w in results["workloads"].values():
-        for r in w["rows"].values():
-            r.pop("routes", None)
-            r.pop("expected_routes", None)
-    for r in results["scaling"]:
-        r.pop("routes", None)
+    results = strip(results)
     results["quick"] = args.quick
+    results["command"] = " ".join(["python", "benchmarks/transport.py", *sys.argv[1:]])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     bad = [
