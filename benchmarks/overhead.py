@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -177,6 +178,7 @@ def main() -> None:
     else:
         prompts, prompt_len, new, seq, repeat = 8, 32, 64, 96, 21
     torch.manual_seed(0)
+    load_before = os.getloadavg()[0]  # other processes on the machine skew the end-to-end ratio
     results = {}
     for name in MODELS:
         model = build(name)
@@ -204,6 +206,8 @@ def main() -> None:
             "dtype": "float32",
             "device": "cpu",
             "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+            "load_average_before_after": [load_before, os.getloadavg()[0]],
             "torch": torch.__version__,
             "machine": platform.machine(),
         },
