@@ -43,6 +43,7 @@ import socket
 import statistics
 import struct
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -1072,7 +1073,12 @@ def main() -> None:
         type=float,
         help="token counts for the scaling series (default 1e4..1e7)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "transport.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="results JSON (the PNG goes next to it); default benchmarks/results/transport.json, "
+        "or transport.quick.json in the temp dir with --quick (the committed results stay)",
+    )
     parser.add_argument(
         "--report", type=Path, help="print the tables of a results JSON as Markdown, run nothing"
     )
@@ -1080,6 +1086,9 @@ def main() -> None:
     if args.report:
         print(markdown(json.loads(args.report.read_text())))
         return
+    if args.out is None:
+        quick_out = Path(tempfile.gettempdir()) / "transport.quick.json"
+        args.out = quick_out if args.quick else RESULTS / "transport.json"
     if args.scaling is None:
         args.scaling = [1e4] if args.quick else [1e4, 1e5, 1e6, 1e7]
 
