@@ -178,8 +178,8 @@ def _sample_id_bytes(sample_id: Any) -> bytes:
     return raw
 
 
-def _page_key(tokens: np.ndarray) -> int:
-    digest = hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i8").tobytes(), digest_size=8)
+def _page_key(tokens_i64: memoryview) -> int:
+    digest = hashlib.blake2b(tokens_i64, digest_size=8)
     return int.from_bytes(digest.digest(), "little") | 1  # 0 means "not shareable"
 
 
@@ -573,7 +573,10 @@ class RoutingStore:
             if new is not None:
                 try:
                     self._fill(new, checked[len(hits) * P :])
-                    self.layout.check_ids(checked)  # before publishing: nothing bad is seen
+                    # Before publishing: nothing bad is ever seen. Rows byte-equal to shared
+                    # pages were checked when those were put, unless a wider input wrapped.
+                    narrow = checked.dtype == self.layout.dtype
+                    self.layout.check_ids(checked[len(hits) * P :] if narrow else checked)
                     ref = self._publish(raw_id, hits, hit_gens, new, keys, num_tokens, prompt_len)
                 except BaseException:
                     self._unreserve(new)
@@ -594,17 +597,21 @@ class RoutingStore:
                 f"({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
             )
         P = self.page_tokens
-        return [_page_key(tokens[i * P : (i + 1) * P]) for i in range(num_tokens // P)]
+        raw = memoryview(np.ascontiguousarray(tokens, dtype="<i8")).cast("B")
+        return [_page_key(raw[i * P * 8 : (i + 1) * P * 8]) for i in range(num_tokens // P)]
 
     def _match_prefix(self, keys: list[int], checked: np.ndarray) -> list[int]:
         """Published pages equal to the sample's leading full pages (under the lock)."""
         hits: list[int] = []
         P, scratch = self.page_tokens, None
+        narrow = checked.dtype == self.layout.dtype  # compare in place, no conversion
         for i, key in enumerate(keys):
-            if scratch is None:
-                scratch = np.empty((P, *checked.shape[1:]), dtype=self.layout.dtype)
-            self.layout.convert(checked[i * P : (i + 1) * P], scratch)
-            page = self._find_page(hits[-1] if hits else NO_PAGE, key, scratch.reshape(-1))
+            rows = checked[i * P : (i + 1) * P]
+            if not narrow:
+                if scratch is None:
+                    scratch = np.empty((P, *checked.shape[1:]), dtype=self.layout.dtype)
+                rows = self.layout.convert(rows, scratch)
+            page = self._find_page(hits[-1] if hits else NO_PAGE, key, rows.reshape(-1))
             if page == NO_PAGE:
                 break
             hits.append(page)

@@ -262,6 +262,12 @@ def test_same_tokens_different_routes_are_not_merged(name):
         assert store.stats().dedup_saved_bytes == 2 * 16 * LAYOUT.bytes_per_token
         store.release(["a"])
         assert np.array_equal(store.get("b"), b)
+        # An id that wraps to a shared page's bytes (261 -> uint8 5) is refused, not shared.
+        wraps = b.copy()
+        wraps[0, 0, 0] = 256 + 5
+        with pytest.raises(InvalidRoutesError, match="expert id 261"):
+            store.put("c", wraps, token_ids=tokens)
+        assert "c" not in store
 
 
 def _release_later(name: str, ids: list[str], delay: float) -> None:
