@@ -17,13 +17,12 @@ import pyarrow as pa
 import torch
 
 from routing_replay.errors import InvalidRoutesError
-from routing_replay.layout import MISSING
+from routing_replay.layout import MISSING, RoutingLayout
 from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, layout_of
 
 
-def _stored_ids(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
+def _stored_ids(batch: pa.RecordBatch | pa.Table, layout: RoutingLayout) -> np.ndarray:
     """The narrow ids of every token of a batch, `[sum_T, L*K]`, without copying."""
-    layout = layout_of(batch)
     column = batch.column(ROUTED_EXPERTS)
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     flat = [_values(chunk.flatten().flatten(), layout.dtype) for chunk in chunks]
@@ -60,7 +59,7 @@ def to_torch(
     """
     layout = layout_of(batch)
     L, K = layout.num_moe_layers, layout.top_k
-    stored = _stored_ids(batch)
+    stored = _stored_ids(batch, layout)
     if attention_mask is None:
         packed = layout.decode(stored.reshape(-1, L, K))
         with warnings.catch_warnings():

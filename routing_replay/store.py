@@ -731,8 +731,7 @@ class RoutingStore:
         raw_ids = [_sample_id_bytes(r) for r in refs]
         with self._locked():
             found = [self._find_slot(r) for r in raw_ids]
-            missing = [r.decode() for r, s in zip(raw_ids, found, strict=True) if s == NO_PAGE]
-            if missing:
+            if NO_PAGE in found:  # reading an id twice is fine; unknown ones are not
                 self._raise_unknown(raw_ids, found, "read")
             chains = [self._chain(s) for s in found]
             meta = self._slots[["num_tokens", "prompt_len"]][found].copy()

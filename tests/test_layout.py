@@ -53,13 +53,18 @@ def test_storage_dtype_and_bytes():
     assert RoutingLayout(4, 2, 256).dtype == np.uint16
 
 
-@pytest.mark.parametrize("experts", [8, 128, 160, 256, 40_000])
-@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int16, np.uint16, np.uint8])
+@pytest.mark.parametrize(
+    ("experts", "dtype"),
+    [
+        (e, d)
+        for e in (8, 128, 160, 256, 40_000)
+        for d in (np.int64, np.int32, np.int16, np.uint16, np.uint8)
+        if e - 1 <= np.iinfo(d).max  # ids must fit the input dtype
+    ],
+)
 def test_encode_decode_round_trip(experts, dtype):
     layout = RoutingLayout(5, 3, experts, (0, 2, 4))
     info = np.iinfo(dtype)
-    if experts - 1 > info.max:
-        pytest.skip("ids do not fit the input dtype")
     rng = np.random.default_rng(experts)
     routes = rng.integers(0, experts, (40, 5, 3)).astype(dtype)
     if info.min < 0:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import zlib
 
 import numpy as np
@@ -45,14 +44,6 @@ def content(sample_id: str, max_len: int = 400) -> np.ndarray:
     routes = rng.integers(0, 32, (T, 3, 2), dtype=np.int16)
     routes[-1] = -1
     return routes
-
-
-@pytest.fixture
-def name():
-    n = f"test-rel-{uuid.uuid4().hex[:10]}"
-    yield n
-    if os.path.exists(segment_path(n)):
-        os.unlink(segment_path(n))
 
 
 def _kill(p) -> None:

@@ -51,14 +51,6 @@ def all_layers(routes: np.ndarray, layout: RoutingLayout = LAYOUT) -> np.ndarray
     return full
 
 
-@pytest.fixture
-def name():
-    n = f"test-{uuid.uuid4().hex[:12]}"
-    yield n
-    if os.path.exists(segment_path(n)):
-        os.unlink(segment_path(n))
-
-
 def _writer(name: str, ids: range, done) -> None:
     with RoutingStore.attach(name) as store:
         for i in ids:

@@ -1,0 +1,19 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from routing_replay.shm import segment_path
+
+
+@pytest.fixture
+def name(request):
+    """A unique store name for one test; its segment is removed afterwards if still there."""
+    n = f"test-{request.module.__name__.removeprefix('test_')}-{uuid.uuid4().hex[:10]}"
+    yield n
+    if os.path.exists(segment_path(n)):
+        os.unlink(segment_path(n))
