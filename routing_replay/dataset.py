@@ -31,7 +31,13 @@ from routing_replay.errors import (
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.reader import cu_seqlens, to_torch
-from routing_replay.schema import LAYOUT_METADATA_KEY, SAMPLE_ID, layout_of, routes_schema
+from routing_replay.schema import (
+    LAYOUT_METADATA_KEY,
+    SAMPLE_ID,
+    copy_into,
+    layout_of,
+    routes_schema,
+)
 from routing_replay.store import Part, RoutingRef
 from routing_replay.store_actor import attached, current_node_id, job_of, lost_error, store_actor
 
@@ -81,21 +87,27 @@ def _get(object_refs: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
     return out
 
 
-def _read_local(group: list[RoutingRef], part: Part, release: bool) -> pa.RecordBatch:
+def _read_local(
+    group: list[RoutingRef], part: Part, release: bool, out: Any = None
+) -> pa.RecordBatch:
     try:
         store = attached(group[0].store)
     except StoreUnavailableError:
         raise lost_error(group, "its segment is gone from this node") from None
-    batch = store.read(group, part=part)
+    batch = store.read(group, part=part, out=out)
     if release:
         store.release(group)
     return batch
 
 
 def fetch_batch(
-    refs: Sequence[RoutingRef], *, part: Part = "all", release: bool = False
+    refs: Sequence[RoutingRef], *, part: Part = "all", release: bool = False, out: Any = None
 ) -> pa.RecordBatch:
-    """The refs' routes as one Arrow batch, in order: local ones from shm, others via actors."""
+    """The refs' routes as one Arrow batch, in order: local ones from shm, others via actors.
+
+    With `out` (reused memory, as in `RoutingStore.read`) the batch is built there: refs of
+    one same-node store are read straight into it, anything else is copied in once built.
+    """
     refs = list(refs)
     if not refs:
         raise ValueError("fetch_batch needs at least one ref")
@@ -106,20 +118,25 @@ def fetch_batch(
     # Every remote read is in flight before the local ones run.
     pending = [_actor_for(g).read.remote(g, part=part, release=release) for g in remote_groups]
     parts: dict[str, pa.RecordBatch] = {}
+    direct = out if len(groups) == 1 and not remote else None  # read straight into `out`
     for store, indices in groups.items():
         if store not in remote:
-            parts[store] = _read_local([refs[i] for i in indices], part, release)
+            parts[store] = _read_local([refs[i] for i in indices], part, release, direct)
     for store, table in zip(remote, _get(pending, remote_groups), strict=True):
         parts[store] = table.combine_chunks().to_batches()[0]
     ordered = [parts[s] for s in groups]
     order = np.concatenate([np.asarray(groups[s]) for s in groups])
     if len(ordered) == 1:
-        return ordered[0]
-    _check_one_layout(ordered)
-    table = pa.Table.from_batches(ordered)
-    if not np.array_equal(order, np.arange(len(refs))):
-        table = table.take(pa.array(np.argsort(order)))
-    return table.combine_chunks().to_batches()[0]
+        batch = ordered[0]
+    else:
+        _check_one_layout(ordered)
+        table = pa.Table.from_batches(ordered)
+        if not np.array_equal(order, np.arange(len(refs))):
+            table = table.take(pa.array(np.argsort(order)))
+        batch = table.combine_chunks().to_batches()[0]
+    if out is not None and direct is None:
+        batch = copy_into(batch, out)
+    return batch
 
 
 def _check_one_layout(batches: list[pa.RecordBatch]) -> None:

@@ -139,7 +139,11 @@ class RoutingLayout:
                 return False
             arr = arr.view(self.signed_dtype)
         lo = arr.min()
-        return (lo >= MISSING or arr.dtype.kind == "u") and arr.max() < self.num_experts
+        if not (lo >= MISSING or arr.dtype.kind == "u"):
+            return False
+        if arr.dtype.kind == "i" and np.iinfo(arr.dtype).max < self.num_experts:
+            return True  # every value above -1 is an expert (int8 and 128 experts): no max
+        return arr.max() < self.num_experts
 
     def convert(self, checked: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Write routes that passed `check_ids` into `out` in the stored dtype and marker."""

@@ -1,8 +1,10 @@
 """From Arrow routes batches to torch tensors: packed `[sum_T, L, K]` or padded `[B, S, L, K]`.
 
 Copies: `RoutingStore.read` gathers a batch's pages out of shared memory into one Arrow
-buffer (the one copy of a local read; needed because a sample's pages are not contiguous,
-and a view would outlive the mapping). Arrow -> numpy -> torch is zero-copy: the packed
+buffer, or into memory the caller reuses (`out=`) (the one copy of a local read; needed
+because a sample's pages are not contiguous, and a view would outlive the mapping). Arrow
+-> numpy -> torch is zero-copy, also for a table of batches read into consecutive slices
+of one buffer (other multi-batch tables are concatenated, one copy): the packed
 tensor *is* the Arrow buffer, reinterpreted as `layout.signed_dtype` (int8 up to 128
 experts: the stored marker 255 reads as -1). Padding is a second copy, into the padded
 tensor; a layout whose ids need a wider signed type (129-255 experts) widens in that pass.
@@ -25,8 +27,13 @@ def _stored_ids(batch: pa.RecordBatch | pa.Table, layout: RoutingLayout) -> np.n
     """The narrow ids of every token of a batch, `[sum_T, L*K]`, without copying."""
     column = batch.column(ROUTED_EXPERTS)
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    flat = [_values(chunk.flatten().flatten(), layout.dtype) for chunk in chunks]
-    ids = flat[0] if len(flat) == 1 else np.concatenate(flat)
+    flat = [chunk.flatten().flatten() for chunk in chunks if len(chunk)]
+    if len(flat) <= 1:
+        ids = _values(flat[0], layout.dtype) if flat else np.empty(0, layout.dtype)
+    else:
+        ids = _adjacent_values(flat, layout.dtype)
+        if ids is None:
+            ids = np.concatenate([_values(f, layout.dtype) for f in flat])
     return ids.reshape(-1, layout.values_per_token)
 
 
@@ -34,6 +41,18 @@ def _values(array: pa.Array, dtype: np.dtype) -> np.ndarray:
     """A primitive Arrow array's values as numpy, writable when its buffer is."""
     buf = array.buffers()[1]
     return np.frombuffer(buf, dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
+def _adjacent_values(arrays: list[pa.Array], dtype: np.dtype) -> np.ndarray | None:
+    """The values of primitive arrays that lie back to back in memory (batches read into
+    consecutive slices of one `out` buffer) as one numpy view; None if they do not."""
+    starts = [a.buffers()[1].address + a.offset * dtype.itemsize for a in arrays]
+    ends = [start + len(a) * dtype.itemsize for start, a in zip(starts, arrays, strict=True)]
+    if starts[1:] != ends[:-1]:
+        return None
+    # The view keeps every chunk's buffer alive, so all the memory it spans stays valid.
+    span = pa.foreign_buffer(starts[0], ends[-1] - starts[0], base=[a.buffers() for a in arrays])
+    return np.frombuffer(span, dtype)
 
 
 def cu_seqlens(batch: pa.RecordBatch | pa.Table) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +61,20 @@ def routes_batch(
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
+def output_buffer(out: Any, nbytes: int) -> pa.Buffer:
+    """The first `nbytes` of caller-provided memory as a writable Arrow buffer (no copy)."""
+    arr = np.asarray(out)
+    if not (arr.flags.c_contiguous and arr.flags.writeable) or arr.nbytes < nbytes:
+        raise ValueError(
+            f"out must be writable, C-contiguous memory of at least {nbytes} bytes (the "
+            f"batch's tokens x layout.bytes_per_token), got {type(out).__name__} of "
+            f"{arr.nbytes} bytes (contiguous={arr.flags.c_contiguous}, "
+            f"writable={arr.flags.writeable}): allocate e.g. "
+            f"torch.empty({nbytes}, dtype=torch.uint8, pin_memory=True) once and reuse it"
+        )
+    return pa.py_buffer(arr.reshape(-1).view(np.uint8)[:nbytes])
+
+
 # Arrays are built from buffers: `pa.array` imports pandas on first use (0.2-0.5 s in a
 # fresh trainer process), which a record batch of ids and ints does not need.
 
@@ -93,3 +108,21 @@ def layout_of(data: pa.RecordBatch | pa.Table | pa.Schema) -> RoutingLayout:
             "RoutingStore.read (or its schema metadata was dropped on the way)"
         )
     return RoutingLayout.from_json(meta[LAYOUT_METADATA_KEY])
+
+
+def copy_into(batch: pa.RecordBatch, out: Any) -> pa.RecordBatch:
+    """A routes batch rebuilt over caller-provided memory `out` (its ids copied there)."""
+    layout = layout_of(batch)
+    ids = batch.column(ROUTED_EXPERTS).flatten().flatten()
+    buf = output_buffer(out, len(ids) * layout.dtype.itemsize)
+    src = np.frombuffer(
+        ids.buffers()[1], layout.dtype, len(ids), ids.offset * layout.dtype.itemsize
+    )
+    np.copyto(np.frombuffer(buf, layout.dtype), src)
+    return routes_batch(
+        layout,
+        batch.column(SAMPLE_ID).to_pylist(),
+        batch.column(NUM_TOKENS).to_numpy(),
+        batch.column(PROMPT_LEN).to_pylist(),
+        buf,
+    )

@@ -23,7 +23,7 @@ leaves the `dirty` flag set, and the next locker rebuilds every derived field
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import os
 import socket
 import time
@@ -46,7 +46,7 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
-from routing_replay.schema import routes_batch
+from routing_replay.schema import output_buffer, routes_batch
 from routing_replay.shm import (
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -178,9 +178,36 @@ def _sample_id_bytes(sample_id: Any) -> bytes:
     return raw
 
 
-def _page_key(tokens_i64: memoryview) -> int:
-    digest = hashlib.blake2b(tokens_i64, digest_size=8)
-    return int.from_bytes(digest.digest(), "little") | 1  # 0 means "not shareable"
+@functools.cache
+def _key_multipliers(page_tokens: int) -> np.ndarray:
+    """Fixed odd 64-bit multipliers, one per token position (the same in every process)."""
+    rng = np.random.default_rng([0x5EED, page_tokens])
+    return rng.integers(1, 2**63, page_tokens, dtype=np.uint64) | np.uint64(1)
+
+
+def _page_keys_of(tokens_NP: np.ndarray) -> list[int]:
+    """A 64-bit key per row of token ids `[N, P]` (never 0: 0 means "not shareable").
+
+    A multiply-add hash with fixed odd multipliers, then a mixer, all vectorised: keys
+    only pick candidates, sharing also needs byte-equal routes, so a collision can cost a
+    missed share but never changes what is read back.
+    """
+    mult_P = _key_multipliers(tokens_NP.shape[1])
+    with np.errstate(over="ignore"):
+        h_N = (tokens_NP.astype(np.uint64, copy=False) * mult_P).sum(axis=1, dtype=np.uint64)
+        h_N ^= h_N >> np.uint64(31)
+        h_N *= np.uint64(0xBF58476D1CE4E5B9)
+        h_N ^= h_N >> np.uint64(29)
+    return (h_N | np.uint64(1)).tolist()
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays of the same dtype and size hold the same bytes."""
+    if a.size != b.size:
+        return False
+    if a.flags.c_contiguous and b.flags.c_contiguous and a.nbytes % 8 == 0:
+        a, b = a.reshape(-1).view(np.uint64), b.reshape(-1).view(np.uint64)  # 8x fewer elements
+    return bool(np.array_equal(a.reshape(-1), b.reshape(-1)))
 
 
 def _runs(pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -233,7 +260,12 @@ class RoutingStore:
             setattr(self, f"_p_{field}", self._pages[field])
         for field in SLOT_DTYPE.names:
             setattr(self, f"_s_{field}", self._slots[field])
+        # refcount and owner side by side as one int64 per page: 0 = free (one comparison).
+        self._p_taken = np.ndarray(
+            (num_pages,), "<i8", buf, offsets["pages"], (PAGE_DTYPE.itemsize,)
+        )
         self._pid = os.getpid()
+        self._page_hint = self._slot_hint = 0  # where this process looks first (a guess)
 
     @staticmethod
     def _offsets(
@@ -468,15 +500,15 @@ class RoutingStore:
         self._p_next[page] = self._page_heads[b]
         self._page_heads[b] = page
 
-    def _find_page(self, parent: int, key: int, data: np.ndarray) -> int:
-        """A published page with this parent, token key and byte-equal routes, or NO_PAGE."""
+    def _find_page(self, parent: int, key: int, data: np.ndarray | None = None) -> int:
+        """A published page with this parent and token key (and routes equal to `data`)."""
         p = int(self._page_heads[self._page_bucket(parent, key)])
         while p != NO_PAGE:
             if (
                 self._p_key[p] == key
                 and self._p_parent[p] == parent
                 and self._p_refcount[p] > 0
-                and np.array_equal(self._data[p], data)
+                and (data is None or _same_bytes(self._data[p], data))
             ):
                 return p
             p = int(self._p_next[p])
@@ -496,12 +528,17 @@ class RoutingStore:
 
     def _reserve(self, count: int) -> np.ndarray | None:
         """Claim `count` free pages for this process, or None if there are not enough."""
-        free = np.flatnonzero((self._p_refcount == 0) & (self._p_owner == 0))
-        if len(free) < count and self._reclaim_dead_writers():
-            free = np.flatnonzero((self._p_refcount == 0) & (self._p_owner == 0))
-        if len(free) < count:
-            return None
-        got = free[:count]
+        hint = self._page_hint  # after this process's last pages: usually free, in one run
+        if hint + count <= len(self._pages) and not self._p_taken[hint : hint + count].any():
+            got = np.arange(hint, hint + count)
+        else:
+            free = np.flatnonzero(self._p_taken == 0)
+            if len(free) < count and self._reclaim_dead_writers():
+                free = np.flatnonzero(self._p_taken == 0)
+            if len(free) < count:
+                return None
+            got = free[:count]
+        self._page_hint = int(got[-1]) + 1 if count else hint
         self._p_owner[got] = self._pid
         self._p_gen[got] += 1
         self._p_key[got] = 0
@@ -597,25 +634,45 @@ class RoutingStore:
                 f"({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
             )
         P = self.page_tokens
-        raw = memoryview(np.ascontiguousarray(tokens, dtype="<i8")).cast("B")
-        return [_page_key(raw[i * P * 8 : (i + 1) * P * 8]) for i in range(num_tokens // P)]
+        full = num_tokens // P * P
+        return _page_keys_of(tokens[:full].astype(np.int64).reshape(-1, P)) if full else []
 
     def _match_prefix(self, keys: list[int], checked: np.ndarray) -> list[int]:
-        """Published pages equal to the sample's leading full pages (under the lock)."""
+        """Published pages equal to the sample's leading full pages (under the lock).
+
+        The chain is followed by keys alone, then its routes are compared with the
+        sample's, one comparison per run of consecutive pages; from the first page that
+        differs (same tokens routed differently), the search goes page by page.
+        """
         hits: list[int] = []
-        P, scratch = self.page_tokens, None
-        narrow = checked.dtype == self.layout.dtype  # compare in place, no conversion
-        for i, key in enumerate(keys):
-            rows = checked[i * P : (i + 1) * P]
-            if not narrow:
-                if scratch is None:
-                    scratch = np.empty((P, *checked.shape[1:]), dtype=self.layout.dtype)
-                rows = self.layout.convert(rows, scratch)
-            page = self._find_page(hits[-1] if hits else NO_PAGE, key, rows.reshape(-1))
+        for key in keys:
+            page = self._find_page(hits[-1] if hits else NO_PAGE, key)
+            if page == NO_PAGE:
+                break
+            hits.append(page)
+        P = self.page_tokens
+        for i, first, count in _runs(hits):
+            rows = self._as_stored(checked[i * P : (i + count) * P])
+            if not _same_bytes(self._data[first : first + count], rows):
+                equal = [
+                    _same_bytes(self._data[first + j], rows[j * P : (j + 1) * P])
+                    for j in range(count)
+                ]
+                del hits[i + equal.index(False) :]
+                break
+        for i in range(len(hits), len(keys)):  # candidates that differ: any equal twin?
+            rows = self._as_stored(checked[i * P : (i + 1) * P])
+            page = self._find_page(hits[-1] if hits else NO_PAGE, keys[i], rows)
             if page == NO_PAGE:
                 break
             hits.append(page)
         return hits
+
+    def _as_stored(self, rows: np.ndarray) -> np.ndarray:
+        """Rows in the stored dtype: the rows themselves when narrow, else a converted copy."""
+        if rows.dtype == self.layout.dtype:
+            return rows
+        return self.layout.convert(rows, np.empty(rows.shape, dtype=self.layout.dtype))
 
     def _fill(self, new: np.ndarray, checked: np.ndarray) -> None:
         """Write routes into reserved pages, one copy per run of consecutive pages."""
@@ -648,13 +705,14 @@ class RoutingStore:
                 raise DuplicateSampleError(
                     f"sample {raw_id.decode()!r} was put concurrently by another writer"
                 )
-            free_slots = np.flatnonzero(self._s_state == FREE)
-            if len(free_slots) == 0:
+            slot = self._slot_hint  # the slot after this process's last one: usually free
+            if slot >= len(self._slots) or self._s_state[slot] != FREE:
+                slot = int(np.argmin(self._s_state))  # the first FREE (0) slot, if any
+            if self._s_state[slot] != FREE:
                 raise StoreFullError(
                     f"store {self.name!r} holds its maximum of {len(self._slots)} samples: release "
                     "consumed samples, or create it with a larger max_samples"
                 )
-            slot = int(free_slots[0])
             chain = [*hits, *new.tolist()]
             if len(new):
                 self._p_parent[new] = [hits[-1] if hits else NO_PAGE, *new[:-1].tolist()]
@@ -670,6 +728,7 @@ class RoutingStore:
             self._s_sample_id[slot] = raw_id
             self._link_sample(slot, raw_id)
             self._s_state[slot] = PUBLISHED  # the commit point
+            self._slot_hint = slot + 1
         return RoutingRef(raw_id.decode(), self.name, self.node_id, num_tokens, prompt_len)
 
     def _full_error(self, sample_id: str, num_tokens: int, timeout: float) -> StoreFullError:
@@ -783,8 +842,17 @@ class RoutingStore:
         L, K = self.layout.num_moe_layers, self.layout.top_k
         return self.layout.decode(stored.reshape(len(span), L, K))
 
-    def read(self, sample_ids: Iterable[str | RoutingRef], part: Part = "all") -> pa.RecordBatch:
-        """Samples as one Arrow record batch (schema in `routing_replay.schema`), one copy."""
+    def read(
+        self, sample_ids: Iterable[str | RoutingRef], part: Part = "all", out: Any = None
+    ) -> pa.RecordBatch:
+        """Samples as one Arrow record batch (schema in `routing_replay.schema`), one copy.
+
+        `out`: optional writable, contiguous memory (a numpy array, a CPU torch tensor,
+        pinned or not, a bytearray) of at least `sum_T * layout.bytes_per_token` bytes to
+        copy into instead of a new buffer: a trainer that reuses it every step skips the
+        page faults of fresh memory. The batch (and `to_torch` of it) are views of `out`:
+        do not overwrite it while they are in use.
+        """
         ids, chains, meta, gens = self._locate(sample_ids)
         spans = [
             self._span(i, int(n), int(p), part)
@@ -792,7 +860,8 @@ class RoutingStore:
         ]
         lengths = np.array([len(s) for s in spans], dtype=np.int64)
         vpt = self.layout.values_per_token
-        buf = pa.allocate_buffer(int(lengths.sum()) * self.layout.bytes_per_token)
+        nbytes = int(lengths.sum()) * self.layout.bytes_per_token
+        buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
         values = np.frombuffer(buf, dtype=self.layout.dtype).reshape(-1, vpt)
         row = 0
         for chain, span in zip(chains, spans, strict=True):

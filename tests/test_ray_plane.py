@@ -106,6 +106,15 @@ class Reader:
         batch = fetch_batch(refs, release=release, part=part)
         return [r.numpy() for r in _split(batch)]
 
+    def fetch_into(self, refs: list) -> tuple[list, bool]:
+        """fetch_batch into a reused buffer: the routes, and whether they are views of it."""
+        tokens = sum(r.num_tokens for r in refs)
+        out = torch.empty(tokens * 1024, dtype=torch.uint8)  # room for any test's layout
+        batch = fetch_batch(refs, out=out)
+        return [r.numpy().copy() for r in _split(batch)], to_torch(
+            batch
+        ).data_ptr() == out.data_ptr()
+
     def dataset(self, refs: list, release: bool = False, layout: RoutingLayout | None = None):
         ds = read_dataset(refs, release=release)
         out = {}
@@ -202,6 +211,13 @@ def test_rollout_on_both_nodes_read_back_exact_on_one(cluster):
     completions = ray.get(reader.fetch.remote(refs, part="completion"))
     for ref, routes in zip(refs, completions, strict=True):
         np.testing.assert_array_equal(routes, expected[ref.sample_id][ref.prompt_len :])
+
+    # Into reused memory: the head's refs straight from shm, all of them copied in.
+    for subset in (refs[:6], refs):
+        got, in_out = ray.get(reader.fetch_into.remote(subset))
+        assert in_out
+        for ref, routes in zip(subset, got, strict=True):
+            np.testing.assert_array_equal(routes, expected[ref.sample_id])
 
     assert ray.get(reader.release.remote(refs)) == len(refs)
     assert all(

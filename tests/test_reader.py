@@ -108,3 +108,31 @@ def test_wide_layout_widens_once(store):
         wide.put("w", r)
         t = to_torch(wide.read(["w"]))
         assert t.dtype == torch.int16 and torch.equal(t.long(), torch.from_numpy(r))
+
+
+def test_read_into_reused_memory(store):
+    samples = [_routes(n, i) for i, n in enumerate([3, 7, 2, 9])]
+    for i, r in enumerate(samples):
+        store.put(f"s{i}", r)
+    bpt = LAYOUT.bytes_per_token
+    out = torch.empty(21 * bpt + 5, dtype=torch.uint8)  # a trainer's buffer, a bit larger
+    # Two reads into consecutive slices of one buffer (refs arriving in two groups).
+    first = store.read(["s0", "s1"], out=out)
+    second = store.read(["s2", "s3"], out=out[10 * bpt :])
+    packed = to_torch(pa.Table.from_batches([first, second]))
+    assert torch.equal(packed.long(), torch.from_numpy(np.concatenate(samples)))
+    assert packed.data_ptr() == out.data_ptr()  # a view of `out`: no copy anywhere
+    # Batches in separate memory are concatenated (a copy), in the table's order.
+    apart = pa.Table.from_batches([store.read(["s2", "s3"]), store.read(["s0"])])
+    expected = np.concatenate([samples[2], samples[3], samples[0]])
+    assert torch.equal(to_torch(apart).long(), torch.from_numpy(expected))
+    # Memory that cannot take the batch is refused before anything is copied.
+    with pytest.raises(ValueError, match=f"at least {21 * bpt} bytes"):
+        store.read([f"s{i}" for i in range(4)], out=bytearray(21 * bpt - 1))
+    frozen = np.zeros(100, dtype=np.uint8)
+    frozen.setflags(write=False)
+    with pytest.raises(ValueError, match="writable=False"):
+        store.read(["s0"], out=frozen)
+    with pytest.raises(ValueError, match="contiguous=False"):
+        store.read(["s0"], out=np.zeros((10, 20), dtype=np.uint8)[:, ::2])
+    assert torch.equal(to_torch(store.read(["s1"])).long(), torch.from_numpy(samples[1]))

@@ -262,6 +262,27 @@ def test_same_tokens_different_routes_are_not_merged(name):
         assert "c" not in store
 
 
+def test_sharing_finds_the_twin_with_equal_routes(name):
+    """Two published chains with the same tokens but different routes: a third sample
+    shares the one whose routes equal its own, whichever the key lookup meets first."""
+    page = 16 * LAYOUT.bytes_per_token
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, page_tokens=16) as store:
+        tokens = np.arange(100)  # 6 full pages (shareable) and a partial one
+        a = np.random.default_rng(0).integers(0, 8, (100, 4, 2))
+        b = a.copy()
+        b[40, 2, 1] = (a[40, 2, 1] + 1) % 8  # differs from the third page on
+        store.put("a", a, token_ids=tokens)
+        store.put("b", b, token_ids=tokens)
+        assert store.stats().dedup_saved_bytes == 2 * page
+        store.put("like-a", a.astype(np.uint8), token_ids=tokens)  # narrow input
+        assert store.stats().dedup_saved_bytes == (2 + 6) * page
+        store.put("like-b", b.astype(np.int64), token_ids=tokens)  # wide input
+        assert store.stats().dedup_saved_bytes == (2 + 6 + 6) * page
+        for sid, routes in [("a", a), ("b", b), ("like-a", a), ("like-b", b)]:
+            assert np.array_equal(store.get(sid), routes)
+        store.verify()
+
+
 def _release_later(name: str, ids: list[str], delay: float) -> None:
     store = RoutingStore.attach(name)
     time.sleep(delay)
