@@ -39,6 +39,7 @@ import os
 import pickle
 import platform
 import re
+import select
 import socket
 import statistics
 import struct
@@ -312,19 +313,22 @@ def writer_send(st: dict, rep: int, sock: socket.socket | None) -> Any:
         st["refs"] = [ray.put(a) for a in src]
         return [st["refs"]]
     elif way.startswith("store"):
-        store, tokens = st["store"], st["tokens"]
-        refs = [
-            store.put(
+        store, tokens, refs = st["store"], st["tokens"], []
+        st["busy"] = 0.0  # seconds inside put: where the writer's time goes
+        for i, a in enumerate(src):
+            t = time.perf_counter()
+            ref = store.put(
                 f"r{rep}-s{i}",
                 a,
                 prompt_len=spec["samples"][i][1],
                 token_ids=None if tokens is None else tokens[i],
             )
-            for i, a in enumerate(src)
-        ]
-        if sock is None:
-            return refs
-        send_msg(sock, pickle.dumps(refs))
+            st["busy"] += time.perf_counter() - t
+            if sock is None:
+                refs.append(ref)
+            else:  # each ref goes as soon as its sample is in: the reader reads meanwhile
+                send_msg(sock, pickle.dumps(ref))
+        return refs if sock is None else None
     else:
         raise ValueError(way)
     return None
@@ -344,8 +348,18 @@ def reader_setup(way: str, spec: dict, opts: dict) -> dict:
     return st
 
 
+def reused_output(st: dict, nbytes: int) -> np.ndarray:
+    """The reader's output memory: allocated at the first step, reused by the next ones (a
+    trainer reads every step into the same, often pinned, buffer)."""
+    out = st.get("out")
+    if out is None or out.nbytes < nbytes:
+        out = st["out"] = np.empty(nbytes, dtype=np.uint8)
+    return out[:nbytes]
+
+
 def reader_recv(st: dict, sock: socket.socket | None, payload: Any) -> Any:
     """Receive the routes and return them as one packed torch tensor `[sum_T, L, K]`."""
+    import pyarrow as pa
     import torch
 
     from routing_replay import to_torch
@@ -356,17 +370,21 @@ def reader_recv(st: dict, sock: socket.socket | None, payload: Any) -> Any:
         head = bytearray(16)
         recv_into(sock, memoryview(head))
         count, total = struct.unpack("<QQ", head)
-    if way == "json":
-        parts = [torch.tensor(json.loads(recv_msg(sock)), dtype=torch.int32) for _ in range(count)]
-        return torch.cat(parts)
-    if way == "base64-i32":
-        parts = [
-            torch.from_numpy(np.load(io.BytesIO(base64.b64decode(recv_msg(sock)))))
-            for _ in range(count)
-        ]
-        return torch.cat(parts)
+    if way in ("json", "base64-i32"):
+        if way == "json":
+            parts = [
+                torch.tensor(json.loads(recv_msg(sock)), dtype=torch.int32) for _ in range(count)
+            ]
+        else:
+            parts = [
+                torch.from_numpy(np.load(io.BytesIO(base64.b64decode(recv_msg(sock)))))
+                for _ in range(count)
+            ]
+        out = reused_output(st, total * L * K * 4).view(np.int32).reshape(total, L, K)
+        return torch.cat(parts, out=torch.from_numpy(out))
     if way == "raw-narrow":
-        out = np.empty((total, L, K), dtype=layout.dtype)
+        out = reused_output(st, total * layout.bytes_per_token).view(layout.dtype)
+        out = out.reshape(total, L, K)
         flat, row = memoryview(out.reshape(-1)).cast("B"), 0
         row_bytes = L * K * layout.dtype.itemsize
         for _ in range(count):
@@ -383,20 +401,38 @@ def reader_recv(st: dict, sock: socket.socket | None, payload: Any) -> Any:
 
         (refs,) = payload
         arrays = ray.get(refs)
-        out = np.empty((sum(len(a) for a in arrays), L, K), dtype=np.int32)
+        total = sum(len(a) for a in arrays)
+        out = reused_output(st, total * L * K * 4).view(np.int32).reshape(total, L, K)
         np.concatenate(arrays, out=out)
         del arrays
         return torch.from_numpy(out)
     if way in ("store", "store-i32-in"):
-        refs = pickle.loads(recv_msg(sock))
+        # One read per ref as it arrives, into consecutive slices of the reused output:
+        # the batches form one table that `to_torch` views without a copy.
+        out = reused_output(st, total * layout.bytes_per_token)
+        refs, batches, at = [], [], 0
+        st["busy"] = 0.0  # seconds inside read
+        while len(refs) < count:
+            group = [pickle.loads(recv_msg(sock))]  # wait for one, take all that arrived
+            while len(refs) + len(group) < count and select.select([sock], [], [], 0)[0]:
+                group.append(pickle.loads(recv_msg(sock)))
+            t = time.perf_counter()
+            batches.append(st["store"].read(group, out=out[at:]))
+            st["busy"] += time.perf_counter() - t
+            at += sum(r.num_tokens for r in group) * layout.bytes_per_token
+            refs += group
         st["refs"] = refs
-        st["batch"] = st["store"].read(refs)
+        st["batch"] = pa.Table.from_batches(batches)
         return to_torch(st["batch"])
     if way in ("store-ray", "store-x"):
         from routing_replay.dataset import fetch_batch
 
         st["refs"] = payload
-        st["batch"] = fetch_batch(payload)
+        # Same node: read into the reused output. Across nodes the batch arrives through
+        # the object store and `to_torch` views it there: no copy to save.
+        total = sum(r.num_tokens for r in payload)
+        out = reused_output(st, total * layout.bytes_per_token) if way == "store-ray" else None
+        st["batch"] = fetch_batch(payload, out=out)
         return to_torch(st["batch"])
     raise ValueError(way)
 
@@ -429,7 +465,7 @@ def read_and_check(st: dict, sock: Any, payload: Any, rep: int, base: dict) -> d
     """One timed receive; on repeat 0 also memory and the CRC (after the clock stops)."""
     t = reader_recv(st, sock, payload)
     t1 = time.perf_counter()
-    out: dict[str, Any] = {"t1": t1}
+    out: dict[str, Any] = {"t1": t1, "busy": st.pop("busy", None)}
     if rep == 0:
         out["mem"] = mem_end(base)
         out["returned_bytes"] = t.numel() * t.element_size()
@@ -471,7 +507,10 @@ def proc_main(role: str, ctrl: Any, data: Any) -> None:
                 if role == "writer":
                     t0 = time.perf_counter()
                     writer_send(st, rep, sock)
-                    reps.append({"t0": t0, "mem": mem_end(base) if rep == 0 else None})
+                    busy = st.pop("busy", None)
+                    reps.append(
+                        {"t0": t0, "busy": busy, "mem": mem_end(base) if rep == 0 else None}
+                    )
                     writer_cleanup(st)
                 else:
                     reps.append(read_and_check(st, sock, None, rep, base))
@@ -501,7 +540,7 @@ def run_copyto(way: str, spec: dict, repeats: int, opts: dict) -> dict:
     base = mem_start()
     dst = np.empty_like(src)
     times = []
-    for _ in range(repeats + 1):  # the first copy faults dst in
+    for _ in range(repeats):  # the first copy faults dst in, like every way's first step
         t0 = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
@@ -509,7 +548,7 @@ def run_copyto(way: str, spec: dict, repeats: int, opts: dict) -> dict:
     t = torch.from_numpy(layout.decode(dst) if way == "copyto-narrow" else dst)
     crc, routes = tensor_crc(t, opts["keep"])
     return {
-        "seconds_each": times[1:],
+        "seconds_each": times,
         "mem": mem,
         "returned_bytes": dst.nbytes,
         "dtype": str(t.dtype).replace("torch.", ""),
@@ -606,7 +645,8 @@ class RayRole:
     def write(self, rep: int) -> tuple[float, Any]:
         t0 = time.perf_counter()
         payload = writer_send(self.st, rep, None)
-        self.reps.append({"t0": t0, "mem": mem_end(self.base) if rep == 0 else None})
+        busy = self.st.pop("busy", None)
+        self.reps.append({"t0": t0, "busy": busy, "mem": mem_end(self.base) if rep == 0 else None})
         return t0, payload
 
     def cleanup(self) -> None:
@@ -701,7 +741,9 @@ def measure(
     keep: bool,
     token_ids: bool,
 ) -> dict:
-    """Run one way on one workload; seconds are the median over repeats."""
+    """Run one way on one workload: a first step (fresh reader memory), then `repeats`
+    steady steps; seconds are their median."""
+    repeats += 1  # step 0 is the first step
     where = WAYS[way][0]
     layout = layout_of_model(spec["model"])
     T = total_tokens(spec)
@@ -715,10 +757,10 @@ def measure(
     if way in ("store-ray", "store-x"):
         opts["job"] = f"bench{uuid.uuid4().hex[:8]}"
         opts["capacity"] = capacity(spec)
+    busy: dict[str, float] = {}
     try:
         if where == "local":
             r = procs.local(way, spec, repeats, opts)
-            seconds = statistics.median(r["seconds_each"])
             reader, writer_mem = r, None
             all_s = r["seconds_each"]
         else:
@@ -726,8 +768,12 @@ def measure(
             got = runner.pair(way, spec, repeats, opts)
             w_reps, r_reps = got["writer"]["reps"], got["reader"]["reps"]
             all_s = [r["t1"] - w["t0"] for w, r in zip(w_reps, r_reps, strict=True)]
-            seconds = statistics.median(all_s)
             reader, writer_mem = r_reps[0], w_reps[0]["mem"]
+            if w_reps[0].get("busy") is not None:  # the store ways: time in put, in read
+                busy["put"] = statistics.median(w["busy"] for w in w_reps[1:])
+            if r_reps[0].get("busy") is not None:
+                busy["read"] = statistics.median(r["busy"] for r in r_reps[1:])
+        seconds = statistics.median(all_s[1:])  # steady state: rep 0 is the first step
     finally:
         if store is not None:
             store.close()
@@ -749,6 +795,8 @@ def measure(
         "label": WAYS[way][1],
         "tokens": T,
         "seconds": seconds,
+        "seconds_first": all_s[0],
+        "busy_seconds": busy,
         "seconds_all": all_s,
         "ns_per_token": seconds / T * 1e9,
         "GBps_int32": int32_bytes / seconds / 1e9,
@@ -843,6 +891,7 @@ def run(
                 log(
                     f"  {way:<14} {row['seconds']:9.4f}s  {row['ns_per_token']:10.1f} ns/token"
                     f"  identical={row['identical']}  ({time.perf_counter() - t:.1f}s wall)"
+                    + "".join(f"  {k} {v / T * 1e9:.0f}" for k, v in row["busy_seconds"].items())
                 )
             add_ratios(rows)
             results["workloads"][key] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ SAMPLE_ID, NUM_TOKENS, PROMPT_LEN, ROUTED_EXPERTS = (
 )
 
 
+@functools.cache
 def routes_schema(layout: RoutingLayout) -> pa.Schema:
     """Schema of routes batches: ids stored narrow, the layout in the metadata."""
     token = pa.list_(pa.from_numpy_dtype(layout.dtype), layout.values_per_token)

@@ -64,6 +64,7 @@ MAX_SAMPLE_ID_BYTES = 128
 FORBIDDEN_ID_CHARS = "/\\\x00"
 DEFAULT_PAGE_TOKENS = 128
 DEFAULT_PUT_TIMEOUT_S = 30.0
+CHECK_CHUNK_BYTES = 1 << 18  # put copies and checks ids in chunks that stay in L2
 ATTACH_WAIT_S = 5.0
 FREE, PUBLISHED = 0, 1
 NO_PAGE = -1
@@ -609,11 +610,12 @@ class RoutingStore:
                 hit_gens = self._p_gen[hits].copy()
             if new is not None:
                 try:
-                    self._fill(new, checked[len(hits) * P :])
-                    # Before publishing: nothing bad is ever seen. Rows byte-equal to shared
-                    # pages were checked when those were put, unless a wider input wrapped.
-                    narrow = checked.dtype == self.layout.dtype
-                    self.layout.check_ids(checked[len(hits) * P :] if narrow else checked)
+                    # Ids are checked before publishing: nothing bad is ever seen. New rows
+                    # are checked as they are copied; rows byte-equal to shared pages were
+                    # checked when those were put, unless a wider input wrapped onto them.
+                    self._fill(new, checked, len(hits) * P)
+                    if checked.dtype != self.layout.dtype:
+                        self.layout.check_ids(checked[: len(hits) * P])
                     ref = self._publish(raw_id, hits, hit_gens, new, keys, num_tokens, prompt_len)
                 except BaseException:
                     self._unreserve(new)
@@ -674,16 +676,24 @@ class RoutingStore:
             return rows
         return self.layout.convert(rows, np.empty(rows.shape, dtype=self.layout.dtype))
 
-    def _fill(self, new: np.ndarray, checked: np.ndarray) -> None:
-        """Write routes into reserved pages, one copy per run of consecutive pages."""
+    def _fill(self, new: np.ndarray, checked: np.ndarray, first_row: int) -> None:
+        """Copy rows `first_row:` into reserved pages and check their ids, chunk by chunk:
+        each chunk is checked right after its copy, while it is still in cache."""
         P, shape = self.page_tokens, checked.shape[1:]
         flat = self._data.reshape(-1)
         page_values = self._data.shape[1]
+        step = max(1, CHECK_CHUNK_BYTES // max(1, checked[:1].nbytes))
         for i, first, count in _runs(new.tolist()):
-            rows = checked[i * P : (i + count) * P]
+            rows = checked[first_row + i * P : first_row + (i + count) * P]
             start = first * page_values
             out = flat[start : start + len(rows) * page_values // P].reshape(len(rows), *shape)
-            self.layout.convert(rows, out)
+            for a in range(0, len(rows), step):
+                self.layout.convert(rows[a : a + step], out[a : a + step])
+                try:
+                    self.layout.check_ids(rows[a : a + step])
+                except InvalidRoutesError:
+                    self.layout.check_ids(checked)  # the same error, positions in the sample
+                    raise
 
     def _publish(
         self,

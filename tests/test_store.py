@@ -280,6 +280,12 @@ def test_sharing_finds_the_twin_with_equal_routes(name):
         assert store.stats().dedup_saved_bytes == (2 + 6 + 6) * page
         for sid, routes in [("a", a), ("b", b), ("like-a", a), ("like-b", b)]:
             assert np.array_equal(store.get(sid), routes)
+        # A bad id after a shared prefix is reported at its place in the whole sample.
+        bad = a.astype(np.uint8)
+        bad[70, 1, 0] = 20
+        with pytest.raises(InvalidRoutesError, match="expert id 20 at token 70, MoE layer 1"):
+            store.put("bad", bad, token_ids=tokens)
+        assert "bad" not in store
         store.verify()
 
 
