@@ -13,9 +13,11 @@ pages; a page is only shared if its routes are byte-equal too, so sharing never 
 content. Each published sample holds one reference on every page of its chain.
 
 Concurrency: metadata changes happen under `SegmentLock` (a flock the kernel drops if
-the holder dies). Writers reserve pages (owner = their pid), fill them without the lock,
-then publish under the lock; readers resolve pages and their generations under the lock,
-copy without it, and re-check the generations. A holder killed while changing metadata
+the holder dies). Writers look up shareable pages under the lock and compare their routes
+without it, reserve pages (owner = their pid), fill them without the lock, then publish
+under the lock, checking that the shared pages' generations did not change; readers
+resolve pages and their generations under the lock, copy without it, and re-check the
+generations. A holder killed while changing metadata
 leaves the `dirty` flag set, and the next locker rebuilds every derived field
 (refcounts, buckets) from the published slots; pages reserved by dead pids are freed.
 """
@@ -599,15 +601,23 @@ class RoutingStore:
         deadline = time.monotonic() + timeout
         wait = 0.001
         while True:
-            with self._locked(mutate=True):
+            with self._locked():
                 if self._find_slot(raw_id) != NO_PAGE:
                     raise DuplicateSampleError(
                         f"sample {sample_id!r} is already in store {self.name!r}: release it "
                         "first, or give every sample a unique id"
                     )
-                hits = self._match_prefix(keys, checked)
+                candidates = self._key_chain(keys)
+                gens = self._p_gen[candidates].copy()
+            # Routes are compared without the lock (readers go on meanwhile): a page
+            # released and reused since has a new generation, which _publish checks.
+            equal = self._equal_prefix(candidates, checked)
+            hits, hit_gens = candidates[:equal], gens[:equal]
+            with self._locked(mutate=True):
+                if equal < len(candidates):  # same tokens, other routes: an equal twin?
+                    hits = self._twins(hits, keys, checked)
+                    hit_gens = self._p_gen[hits].copy()
                 new = self._reserve(num_pages - len(hits))
-                hit_gens = self._p_gen[hits].copy()
             if new is not None:
                 try:
                     # Ids are checked before publishing: nothing bad is ever seen. New rows
@@ -639,30 +649,36 @@ class RoutingStore:
         full = num_tokens // P * P
         return _page_keys_of(tokens[:full].astype(np.int64).reshape(-1, P)) if full else []
 
-    def _match_prefix(self, keys: list[int], checked: np.ndarray) -> list[int]:
-        """Published pages equal to the sample's leading full pages (under the lock).
-
-        The chain is followed by keys alone, then its routes are compared with the
-        sample's, one comparison per run of consecutive pages; from the first page that
-        differs (same tokens routed differently), the search goes page by page.
-        """
-        hits: list[int] = []
+    def _key_chain(self, keys: list[int]) -> list[int]:
+        """Published pages that chain the sample's leading page keys (under the lock)."""
+        pages: list[int] = []
         for key in keys:
-            page = self._find_page(hits[-1] if hits else NO_PAGE, key)
+            page = self._find_page(pages[-1] if pages else NO_PAGE, key)
             if page == NO_PAGE:
                 break
-            hits.append(page)
+            pages.append(page)
+        return pages
+
+    def _equal_prefix(self, pages: list[int], checked: np.ndarray) -> int:
+        """How many leading `pages` hold routes byte-equal to the sample's rows: one
+        comparison per run of consecutive pages, page by page only inside a run that differs."""
         P = self.page_tokens
-        for i, first, count in _runs(hits):
+        for i, first, count in _runs(pages):
             rows = self._as_stored(checked[i * P : (i + count) * P])
             if not _same_bytes(self._data[first : first + count], rows):
-                equal = [
-                    _same_bytes(self._data[first + j], rows[j * P : (j + 1) * P])
+                differs = (
+                    j
                     for j in range(count)
-                ]
-                del hits[i + equal.index(False) :]
-                break
-        for i in range(len(hits), len(keys)):  # candidates that differ: any equal twin?
+                    if not _same_bytes(self._data[first + j], rows[j * P : (j + 1) * P])
+                )
+                return i + next(differs, 0)  # 0: the run changed under us, share none of it
+        return len(pages)
+
+    def _twins(self, hits: list[int], keys: list[int], checked: np.ndarray) -> list[int]:
+        """Extend `hits` page by page with published pages of equal keys and equal routes
+        (under the lock): the slow path, when a key's first page was routed differently."""
+        P, hits = self.page_tokens, list(hits)
+        for i in range(len(hits), len(keys)):
             rows = self._as_stored(checked[i * P : (i + 1) * P])
             page = self._find_page(hits[-1] if hits else NO_PAGE, keys[i], rows)
             if page == NO_PAGE:

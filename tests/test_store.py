@@ -289,6 +289,36 @@ def test_sharing_finds_the_twin_with_equal_routes(name):
         store.verify()
 
 
+def test_shared_page_reused_after_its_compare_is_not_shared(name, monkeypatch):
+    """put compares candidate pages without the lock; if they are released and published
+    again before it publishes, it must notice (generations) and start over, not share."""
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=128, page_tokens=16) as store:
+        tokens = np.arange(64)  # 4 pages of 8
+        a = np.random.default_rng(1).integers(0, 16, (64, 4, 2))
+        other = np.random.default_rng(2).integers(0, 16, (64, 4, 2))
+        store.put("a", a, token_ids=tokens)
+        store.put("filler", other)  # the other 4 pages
+        compare, calls = RoutingStore._equal_prefix, []
+
+        def then_race(self, pages, checked):
+            equal = compare(self, pages, checked)
+            calls.append((len(pages), equal))
+            if len(calls) == 1:  # after b's compare: a's 4 pages now hold "other"
+                self.release(["a"])
+                self.put("other", other)
+                self.release(["filler"])
+            return equal
+
+        monkeypatch.setattr(RoutingStore, "_equal_prefix", then_race)
+        store.put("b", a, token_ids=tokens)
+        # b: 4 candidates, all equal; "other" (no token ids); b again: no candidates.
+        assert calls == [(4, 4), (0, 0), (0, 0)]
+        assert np.array_equal(store.get("b"), a)
+        assert np.array_equal(store.get("other"), other)
+        assert store.stats().dedup_saved_bytes == 0
+        store.verify()
+
+
 def _release_later(name: str, ids: list[str], delay: float) -> None:
     store = RoutingStore.attach(name)
     time.sleep(delay)
