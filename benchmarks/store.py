@@ -157,10 +157,10 @@ def main() -> None:
         f"{w['samples']} samples x {w['tokens_per_sample']} tokens, {w['layout']}: "
         f"{w['narrow_bytes'] / 1e6:.0f} MB of uint8 ids"
     )
-    print(f"{'step':<26}{'seconds':>10}{'x copyto':>10}{'GB/s int32-eq':>15}")
+    print(f"{'step':<30}{'seconds':>10}{'x copyto':>10}{'GB/s int32-eq':>15}")
     for k, s in result["seconds"].items():
         ratio, gbps = result["ratio_to_copyto"][k], result["GBps_int32_equivalent"][k]
-        print(f"{k:<26}{s:>10.4f}{ratio:>10.2f}{gbps:>15.2f}")
+        print(f"{k:<30}{s:>10.4f}{ratio:>10.2f}{gbps:>15.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
