@@ -57,9 +57,13 @@ def _proc_stat(pid: int) -> list[bytes] | None:
 
 
 def process_start(pid: int) -> int:
-    """Start time of a process in clock ticks since boot (tells a pid from its reuse)."""
+    """Start time of a process in clock ticks since boot, low 32 bits (tells a pid from its reuse).
+
+    32 bits are 497 days of uptime at 100 ticks/s; a reused pid also has to start at the
+    same tick modulo that to be mistaken for the first process. 0 if there is no such pid.
+    """
     fields = _proc_stat(pid)
-    return int(fields[19]) if fields else 0
+    return int(fields[19]) & 0xFFFFFFFF if fields else 0
 
 
 def pid_alive(pid: int, start: int = 0) -> bool:
@@ -70,7 +74,7 @@ def pid_alive(pid: int, start: int = 0) -> bool:
         return True
     if fields is None or fields[0] in (b"Z", b"X"):  # a killed, unreaped child is dead
         return False
-    return not start or int(fields[19]) == start
+    return not start or int(fields[19]) & 0xFFFFFFFF == start & 0xFFFFFFFF
 
 
 class Segment:

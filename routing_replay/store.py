@@ -14,12 +14,13 @@ content. Each published sample holds one reference on every page of its chain.
 
 Concurrency: metadata changes happen under `SegmentLock` (a flock the kernel drops if
 the holder dies). Writers look up shareable pages under the lock and compare their routes
-without it, reserve pages (owner = their pid), fill them without the lock, then publish
-under the lock, checking that the shared pages' generations did not change; readers
-resolve pages and their generations under the lock, copy without it, and re-check the
-generations. A holder killed while changing metadata
-leaves the `dirty` flag set, and the next locker rebuilds every derived field
-(refcounts, buckets) from the published slots; pages reserved by dead pids are freed.
+without it, reserve pages (owner = their pid and start time), fill them without the lock,
+then publish under the lock, checking that the shared pages' generations did not change;
+readers resolve pages and their generations under the lock, copy without it, and re-check
+the generations. A holder killed while changing metadata leaves the `dirty` flag set, and
+the next locker rebuilds every derived field (refcounts, buckets) from the published
+slots; pages reserved by dead writers are freed (a pid reused by another process does not
+keep them).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from routing_replay.shm import (
 )
 
 MAGIC = b"RRSTORE1"
-VERSION = 1
+VERSION = 2
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -97,7 +98,7 @@ PAGE_DTYPE = np.dtype(
         ("parent", "<i4"),  # page of the previous tokens, NO_PAGE for a first page
         ("next", "<i4"),  # next page in the same key bucket
         ("gen", "<u4"),  # bumped at every reservation: readers detect reuse
-        ("pad", "<u4"),
+        ("owner_start", "<u4"),  # that writer's start time: a reused pid is not the writer
         ("key", "<u8"),  # hash of the page's token ids; 0 = not shareable
     ]
 )
@@ -267,7 +268,7 @@ class RoutingStore:
         self._p_taken = np.ndarray(
             (num_pages,), "<i8", buf, offsets["pages"], (PAGE_DTYPE.itemsize,)
         )
-        self._pid = os.getpid()
+        self._pid, self._start = os.getpid(), process_start(os.getpid())
         self._page_hint = self._slot_hint = 0  # where this process looks first (a guess)
 
     @staticmethod
@@ -456,9 +457,7 @@ class RoutingStore:
             refcount[self._chain(int(s))] += 1
             self._link_sample(int(s), bytes(self._s_sample_id[s]))
         self._p_refcount[:] = refcount
-        for pid in np.unique(self._p_owner[self._p_owner != 0]):
-            if not pid_alive(int(pid)):
-                self._p_owner[self._p_owner == pid] = 0
+        self._reclaim_dead_writers()
         self._page_heads[:] = NO_PAGE
         for p in np.flatnonzero((refcount > 0) & (self._p_key != 0)):
             self._link_page(int(p))
@@ -543,19 +542,22 @@ class RoutingStore:
             got = free[:count]
         self._page_hint = int(got[-1]) + 1 if count else hint
         self._p_owner[got] = self._pid
+        self._p_owner_start[got] = self._start
         self._p_gen[got] += 1
         self._p_key[got] = 0
         self._p_parent[got] = NO_PAGE
         return got
 
     def _reclaim_dead_writers(self) -> int:
-        owners = self._p_owner
+        """Free pages reserved by writers that no longer run (by pid and start time)."""
+        reserved = np.flatnonzero(self._p_owner != 0)
+        writers = self._pages[["owner", "owner_start"]][reserved]
         freed = 0
-        for pid in np.unique(owners[owners != 0]):
-            if not pid_alive(int(pid)):
-                dead = owners == pid
-                freed += int(dead.sum())
-                owners[dead] = 0
+        for pid, start in np.unique(writers).tolist():
+            if not pid_alive(pid, start):
+                dead = reserved[(writers["owner"] == pid) & (writers["owner_start"] == start)]
+                self._p_owner[dead] = 0
+                freed += len(dead)
         return freed
 
     def reclaim(self) -> int:
@@ -565,7 +567,9 @@ class RoutingStore:
 
     def _unreserve(self, got: np.ndarray) -> None:
         with self._locked(mutate=True):
-            mine = got[self._p_owner[got] == self._pid]
+            mine = got[
+                (self._p_owner[got] == self._pid) & (self._p_owner_start[got] == self._start)
+            ]
             self._p_owner[mine] = 0
 
     # -- writing ----------------------------------------------------------------------

@@ -171,6 +171,38 @@ def test_writer_killed_mid_put(name):
             store.release([f"after{trial}"])
 
 
+def _die_holding_pages(name: str, count: int) -> None:
+    store = RoutingStore.attach(name)
+    with store._locked(mutate=True):
+        store._reserve(count)  # as put does before it fills them; then death
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_pages_of_a_dead_writer_freed_even_if_its_pid_is_reused(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=4096, page_tokens=32) as store:
+        kept = sample(1)[0]
+        store.put("kept", kept)
+        before = store.stats()
+        p = FORK.Process(target=_die_holding_pages, args=(name, 5))
+        p.start()
+        p.join()
+        assert p.exitcode == -signal.SIGKILL
+        assert store.stats().pages_pending == 5
+        # The kernel hands the dead writer's pid to a live process: here, this one.
+        owners = store._pages["owner"]
+        owners[owners == p.pid] = os.getpid()
+        assert store.reclaim() == 5
+        assert store.stats() == before
+        # Pages this process reserves itself are its own, not a dead writer's.
+        with store._locked(mutate=True):
+            got = store._reserve(3)
+        assert store.reclaim() == 0 and store.stats().pages_pending == 3
+        store._unreserve(got)
+        assert store.stats() == before
+        assert np.array_equal(store.get("kept"), kept)
+        store.verify()
+
+
 def _die_inside_critical_section(name: str) -> None:
     store = RoutingStore.attach(name)
     with store._locked(mutate=True):
