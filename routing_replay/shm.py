@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterator
 
 from routing_replay.errors import StoreUnavailableError
@@ -66,6 +67,17 @@ def process_start(pid: int) -> int:
     return int(fields[19]) & 0xFFFFFFFF if fields else 0
 
 
+_THIS_PROCESS: tuple[int, int] | None = None
+
+
+def this_process() -> tuple[int, int]:
+    """(pid, start time) of this process, as pages and headers record it; new after fork."""
+    global _THIS_PROCESS
+    if _THIS_PROCESS is None:
+        _THIS_PROCESS = (os.getpid(), process_start(os.getpid()))
+    return _THIS_PROCESS
+
+
 def pid_alive(pid: int, start: int = 0) -> bool:
     """Whether a process exists, is not a zombie, and (if `start` is given) is that process."""
     try:
@@ -85,7 +97,12 @@ class Segment:
         self.path = segment_path(name)
         self.fd = fd
         self.mmap = mm
-        self.owner = owner
+        self._creator = os.getpid() if owner else 0
+
+    @property
+    def owner(self) -> bool:
+        """Whether this process created the segment (a forked child of the creator is not)."""
+        return self._creator == os.getpid()
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
@@ -177,12 +194,30 @@ class SegmentLock:
 
     The kernel drops a flock when its holder dies (SIGKILL included), so a killed
     process never leaves the store locked; the store's dirty flag repairs what it was
-    doing.
+    doing. A flock belongs to the open file description, which a forked child shares with
+    its parent: in the child the lock re-opens the file (see `_reopen_locks_in_child`).
     """
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        self._own_fd = -1  # the fd this lock opened itself (in a forked child)
         self._thread_lock = threading.Lock()
+        _LOCKS.add(self)
+
+    def _reopen(self) -> None:
+        """Take a file description of this process's own, and a fresh thread lock."""
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR)  # same file, new description
+        if self._own_fd >= 0:
+            os.close(self._own_fd)  # inherited from the parent: its flock stays the parent's
+        self._fd = self._own_fd = fd
+        self._thread_lock = threading.Lock()  # the parent's may have been held at fork
+
+    def close(self) -> None:
+        """Close the fd this lock opened itself, if any (the segment closes its own)."""
+        if self._own_fd >= 0:
+            os.close(self._own_fd)
+            self._own_fd = -1
+        _LOCKS.discard(self)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -193,3 +228,18 @@ class SegmentLock:
                 yield
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+_LOCKS: weakref.WeakSet[SegmentLock] = weakref.WeakSet()
+
+
+def _reopen_locks_in_child() -> None:
+    """After fork, in the child (one thread): give every live lock its own description."""
+    global _THIS_PROCESS
+    _THIS_PROCESS = None
+    for lock in list(_LOCKS):
+        with contextlib.suppress(OSError):  # a closed segment: its lock is never used again
+            lock._reopen()
+
+
+os.register_at_fork(after_in_child=_reopen_locks_in_child)

@@ -56,7 +56,7 @@ from routing_replay.shm import (
     Segment,
     SegmentLock,
     pid_alive,
-    process_start,
+    this_process,
 )
 
 MAGIC = b"RRSTORE1"
@@ -268,7 +268,6 @@ class RoutingStore:
         self._p_taken = np.ndarray(
             (num_pages,), "<i8", buf, offsets["pages"], (PAGE_DTYPE.itemsize,)
         )
-        self._pid, self._start = os.getpid(), process_start(os.getpid())
         self._page_hint = self._slot_hint = 0  # where this process looks first (a guess)
 
     @staticmethod
@@ -327,8 +326,8 @@ class RoutingStore:
             "max_samples": max_samples,
             "page_buckets": page_buckets,
             "sample_buckets": sample_buckets,
-            "owner_pid": os.getpid(),
-            "owner_start": process_start(os.getpid()),
+            "owner_pid": this_process()[0],
+            "owner_start": this_process()[1],
             "created": time.time(),
             "node_id": node,
             "layout": layout_json,
@@ -398,6 +397,7 @@ class RoutingStore:
             "_data",
         ]:
             self.__dict__.pop(attr, None)
+        self._lock.close()
         self._seg.close()
 
     def owner_alive(self) -> bool:
@@ -541,8 +541,7 @@ class RoutingStore:
                 return None
             got = free[:count]
         self._page_hint = int(got[-1]) + 1 if count else hint
-        self._p_owner[got] = self._pid
-        self._p_owner_start[got] = self._start
+        self._p_owner[got], self._p_owner_start[got] = this_process()
         self._p_gen[got] += 1
         self._p_key[got] = 0
         self._p_parent[got] = NO_PAGE
@@ -567,9 +566,8 @@ class RoutingStore:
 
     def _unreserve(self, got: np.ndarray) -> None:
         with self._locked(mutate=True):
-            mine = got[
-                (self._p_owner[got] == self._pid) & (self._p_owner_start[got] == self._start)
-            ]
+            pid, start = this_process()
+            mine = got[(self._p_owner[got] == pid) & (self._p_owner_start[got] == start)]
             self._p_owner[mine] = 0
 
     # -- writing ----------------------------------------------------------------------

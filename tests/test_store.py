@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -201,6 +202,44 @@ def test_pages_of_a_dead_writer_freed_even_if_its_pid_is_reused(name):
         assert store.stats() == before
         assert np.array_equal(store.get("kept"), kept)
         store.verify()
+
+
+def _put_with_the_parents_handle(store: RoutingStore, go, done) -> None:
+    while not go.value:
+        time.sleep(0.001)
+    store.put("child", sample(3)[0])  # the handle this process inherited at fork
+    done.value = 1
+    store.close()  # a forked child is not the owner: this does not unlink
+
+
+@pytest.mark.parametrize("locked_at_fork", [False, True])
+def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at_fork):
+    # A forked child shares its parent's open file description, and flock belongs to the
+    # description: unless the child opens its own, both are "inside" the lock at once.
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=20_000) as store:
+        store.put("parent", sample(2)[0])
+        go, done = FORK.Value("i", 0, lock=False), FORK.Value("i", 0, lock=False)
+        p = FORK.Process(target=_put_with_the_parents_handle, args=(store, go, done))
+        with contextlib.ExitStack() as held:
+            if locked_at_fork:  # the child inherits a held thread lock too
+                held.enter_context(store._locked(mutate=True))
+            p.start()
+            if not locked_at_fork:
+                held.enter_context(store._locked(mutate=True))
+            go.value = 1
+            time.sleep(0.5)
+            assert not done.value, "the child's put ran while the parent held the lock"
+        p.join(timeout=20)
+        if p.is_alive():  # deadlocked on a lock it inherited held
+            p.kill()
+            p.join()
+        assert p.exitcode == 0 and done.value
+        assert np.array_equal(store.get("child"), sample(3)[0])
+        assert np.array_equal(store.get("parent"), sample(2)[0])
+        store.verify()
+        assert os.path.exists(segment_path(name))  # the child's close() did not unlink
+        stats = store.stats()
+        assert (stats.samples, stats.pages_pending) == (2, 0)
 
 
 def _die_inside_critical_section(name: str) -> None:
