@@ -23,6 +23,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+from megatron_ep import cpu_gating  # noqa: E402
 
 from integrations.megatron import MegatronRouterFeed, stage_moe_layers  # noqa: E402
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
@@ -38,11 +39,7 @@ def megatron_cpu():
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     original = TopKRouter.gating
-
-    def gating(self, input):  # Megatron's, minus the move of the weights to CUDA
-        return moe_utils.router_gating_linear(input, self.weight, self.bias, torch.float32)
-
-    TopKRouter.gating = gating
+    TopKRouter.gating = cpu_gating
     started = not dist.is_initialized()
     if started:
         init = f"file:///tmp/rr-mcore-{uuid.uuid4().hex}"
@@ -238,3 +235,28 @@ def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():
     out.sum().backward()
     assert layers[1].router.weight.grad.abs().sum() > 0 and x.grad is not None
     feed.close()
+
+
+def test_two_expert_parallel_ranks_dispatch_each_ranks_forced_tokens():
+    # Two spawned processes, EP=2 over gloo: rank r holds experts [4r, 4r + 4). Every
+    # expert must receive exactly the rows, from both ranks, whose forced ids name it.
+    import multiprocessing as mp
+
+    import megatron_ep
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"file:///tmp/rr-mcore-ep-{uuid.uuid4().hex}"
+    procs = [ctx.Process(target=megatron_ep.run, args=(r, init, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted((results.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [r["experts"] for r in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for r in got:
+        assert all(r["rows_match"].values()), r
+        assert r["router_grad"] > 0 and r["x_grad"]
+    # Every token of both ranks went to K=2 experts: 2 ranks x 15 tokens x 2.
+    assert sum(sum(r["counts"].values()) for r in got) == 2 * megatron_ep.S * megatron_ep.B * 2
