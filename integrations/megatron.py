@@ -12,10 +12,12 @@ replay is skipped without a word.
 
 `MegatronRouterFeed` does the conversion and the checks: routes `[B, S, L, K]` (or packed
 `[1, T, L, K]`, after the CP / SP slicing of `integrations.nemo_rl`) over all MoE layers of
-the model -> this pipeline stage's MoE layers (dense layers have no router) -> one int64
-`[S * B, K]` tensor per router; shape, dtype, top-k, id range and each router's row count
-(checked when it runs) are validated, fusion is refused, the backward queue is cleared at
-step boundaries. Megatron is imported lazily.
+the model -> this pipeline stage's (or model chunk's) MoE layers (dense layers have no
+router) -> one int64 `[S * B, K]` tensor per router, set on exactly the routers of the
+model it was given (each chunk of a virtual pipeline gets its own feed, set when that
+chunk runs a micro-batch); shape, dtype, top-k, id range, each router's layer and row
+count (checked when it runs) are validated, fusion is refused, the backward queue is
+cleared at step boundaries. Megatron is imported lazily.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ def stage_moe_layers(
 
 
 class MegatronRouterFeed:
-    """Validated feed from routes to Megatron-core's `RouterReplay` for one pipeline stage."""
+    """Validated feed from routes to Megatron-core's `RouterReplay` for one pipeline stage.
+
+    With `model=` (a stage, or one model chunk of a virtual pipeline) it drives exactly that
+    model's routers; without, every registered `RouterReplay` instance of the process.
+    """
 
     def __init__(
         self,
@@ -68,31 +74,42 @@ class MegatronRouterFeed:
         self.layout = layout
         self.layers = stage_moe_layers(layout, layer_offset, num_local_layers)
         self._columns = [layout.moe_layers.index(i) for i in self.layers]
-        rr = _replay_module()
-        instances = rr.RouterReplay.global_router_replay_instances
-        if len(instances) != len(self.layers):
-            raise LayoutMismatchError(
-                f"RouterReplay has {len(instances)} router instances but this stage builds "
-                f"{len(self.layers)} MoE layers {self.layers}: instances of an earlier model "
-                "stay registered; call RouterReplay.clear_global_router_replay_instances() "
-                "before building the model, and check layer_offset / num_local_layers"
-            )
         self._rows: list[int] = []
         self._handles = []
-        if model is not None:
-            self._watch(model, instances)
+        if model is None:
+            instances = _replay_module().RouterReplay.global_router_replay_instances
+            if len(instances) != len(self.layers):
+                raise LayoutMismatchError(
+                    f"RouterReplay has {len(instances)} router instances but this stage builds "
+                    f"{len(self.layers)} MoE layers {self.layers}: instances of an earlier model "
+                    "stay registered; call RouterReplay.clear_global_router_replay_instances() "
+                    "before building the model (or pass model=), and check layer_offset / "
+                    "num_local_layers"
+                )
+            self._instances = list(instances)
+        else:
+            routers = self._routers_of(model)
+            self._instances = [r.router_replay for r in routers]
+            for j, router in enumerate(routers):
+                self._handles.append(router.register_forward_pre_hook(self._row_check(j)))
 
-    def _watch(self, model: torch.nn.Module, instances: list) -> None:
-        """Check each router's token count against its replay tensor when it runs."""
+    def _routers_of(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The model's routers in build order, checked against this feed's MoE layers."""
         routers = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
-        if [r.router_replay for r in routers] != list(instances):
+        if len(routers) != len(self.layers):
             raise LayoutMismatchError(
-                f"the model's {len(routers)} routers are not RouterReplay's {len(instances)} "
-                "registered instances (in build order): build one model per process, after "
-                "RouterReplay.clear_global_router_replay_instances()"
+                f"the model has {len(routers)} replaying routers but the feed's layers hold "
+                f"{len(self.layers)} MoE layers {self.layers}: pass the layer_offset and "
+                "num_local_layers of exactly this pipeline stage (or model chunk)"
             )
-        for j, router in enumerate(routers):
-            self._handles.append(router.register_forward_pre_hook(self._row_check(j)))
+        for router, layer in zip(routers, self.layers, strict=True):
+            number = getattr(router, "layer_number", None)  # global, 1-based, once built
+            if number is not None and number != layer + 1:
+                raise LayoutMismatchError(
+                    f"the model's router of layer {number - 1} would be fed the routes of "
+                    f"layer {layer}: check layer_offset / num_local_layers"
+                )
+        return routers
 
     def _row_check(self, j: int) -> Any:
         rr = _replay_module()
@@ -152,23 +169,25 @@ class MegatronRouterFeed:
         return [seq_major[:, :, j].reshape(-1, K).contiguous() for j in range(len(self.layers))]
 
     def set(self, routes: torch.Tensor, *, fill: bool = True) -> None:
-        """Hand one micro-batch's routes to every router of this stage and replay them."""
+        """Hand one micro-batch's routes to every router of this feed and replay them."""
         per_router = self.tensors(routes, fill=fill)
-        rr = _replay_module()
-        rr.RouterReplay.set_replay_data(per_router)
-        rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_FORWARD)
+        forward = _replay_module().RouterReplayAction.REPLAY_FORWARD
+        for instance, ids in zip(self._instances, per_router, strict=True):
+            instance.set_target_indices(ids)  # also queued for the recompute in backward
+            instance.set_router_replay_action(forward)
         self._rows = [len(t) for t in per_router]
 
     def backward(self) -> None:
         """Switch to replaying the queued routes for activation recompute in backward."""
-        rr = _replay_module()
-        rr.RouterReplay.set_global_router_replay_action(rr.RouterReplayAction.REPLAY_BACKWARD)
+        backward = _replay_module().RouterReplayAction.REPLAY_BACKWARD
+        for instance in self._instances:
+            instance.set_router_replay_action(backward)
 
     def end_step(self) -> None:
         """Step boundary: drop targets and the recompute queue; routers route natively."""
-        rr = _replay_module()
-        rr.RouterReplay.clear_global_indices()
-        rr.RouterReplay.clear_global_router_replay_action()
+        for instance in self._instances:
+            instance.clear_indices()
+            instance.clear_router_replay_action()
         self._rows = []
 
     def close(self) -> None:

@@ -166,6 +166,52 @@ def test_step_boundary_clears_the_recompute_queue_and_backward_replays():
     feed.close()
 
 
+def test_virtual_pipeline_chunks_each_replay_their_own_micro_batch():
+    # Rank 0 of PP=2 x VPP=2 on the 4-layer model: chunk 0 is layer 0, chunk 1 is layer 2.
+    # The interleaved schedule runs chunk 0 on micro-batches 0 and 1 before chunk 1 sees
+    # micro-batch 0, so each chunk's feed is set when that chunk runs.
+    cfg = config()
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(0)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    chunks = [torch.nn.ModuleList([TopKRouter(cfg, pg)]) for _ in range(2)]
+    for chunk, layer in zip(chunks, [0, 2], strict=True):
+        chunk[0].set_layer_number(layer + 1)  # as TransformerLayer does: global, 1-based
+    feeds = [
+        MegatronRouterFeed(LAYOUT, cfg, layer_offset=o, num_local_layers=1, model=c)
+        for o, c in zip([0, 2], chunks, strict=True)
+    ]
+    micro = [distinct_routes(10), distinct_routes(11)]
+    x = torch.randn(S, B, H)
+
+    def forced(c: int, m: int) -> torch.Tensor:
+        column = [0, 1][c]  # MoE layers (0, 2, 3): layer 0 is column 0, layer 2 column 1
+        return micro[m][:, :, column].transpose(0, 1).reshape(-1, 2).sort(-1).values
+
+    for c, m in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        feeds[c].set(micro[m])
+        _, routing_map = chunks[c][0](x)
+        assert torch.equal(routing_map.nonzero()[:, 1].view(-1, 2), forced(c, m)), (c, m)
+    # Backward recompute, chunk 1 first: each chunk pops its own micro-batches in order.
+    for c in [1, 0]:
+        feeds[c].backward()
+        for m in [0, 1]:
+            _, routing_map = chunks[c][0](x)
+            assert torch.equal(routing_map.nonzero()[:, 1].view(-1, 2), forced(c, m)), (c, m)
+    for feed in feeds:
+        feed.close()
+    assert all(r.router_replay_action is None for r in RouterReplay.global_router_replay_instances)
+    # A chunk fed another chunk's layers, or a count that does not match, is refused.
+    with pytest.raises(
+        LayoutMismatchError, match="router of layer 2 would be fed the routes of layer 3"
+    ):
+        MegatronRouterFeed(LAYOUT, cfg, layer_offset=3, num_local_layers=1, model=chunks[1])
+    with pytest.raises(
+        LayoutMismatchError, match="1 replaying routers but the feed's layers hold 2"
+    ):
+        MegatronRouterFeed(LAYOUT, cfg, layer_offset=2, num_local_layers=2, model=chunks[1])
+
+
 def test_validation_megatron_lacks():
     cfg = config()
     routers = build_stage(cfg, [0, 2, 3])
