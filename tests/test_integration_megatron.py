@@ -23,18 +23,17 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
-from megatron_ep import cpu_gating  # noqa: E402
+from megatron_cpu import B, H, S, allgather_moe_layers, config, cpu_gating  # noqa: E402
 
 from integrations.megatron import MegatronRouterFeed, stage_moe_layers  # noqa: E402
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
 
-# 4 layers, layer 1 dense; top-2 of 8 experts. Hidden 16.
+# 4 layers, layer 1 dense; top-2 of 8 experts (megatron_cpu.config). Hidden 16.
 LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(0, 2, 3))
-H, B, S = 16, 3, 5
 
 
 @pytest.fixture(scope="module", autouse=True)
-def megatron_cpu():
+def one_rank_megatron_on_cpu():
     """One-rank gloo group, model parallel (1, 1), and the two CPU adjustments."""
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -51,21 +50,6 @@ def megatron_cpu():
         dist.destroy_process_group()
     TopKRouter.gating = original
     RouterReplay.clear_global_router_replay_instances()
-
-
-def config(**overrides) -> TransformerConfig:
-    kw = dict(
-        num_layers=4,
-        hidden_size=H,
-        num_attention_heads=2,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_enable_routing_replay=True,
-        use_cpu_initialization=True,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-    )
-    return TransformerConfig(**{**kw, **overrides})
 
 
 def build_stage(cfg: TransformerConfig, moe_layers: list[int]) -> torch.nn.ModuleList:
@@ -244,26 +228,7 @@ def test_validation_megatron_lacks():
 
 
 def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    cfg = config(
-        ffn_hidden_size=32,
-        moe_token_dispatcher_type="allgather",
-        add_bias_linear=False,
-        moe_grouped_gemm=False,
-    )
-    RouterReplay.clear_global_router_replay_instances()
-    torch.manual_seed(0)
-    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    spec = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp))
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    layers = torch.nn.ModuleList(
-        MoELayer(cfg, submodules=spec, layer_number=i + 1, pg_collection=pg) for i in range(3)
-    )
+    cfg, layers = allgather_moe_layers()
     feed = MegatronRouterFeed(LAYOUT, cfg, model=layers)
     routes = distinct_routes(6)
     routes[2, 3:] = -1  # padding at the end of the last sequence
@@ -288,12 +253,12 @@ def test_two_expert_parallel_ranks_dispatch_each_ranks_forced_tokens():
     # expert must receive exactly the rows, from both ranks, whose forced ids name it.
     import multiprocessing as mp
 
-    import megatron_ep
+    import megatron_cpu
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"file:///tmp/rr-mcore-ep-{uuid.uuid4().hex}"
-    procs = [ctx.Process(target=megatron_ep.run, args=(r, init, results)) for r in range(2)]
+    procs = [ctx.Process(target=megatron_cpu.run, args=(r, init, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = sorted((results.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
@@ -305,4 +270,4 @@ def test_two_expert_parallel_ranks_dispatch_each_ranks_forced_tokens():
         assert all(r["rows_match"].values()), r
         assert r["router_grad"] > 0 and r["x_grad"]
     # Every token of both ranks went to K=2 experts: 2 ranks x 15 tokens x 2.
-    assert sum(sum(r["counts"].values()) for r in got) == 2 * megatron_ep.S * megatron_ep.B * 2
+    assert sum(sum(r["counts"].values()) for r in got) == 2 * megatron_cpu.S * megatron_cpu.B * 2

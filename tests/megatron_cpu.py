@@ -1,14 +1,16 @@
-"""One rank of a two-rank expert-parallel Megatron-core MoE layer on CPU (spawned by a test).
+"""Megatron-core on CPU for the tests: the adjustments, a config, MoE layers, an EP rank.
 
-Each rank builds the same three `MoELayer`s (allgather dispatcher, `SequentialMLP`: rank r
-holds experts [4r, 4r + 4)), feeds its own routes through `MegatronRouterFeed`, and reports
-which rows each of its experts received, and what they should have been: the rows of both
+`run` is one rank of a two-rank expert-parallel MoE layer (spawned by a test): each rank
+builds the same three `MoELayer`s (allgather dispatcher, `SequentialMLP`: rank r holds
+experts [4r, 4r + 4)), feeds its own routes through `MegatronRouterFeed`, and reports which
+rows each of its experts received, and what they should have been: the rows of both
 ranks' inputs whose forced ids name that expert, in the dispatcher's order.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,52 @@ def cpu_gating(self, input: torch.Tensor) -> torch.Tensor:
     return moe_utils.router_gating_linear(input, self.weight, self.bias, torch.float32)
 
 
+def config(**overrides: Any) -> Any:
+    """The `TransformerConfig` of the tests: 4 layers, top-2 of 8 experts, hidden 16, replay."""
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(
+        num_layers=4,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_enable_routing_replay=True,
+        use_cpu_initialization=True,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )
+    return TransformerConfig(**{**kw, **overrides})
+
+
+def allgather_moe_layers(**overrides: Any) -> tuple[Any, torch.nn.ModuleList]:
+    """Config and three real `MoELayer`s (allgather dispatcher, `SequentialMLP` experts)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    cfg = config(
+        ffn_hidden_size=32,
+        moe_token_dispatcher_type="allgather",
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        **overrides,
+    )
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(0)
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    spec = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp))
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    layers = torch.nn.ModuleList(
+        MoELayer(cfg, submodules=spec, layer_number=i + 1, pg_collection=pg) for i in range(3)
+    )
+    return cfg, layers
+
+
 def routes_of(rank: int) -> torch.Tensor:
     """Rank `rank`'s `[B, S, L=3, K]` routes: distinct ids per row."""
     g = torch.Generator().manual_seed(100 + rank)
@@ -34,16 +82,8 @@ def run(rank: int, init: str, results) -> None:
     """Forward and backward one MoE layer under replay on this rank; put what was seen."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from integrations.megatron import MegatronRouterFeed
     from routing_replay import RoutingLayout
@@ -56,31 +96,8 @@ def run(rank: int, init: str, results) -> None:
     torch.cuda.current_device = lambda: "cpu"
     dist.init_process_group("gloo", init_method=init, world_size=WORLD, rank=rank)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=WORLD)
-    cfg = TransformerConfig(
-        num_layers=4,
-        hidden_size=H,
-        num_attention_heads=2,
-        num_moe_experts=E,
-        moe_router_topk=K,
-        moe_enable_routing_replay=True,
-        use_cpu_initialization=True,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        ffn_hidden_size=32,
-        moe_token_dispatcher_type="allgather",
-        add_bias_linear=False,
-        moe_grouped_gemm=False,
-        expert_model_parallel_size=WORLD,
-    )
+    cfg, layers = allgather_moe_layers(expert_model_parallel_size=WORLD)
     layout = RoutingLayout(num_layers=4, top_k=K, num_experts=E, moe_layers=(0, 2, 3))
-    RouterReplay.clear_global_router_replay_instances()
-    torch.manual_seed(0)
-    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    spec = MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp))
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    layers = torch.nn.ModuleList(
-        MoELayer(cfg, submodules=spec, layer_number=i + 1, pg_collection=pg) for i in range(3)
-    )
     feed = MegatronRouterFeed(layout, cfg, model=layers)
     feed.set(routes_of(rank))
     received: dict[int, torch.Tensor] = {}
