@@ -23,17 +23,36 @@ ScoreFunction = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
 def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """Qwen2/3-MoE, OLMoE, Mixtral: float softmax over all experts, gathered, maybe renormalised."""
-    if hasattr(router, "norm_topk_prob"):  # Qwen2/3-MoE, OLMoE
+    """Qwen2/3-MoE, Qwen3-Next, (Flex)OLMoE, Mixtral, MiniMax: float softmax at the ids."""
+    if hasattr(router, "norm_topk_prob"):  # Qwen2/3-MoE, Qwen3-Next, OLMoE, FlexOlmo
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         renorm = router.norm_topk_prob
-    else:  # Mixtral: no flag, always renormalises (same ops, in the family's order)
+    else:  # Mixtral, MiniMax: no flag, always renormalise (same ops, in the family's order)
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         renorm = True
     weights_TK = probs_TE.gather(1, ids_TK)
     if renorm:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK
+
+
+def softmax_scaled(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """DeepSeek-V2: float32 softmax over all experts at the ids, times the scaling factor.
+
+    Greedy or group-limited, the group limit only chooses: no renormalisation.
+    """
+    return logits_TE.softmax(dim=-1, dtype=torch.float32).gather(1, ids_TK) * (
+        router.routed_scaling_factor
+    )
+
+
+def softmax_clamped_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """ERNIE 4.5: float softmax at the ids, over their sum clamped at `norm_min`.
+
+    The expert bias (`moe_statics`) only chooses experts.
+    """
+    weights_TK = torch.softmax(logits_TE, dim=1, dtype=torch.float).gather(1, ids_TK)
+    return weights_TK / torch.clamp(weights_TK.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 
 def topk_then_softmax(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
@@ -52,15 +71,28 @@ def sigmoid_with_bias(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> T
     return weights_TK * router.routed_scaling_factor
 
 
+def sigmoid_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """MiniMax-M2: float sigmoid scores at the ids over their sum (the bias only chooses)."""
+    weights_TK = logits_TE.float().sigmoid().gather(1, ids_TK)
+    return weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+
+
 # Router class name -> score function. Only classes whose forward was read and tested are here.
 _SCORES: dict[str, ScoreFunction] = {
     "Qwen3MoeTopKRouter": softmax_then_topk,
+    "Qwen3NextTopKRouter": softmax_then_topk,
     "Qwen2MoeTopKRouter": softmax_then_topk,
     "OlmoeTopKRouter": softmax_then_topk,
+    "FlexOlmoTopKRouter": softmax_then_topk,
     "MixtralTopKRouter": softmax_then_topk,
+    "MiniMaxTopKRouter": softmax_then_topk,
+    "DeepseekV2TopkRouter": softmax_scaled,
+    "Ernie4_5_MoeTopKRouter": softmax_clamped_renorm,
     "GptOssTopKRouter": topk_then_softmax,
     "DeepseekV3TopkRouter": sigmoid_with_bias,
     "Glm4MoeTopkRouter": sigmoid_with_bias,
+    "Dots1TopkRouter": sigmoid_with_bias,
+    "MiniMaxM2TopKRouter": sigmoid_renorm,
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,10 +103,9 @@ class Capture:
         if shape is None or len(shape) != 2:
             self._current = None  # not a token batch we can align; routers are ignored
             return
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
         mask = kwargs.get("attention_mask")
         valid = mask[:, -shape[1] :] if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        past = _past_columns(mask, kwargs.get("cache", kwargs.get("past_key_values")), shape[1])
         self._current = _Forward(
             shape=shape,
             input_ids_BS=_to_host(input_ids, copy=True),  # callers may reuse their buffers
@@ -200,6 +200,20 @@ class Capture:
                     fwd.done = None
             out.extend(_group_samples(group, self.layout))
         return out
+
+
+def _past_columns(mask: Any, cache: Any, width: int) -> int:
+    """Columns forwarded before this one: from the 2-D attention mask, or the cache's longest layer.
+
+    A hybrid model's cache (MiniMax: linear attention in layer 0) reports 0 for the layers that
+    keep no tokens, so every layer is asked, and generate's whole-sequence mask says it too.
+    """
+    past = mask.shape[1] - width if isinstance(mask, Tensor) and mask.dim() == 2 else 0
+    if hasattr(cache, "get_seq_length"):
+        for layer in range(max(len(cache), 1) if hasattr(cache, "__len__") else 1):
+            with contextlib.suppress(ValueError, IndexError):  # a layer that tracks no length
+                past = max(past, int(cache.get_seq_length(layer)))
+    return past
 
 
 def capture(model: nn.Module) -> Capture:

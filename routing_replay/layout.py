@@ -201,8 +201,10 @@ class RoutingLayout:
         if text is not None and getattr(config, "num_hidden_layers", None) is None:
             config = text
         n = config.num_hidden_layers
-        top_k = _first_attr(config, "num_experts_per_tok", "experts_per_token", "moe_topk")
-        experts = _first_attr(config, "n_routed_experts", "num_local_experts", "num_experts")
+        top_k = _first_attr(config, "num_experts_per_tok", "experts_per_token", "moe_topk", "moe_k")
+        experts = _first_attr(
+            config, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"
+        )
         if top_k is None or not experts:
             raise ValueError(
                 f"{type(config).__name__} does not look like an MoE config: no expert count or "
@@ -218,6 +220,11 @@ class RoutingLayout:
             freq = getattr(config, "moe_layer_freq", 1) or 1
             first = config.first_k_dense_replace
             moe = [i for i in range(n) if i >= first and i % freq == 0]
+        elif getattr(config, "moe_layer_interval", None) is not None:
+            # ERNIE 4.5: every `interval`-th layer (1-based) from start to end, inclusive.
+            step = config.moe_layer_interval
+            lo, hi = config.moe_layer_start_index, config.moe_layer_end_index
+            moe = [i for i in range(n) if (i + 1) % step == 0 and lo <= i <= hi]
         elif getattr(config, "decoder_sparse_step", None) is not None:
             # Qwen2-MoE / Qwen3-MoE.
             step = config.decoder_sparse_step

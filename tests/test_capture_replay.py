@@ -76,7 +76,7 @@ class Spy:
     def _router(self, j):
         def hook(module, args, output):
             self.logits[j].append(output[0].detach().clone())
-            self.inputs[j].append(args[0].detach().clone())
+            self.inputs[j].append(tuple(a.detach().clone() for a in args))
 
         return hook
 
@@ -93,18 +93,28 @@ class Spy:
 
 def family_weights(family, router, logits_TE, ids_TK):
     """The weights each family's router computes at `ids_TK`, written from transformers' code."""
-    if family in ("qwen3_moe", "qwen2_moe", "olmoe"):
+    if family in ("qwen3_moe", "qwen3_next", "qwen2_moe", "olmoe", "flex_olmo"):
         w = F.softmax(logits_TE, dtype=torch.float, dim=-1).gather(1, ids_TK)
         if router.norm_topk_prob:
             w /= w.sum(dim=-1, keepdim=True)
         return w.to(logits_TE.dtype)
-    if family == "mixtral":
+    if family in ("mixtral", "minimax"):
         w = F.softmax(logits_TE.float(), dim=-1).gather(1, ids_TK)
         return w / w.sum(dim=-1, keepdim=True)
     if family == "gpt_oss":
         top = logits_TE.gather(1, ids_TK)
         return F.softmax(top, dim=1, dtype=top.dtype)
-    if family in ("deepseek_v3", "glm4_moe"):
+    if family == "deepseek_v2":
+        return logits_TE.softmax(dim=-1, dtype=torch.float32).gather(1, ids_TK) * (
+            router.routed_scaling_factor
+        )
+    if family == "ernie4_5_moe":
+        w = F.softmax(logits_TE, dim=1, dtype=torch.float).gather(1, ids_TK)
+        return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
+    if family == "minimax_m2":
+        w = F.sigmoid(logits_TE.float()).gather(1, ids_TK)
+        return w / w.sum(dim=-1, keepdim=True)
+    if family in ("deepseek_v3", "glm4_moe", "dots1"):
         w = logits_TE.sigmoid().gather(1, ids_TK)
         if router.norm_topk_prob:
             w /= w.sum(dim=-1, keepdim=True) + 1e-20
@@ -167,7 +177,7 @@ def test_replay_forces_ids_with_family_weights(family, model):
         # Missing rows: the model's own routing of this layer's input (forced rows in earlier
         # layers changed it), from the router's own forward, bypassing every hook.
         with torch.no_grad():
-            _, native_w, native_ids = router.forward(spy.inputs[j][0])
+            _, native_w, native_ids = router.forward(*spy.inputs[j][0])
         assert weights.dtype == native_w.dtype
         assert torch.equal(ids[missing_T], native_ids[missing_T])
         assert torch.equal(weights[missing_T], native_w[missing_T])
@@ -207,8 +217,9 @@ def test_capture_then_replay_reproduces_bf16_logits(family):
     assert native.dtype == torch.bfloat16 and torch.equal(native, replayed)
 
 
-def test_capture_hand_written_decode_loop():
-    model = tiny_model("glm4_moe")
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax"])  # minimax: cache layer 0 is linear
+def test_capture_hand_written_decode_loop(family):
+    model = tiny_model(family)
     input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with capture(model) as cap, torch.no_grad():
         out = model(input_ids=input_ids, use_cache=True)
@@ -281,8 +292,8 @@ def test_replay_gradients_match_a_hand_written_forced_router(family):
     routers = [router_of(mlp) for mlp in moe_mlps(model)]
     for j, router in enumerate(routers):
 
-        def forced(hidden, router=router, j=j):
-            logits, _, _ = type(router).forward(router, hidden)  # the family's own logits
+        def forced(hidden, *rest, router=router, j=j):  # rest: MiniMax-M2's bias argument
+            logits, _, _ = type(router).forward(router, hidden, *rest)  # the family's logits
             return logits, family_weights(family, router, logits, flat[:, j]), flat[:, j]
 
         router.forward = forced
@@ -312,7 +323,10 @@ def test_capture_generate_left_padded(family, model):
     kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     with torch.no_grad():
         first = model.generate(**kwargs, eos_token_id=None, pad_token_id=0)
-    eos = int(first[0, width + 2])  # sample 0 ends after 3 new tokens
+    # Sample 0 ends at its first new token (from the second on) that it did not make before.
+    new0 = first[0, width:].tolist()
+    stop = next(i for i in range(1, len(new0)) if new0[i] not in new0[:i])
+    eos = new0[stop]
     with capture(model) as cap, torch.no_grad():
         out = model.generate(**kwargs, eos_token_id=eos, pad_token_id=0)
     routes, tokens = cap.routes(), cap.token_ids()
@@ -332,7 +346,7 @@ def test_capture_generate_left_padded(family, model):
         with capture(model) as full, torch.no_grad():
             model(input_ids=torch.tensor([expected]))
         assert np.array_equal(full.routes()[0][:forwarded], r[:forwarded])
-    assert (routes[0].shape[0], tokens[0][-1]) == (3 + 3, eos)
+    assert (routes[0].shape[0], tokens[0][-1]) == (3 + stop + 1, eos)
 
 
 def test_capture_generate_settings():
