@@ -23,11 +23,11 @@ ScoreFunction = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
 def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """Qwen2/3-MoE, Qwen3-Next, (Flex)OLMoE, Mixtral, MiniMax: float softmax at the ids."""
+    """Qwen2/3/3.5-MoE, Qwen3-Next, (Flex)OLMoE, Mixtral, MiniMax, HunYuan: float softmax at ids."""
     if hasattr(router, "norm_topk_prob"):  # Qwen2/3-MoE, Qwen3-Next, OLMoE, FlexOlmo
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         renorm = router.norm_topk_prob
-    else:  # Mixtral, MiniMax: no flag, always renormalise (same ops, in the family's order)
+    else:  # Mixtral, MiniMax, Qwen3.5, HunYuan: no flag, always renormalise (same ops)
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         renorm = True
     weights_TK = probs_TE.gather(1, ids_TK)
@@ -56,8 +56,19 @@ def softmax_clamped_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor)
 
 
 def topk_then_softmax(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """GPT-OSS: softmax over the chosen experts' logits only."""
+    """GPT-OSS, Granite MoE: softmax over the chosen experts' logits only."""
     return torch.softmax(logits_TE.gather(1, ids_TK), dim=1, dtype=logits_TE.dtype)
+
+
+def topk_then_score(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Cohere2-MoE: float softmax, or sigmoid (renormalised if asked), of the chosen logits."""
+    top_TK = logits_TE.gather(1, ids_TK)
+    if router.expert_selection_fn == "softmax":
+        return torch.softmax(top_TK, dim=1, dtype=torch.float)
+    weights_TK = torch.sigmoid(top_TK)
+    if router.norm_topk_prob:
+        weights_TK = weights_TK / torch.sum(weights_TK, dim=-1, keepdim=True)
+    return weights_TK
 
 
 def sigmoid_with_bias(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
@@ -68,6 +79,15 @@ def sigmoid_with_bias(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> T
     weights_TK = logits_TE.sigmoid().gather(1, ids_TK)
     if router.norm_topk_prob:
         weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * router.routed_scaling_factor
+
+
+def sigmoid_eps_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """LFM2-MoE: sigmoid scores at the ids (the expert bias only chooses), over their sum
+    (+1e-6) if `norm_topk_prob`, times the scaling factor."""
+    weights_TK = logits_TE.sigmoid().gather(1, ids_TK)
+    if router.norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-6)
     return weights_TK * router.routed_scaling_factor
 
 
@@ -86,12 +106,19 @@ _SCORES: dict[str, ScoreFunction] = {
     "FlexOlmoTopKRouter": softmax_then_topk,
     "MixtralTopKRouter": softmax_then_topk,
     "MiniMaxTopKRouter": softmax_then_topk,
+    "Qwen3_5MoeTopKRouter": softmax_then_topk,
+    "HunYuanMoEV1Gate": softmax_then_topk,
     "DeepseekV2TopkRouter": softmax_scaled,
     "Ernie4_5_MoeTopKRouter": softmax_clamped_renorm,
     "GptOssTopKRouter": topk_then_softmax,
+    "GraniteMoeTopKRouter": topk_then_softmax,
+    "Cohere2MoeTopKRouter": topk_then_score,
     "DeepseekV3TopkRouter": sigmoid_with_bias,
     "Glm4MoeTopkRouter": sigmoid_with_bias,
     "Dots1TopkRouter": sigmoid_with_bias,
+    "Glm4MoeLiteTopkRouter": sigmoid_with_bias,
+    "ExaoneMoeTopkRouter": sigmoid_with_bias,
+    "Lfm2MoeTopKRouter": sigmoid_eps_renorm,
     "MiniMaxM2TopKRouter": sigmoid_renorm,
 }
 

@@ -220,6 +220,8 @@ class RoutingLayout:
             freq = getattr(config, "moe_layer_freq", 1) or 1
             first = config.first_k_dense_replace
             moe = [i for i in range(n) if i >= first and i % freq == 0]
+        elif getattr(config, "num_dense_layers", None) is not None:
+            moe = list(range(config.num_dense_layers, n))  # LFM2-MoE: dense first layers
         elif getattr(config, "moe_layer_interval", None) is not None:
             # ERNIE 4.5: every `interval`-th layer (1-based) from start to end, inclusive.
             step = config.moe_layer_interval

@@ -155,6 +155,85 @@ CONFIGS = {
         head_dim=8,
         tie_word_embeddings=False,  # tied, the tiny model greedily repeats its last token
     ),
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **{**COMMON, "num_key_value_heads": 4},
+        num_hidden_layers=3,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        routed_scaling_factor=1.8,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+    ),
+    "exaone_moe": lambda: transformers.ExaoneMoeConfig(
+        **COMMON,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        num_shared_experts=1,
+        moe_intermediate_size=16,
+        routed_scaling_factor=2.5,
+        sliding_window=16,
+    ),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+        **COMMON, num_hidden_layers=2, num_experts=8, moe_topk=2, head_dim=8
+    ),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(
+        **COMMON, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2
+    ),
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(
+        **{k: v for k, v in COMMON.items() if k != "attention_dropout"},
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+    ),
+    "cohere2_moe": lambda: transformers.Cohere2MoeConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    ),
+    "cohere2_moe_sigmoid": lambda: transformers.Cohere2MoeConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+        expert_selection_fn="sigmoid",
+    ),
     "gpt_oss": lambda: transformers.GptOssConfig(
         **COMMON,
         num_hidden_layers=2,
@@ -167,6 +246,14 @@ CONFIGS = {
 }
 
 FAMILIES = sorted(CONFIGS)
+# Router weights, by where each family keeps them (HunYuan: a Linear `wg`; LFM2: feed_forward).
+ROUTER_WEIGHTS = (
+    "mlp.gate.weight",
+    "mlp.router.weight",
+    "mlp.gate.wg.weight",
+    "feed_forward.gate.weight",
+    "block_sparse_moe.router.weight",
+)
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -177,7 +264,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.router.weight")) and param.dim() == 2:
+            if name.endswith(ROUTER_WEIGHTS) and param.dim() == 2:
                 # Router weights init near zero: widen them so routing is decided by the input.
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
         for name, buf in model.named_buffers():

@@ -24,6 +24,7 @@ from routing_replay import (
     capture,
     replay,
 )
+from routing_replay.adapters import find_routers
 
 B, S = 2, 6
 
@@ -43,12 +44,17 @@ def layout_of(model) -> RoutingLayout:
 
 
 def moe_mlps(model):
-    layout = layout_of(model)
-    return [model.model.layers[i].mlp for i in layout.moe_layers]
+    """The MoE block of each MoE layer: the module that holds its router and its experts."""
+    return [model.get_submodule(r.name.rsplit(".", 1)[0]) for r in find_routers(model).routers]
 
 
 def router_of(mlp):
     return mlp.router if hasattr(mlp, "router") else mlp.gate
+
+
+def router_weight(router):
+    """The router's [E, H] weight (HunYuan keeps it in a Linear, `wg`)."""
+    return next(p for p in router.parameters() if p.dim() == 2)
 
 
 class Spy:
@@ -98,10 +104,21 @@ def family_weights(family, router, logits_TE, ids_TK):
         if router.norm_topk_prob:
             w /= w.sum(dim=-1, keepdim=True)
         return w.to(logits_TE.dtype)
-    if family in ("mixtral", "minimax"):
+    if family in ("mixtral", "minimax", "qwen3_5_moe", "hunyuan_v1_moe"):
         w = F.softmax(logits_TE.float(), dim=-1).gather(1, ids_TK)
         return w / w.sum(dim=-1, keepdim=True)
-    if family == "gpt_oss":
+    if family.startswith("cohere2_moe"):
+        top = logits_TE.gather(1, ids_TK)
+        if router.expert_selection_fn == "softmax":
+            return F.softmax(top, dim=1, dtype=torch.float)
+        w = F.sigmoid(top)
+        return w / torch.sum(w, dim=-1, keepdim=True) if router.norm_topk_prob else w
+    if family == "lfm2_moe":
+        w = logits_TE.sigmoid().gather(1, ids_TK)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-6)
+        return w * router.routed_scaling_factor
+    if family in ("gpt_oss", "granitemoe"):
         top = logits_TE.gather(1, ids_TK)
         return F.softmax(top, dim=1, dtype=top.dtype)
     if family == "deepseek_v2":
@@ -114,7 +131,7 @@ def family_weights(family, router, logits_TE, ids_TK):
     if family == "minimax_m2":
         w = F.sigmoid(logits_TE.float()).gather(1, ids_TK)
         return w / w.sum(dim=-1, keepdim=True)
-    if family in ("deepseek_v3", "glm4_moe", "dots1"):
+    if family in ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite", "exaone_moe"):
         w = logits_TE.sigmoid().gather(1, ids_TK)
         if router.norm_topk_prob:
             w /= w.sum(dim=-1, keepdim=True) + 1e-20
@@ -253,7 +270,8 @@ def test_router_grad_and_gradient_checkpointing(family):
 
     loss, grads, spy = loss_and_grads()
     for mlp in moe_mlps(model):
-        name = next(n for n, p in model.named_parameters() if p is router_of(mlp).weight)
+        weight = router_weight(router_of(mlp))
+        name = next(n for n, p in model.named_parameters() if p is weight)
         assert grads[name].abs().sum() > 0, name
     assert all(len(calls) == 1 for calls in spy.calls)
 
