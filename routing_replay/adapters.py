@@ -114,6 +114,7 @@ _SCORES: dict[str, ScoreFunction] = {
     "GraniteMoeTopKRouter": topk_then_softmax,
     "Cohere2MoeTopKRouter": topk_then_score,
     "DeepseekV3TopkRouter": sigmoid_with_bias,
+    "DeepseekV32TopkRouter": sigmoid_with_bias,
     "Glm4MoeTopkRouter": sigmoid_with_bias,
     "Dots1TopkRouter": sigmoid_with_bias,
     "Glm4MoeLiteTopkRouter": sigmoid_with_bias,

@@ -131,7 +131,14 @@ def family_weights(family, router, logits_TE, ids_TK):
     if family == "minimax_m2":
         w = F.sigmoid(logits_TE.float()).gather(1, ids_TK)
         return w / w.sum(dim=-1, keepdim=True)
-    if family in ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite", "exaone_moe"):
+    if family in (
+        "deepseek_v3",
+        "deepseek_v32",
+        "glm4_moe",
+        "dots1",
+        "glm4_moe_lite",
+        "exaone_moe",
+    ):
         w = logits_TE.sigmoid().gather(1, ids_TK)
         if router.norm_topk_prob:
             w /= w.sum(dim=-1, keepdim=True) + 1e-20
