@@ -295,3 +295,72 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
     return model.to(dtype).eval()
+
+
+# Vision-language MoE models: the text stack routes; images enter it as embeddings.
+VL_TEXT = dict(
+    COMMON,
+    num_hidden_layers=3,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+)
+VL_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=1,
+    out_hidden_size=32,
+)
+IMAGE_TOKEN = 90  # one image of 4 x 4 patches is 4 of these after the 2 x 2 merge
+VL_CONFIGS = {
+    "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(
+        text_config=dict(
+            VL_TEXT,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            mlp_only_layers=[1],
+            head_dim=8,
+        ),
+        vision_config=dict(VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=91,
+        vision_start_token_id=92,
+    ),
+    "glm4v_moe": lambda: transformers.Glm4vMoeConfig(
+        text_config=dict(
+            VL_TEXT,
+            rope_parameters={**VL_TEXT["rope_parameters"], "partial_rotary_factor": 1.0},
+            first_k_dense_replace=1,
+            n_routed_experts=16,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+        ),
+        vision_config=dict(VL_VISION, image_size=16),
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=91,
+        image_start_token_id=92,
+        image_end_token_id=93,
+        video_start_token_id=94,
+        video_end_token_id=95,
+    ),
+}
+
+
+def tiny_vl_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised tiny vision-language MoE model of `family`, in eval mode."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(VL_CONFIGS[family]())
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(ROUTER_WEIGHTS) and param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    return model.eval()
