@@ -205,6 +205,7 @@ class RoutingLayout:
         experts = _first_attr(
             config, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"
         )
+        top_k, experts = _uniform(top_k, "top-k"), _uniform(experts, "expert count")
         if top_k is None or not experts:
             raise ValueError(
                 f"{type(config).__name__} does not look like an MoE config: no expert count or "
@@ -235,6 +236,18 @@ class RoutingLayout:
         else:
             moe = list(range(n))  # Mixtral, OLMoE, GPT-OSS: every layer routes.
         return cls(n, int(top_k), int(experts), tuple(moe))
+
+
+def _uniform(value: Any, what: str) -> Any:
+    """One value for every layer: HunYuan's configs may give a list per layer."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if len(set(value)) != 1:
+        raise ValueError(
+            f"the config's {what} differs between layers ({list(value)}): a RoutingLayout has "
+            "one top-k and one expert count for all MoE layers"
+        )
+    return value[0]
 
 
 def _first_attr(obj: Any, *names: str) -> Any:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from transformers import (
     DeepseekV3Config,
+    Ernie4_5_MoeConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    HunYuanMoEV1Config,
+    Lfm2MoeConfig,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
@@ -34,6 +39,16 @@ from routing_replay import InvalidRoutesError, RoutingLayout
          RoutingLayout(46, 8, 160, tuple(range(3, 46)))),
         (GptOssConfig(num_hidden_layers=24, num_local_experts=32),
          RoutingLayout(24, 4, 32)),
+        (Ernie4_5_MoeConfig(), RoutingLayout(28, 6, 64, tuple(range(1, 28)))),
+        (Ernie4_5_MoeConfig(num_hidden_layers=8, moe_layer_start_index=2, moe_layer_end_index=6,
+                            moe_layer_interval=2),
+         RoutingLayout(8, 6, 64, (3, 5))),
+        (Lfm2MoeConfig(), RoutingLayout(32, 4, 32, tuple(range(2, 32)))),
+        (HunYuanMoEV1Config(num_hidden_layers=4, num_experts=16, moe_topk=2),
+         RoutingLayout(4, 2, 16)),
+        # Older HunYuan configs list the expert count and top-k per layer.
+        (SimpleNamespace(num_hidden_layers=2, num_experts=[16, 16], moe_topk=[2, 2]),
+         RoutingLayout(2, 2, 16)),
     ],
 )  # fmt: skip
 def test_from_hf_config(config, expected):
@@ -94,3 +109,6 @@ def test_invalid_layouts_and_routes():
         layout.encode(np.zeros((2, 3, 2), dtype=np.int32))
     with pytest.raises(ValueError, match="does not look like an MoE config"):
         RoutingLayout.from_hf_config(type("Dense", (), {"num_hidden_layers": 2})())
+    per_layer = SimpleNamespace(num_hidden_layers=2, num_experts=[16, 32], moe_topk=2)
+    with pytest.raises(ValueError, match=r"expert count differs between layers \(\[16, 32\]\)"):
+        RoutingLayout.from_hf_config(per_layer)
