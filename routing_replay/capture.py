@@ -52,11 +52,16 @@ class Capture:
         self._generating: _Group | None = None
         self._handles: list[Any] = []
         self._own_generate: Any = vars(model).get("generate")  # an instance override, if any
+        self._outer_ids: Tensor | None = None  # the token ids a wrapping model was called with
 
     # -- context --------------------------------------------------------------------
 
     def __enter__(self) -> Capture:
         decoder = self.moe.decoder
+        if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
+            self._handles.append(
+                self.model.register_forward_pre_hook(self._outer_begin, with_kwargs=True)
+            )
         self._handles.append(decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(self._end))
         for j, router in enumerate(self.moe.routers):
@@ -92,14 +97,21 @@ class Capture:
 
     # -- hooks ------------------------------------------------------------------------
 
+    def _outer_begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._outer_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 else None
+
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
+        outer, self._outer_ids = self._outer_ids, None
         if isinstance(input_ids, Tensor):
             shape = tuple(input_ids.shape)
         else:
             input_ids = None
             embeds = kwargs.get("inputs_embeds")
             shape = tuple(embeds.shape[:-1]) if isinstance(embeds, Tensor) else None
+            if outer is not None and tuple(outer.shape) == shape:
+                input_ids = outer  # the tokens the wrapping model embedded (images included)
         if shape is None or len(shape) != 2:
             self._current = None  # not a token batch we can align; routers are ignored
             return

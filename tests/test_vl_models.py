@@ -49,6 +49,8 @@ def test_capture_then_replay_with_an_image_reproduces_logits(family):
         native = model(**inputs(family)).logits
     routes = cap.routes()
     assert [len(r) for r in routes] == [8, 8]  # image tokens are routed rows like any other
+    # The text stack got embeddings; the token ids come from the model's own input.
+    assert [t.tolist() for t in cap.token_ids()] == PROMPTS[family]
     with replay(model, torch.from_numpy(np.stack(routes))), torch.no_grad():
         replayed = model(**inputs(family)).logits
     assert torch.equal(native, replayed)
@@ -82,6 +84,7 @@ def test_capture_follows_generate_with_an_image(family):
         out = model.generate(**kw, max_new_tokens=3, do_sample=False, eos_token_id=None)
     routes = cap.routes()
     assert [len(r) for r in routes] == [11, 11]
+    assert [t.tolist() for t in cap.token_ids()] == out.tolist()
     for r in routes:  # the last generated token is never forwarded
         assert (r[:-1] != MISSING).all() and (r[-1] == MISSING).all()
     # A forward over the whole generated sequences routes every forwarded token the same.
