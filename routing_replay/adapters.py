@@ -72,7 +72,7 @@ def topk_then_score(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Ten
 
 
 def sigmoid_with_bias(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """DeepSeek-V3, GLM-4-MoE: unbiased sigmoid scores at the ids, normalised, then scaled.
+    """DeepSeek-V3(.2), GLM-4-MoE(-Lite), GLM-4.5V, dots1, EXAONE: sigmoid at the ids, scaled.
 
     The correction bias and the group limit only choose experts; they never enter the weights.
     """
