@@ -91,6 +91,14 @@ def sigmoid_eps_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> 
     return weights_TK * router.routed_scaling_factor
 
 
+def score_fn_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """DeepSeek-V4 (learned and hash routers): the router's `score_fn` at the ids, over their
+    sum (+1e-20), times the scaling factor (the bias, or the hash table, only chooses)."""
+    weights_TK = router.score_fn(logits_TE).gather(1, ids_TK)
+    weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * router.routed_scaling_factor
+
+
 def sigmoid_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
     """MiniMax-M2: float sigmoid scores at the ids over their sum (the bias only chooses)."""
     weights_TK = logits_TE.float().sigmoid().gather(1, ids_TK)
@@ -123,6 +131,8 @@ _SCORES: dict[str, ScoreFunction] = {
     "ExaoneMoeTopkRouter": sigmoid_with_bias,
     "Lfm2MoeTopKRouter": sigmoid_eps_renorm,
     "MiniMaxM2TopKRouter": sigmoid_renorm,
+    "DeepseekV4TopKRouter": score_fn_renorm,
+    "DeepseekV4HashRouter": score_fn_renorm,
 }
 
 

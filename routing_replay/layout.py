@@ -13,6 +13,9 @@ from routing_replay.errors import InvalidRoutesError
 # Marker for "no routing recorded here" in every signed view of routes (put input, get
 # output, torch tensors, replay input). In storage it becomes `layout.missing`.
 MISSING = -1
+# `mlp_layer_types` entries of layers that route (DeepSeek-V4's hash layers pick experts by
+# token id, but still pick them per token, and engines report them like any other).
+MOE_MLP_TYPES = ("sparse", "moe", "hash_moe")
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,13 @@ class RoutingLayout:
             )
         layer_types = getattr(config, "mlp_layer_types", None)
         if layer_types is not None:
-            moe = [i for i, t in enumerate(layer_types) if t == "sparse"]
+            unknown = sorted(set(layer_types) - set(MOE_MLP_TYPES) - {"dense"})
+            if unknown:
+                raise ValueError(
+                    f"mlp_layer_types has {unknown}: neither dense nor one of the routed kinds "
+                    f"{list(MOE_MLP_TYPES)}; build RoutingLayout(..., moe_layers=...) by hand"
+                )
+            moe = [i for i, t in enumerate(layer_types) if t in MOE_MLP_TYPES]
         elif getattr(config, "first_k_dense_replace", None) is not None:
             # DeepSeek-V2/V3, GLM-4-MoE, Kimi-K2: dense first layers, then MoE every `freq`.
             freq = getattr(config, "moe_layer_freq", 1) or 1

@@ -134,6 +134,25 @@ CONFIGS = {
         index_head_dim=16,
         index_n_heads=2,
     ),
+    "deepseek_v4": lambda: transformers.DeepseekV4Config(
+        **{**COMMON, "num_key_value_heads": 1},
+        num_hidden_layers=3,
+        mlp_layer_types=["hash_moe", "moe", "moe"],  # layer 0 routes by a token-id table
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        head_dim=16,
+        q_lora_rank=24,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=128,  # every key at these lengths, as for DeepSeek-V3.2
+        sliding_window=16,
+        hc_mult=2,
+        num_nextn_predict_layers=0,
+    ),
     "dots1": lambda: transformers.Dots1Config(
         **COMMON,
         num_hidden_layers=3,
@@ -265,6 +284,10 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: distinct ids per token
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=gen)[: buf.shape[1]] for _ in buf]
+                buf.copy_(torch.stack(rows))
     return model.to(dtype).eval()
 
 

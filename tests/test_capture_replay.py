@@ -128,6 +128,9 @@ def family_weights(family, router, logits_TE, ids_TK):
     if family == "ernie4_5_moe":
         w = F.softmax(logits_TE, dim=1, dtype=torch.float).gather(1, ids_TK)
         return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
+    if family == "deepseek_v4":
+        w = router.score_fn(logits_TE).gather(1, ids_TK)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     if family == "minimax_m2":
         w = F.sigmoid(logits_TE.float()).gather(1, ids_TK)
         return w / w.sum(dim=-1, keepdim=True)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from transformers import (
     DeepseekV3Config,
+    DeepseekV4Config,
     Ernie4_5_MoeConfig,
     Glm4MoeConfig,
     GptOssConfig,
@@ -40,6 +41,8 @@ from routing_replay import InvalidRoutesError, RoutingLayout
         (GptOssConfig(num_hidden_layers=24, num_local_experts=32),
          RoutingLayout(24, 4, 32)),
         (Ernie4_5_MoeConfig(), RoutingLayout(28, 6, 64, tuple(range(1, 28)))),
+        # 3 hash-routed layers, then learned routers: all 43 route.
+        (DeepseekV4Config(), RoutingLayout(43, 6, 256)),
         (Ernie4_5_MoeConfig(num_hidden_layers=8, moe_layer_start_index=2, moe_layer_end_index=6,
                             moe_layer_interval=2),
          RoutingLayout(8, 6, 64, (3, 5))),
@@ -109,6 +112,11 @@ def test_invalid_layouts_and_routes():
         layout.encode(np.zeros((2, 3, 2), dtype=np.int32))
     with pytest.raises(ValueError, match="does not look like an MoE config"):
         RoutingLayout.from_hf_config(type("Dense", (), {"num_hidden_layers": 2})())
+    odd = SimpleNamespace(
+        num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, mlp_layer_types=["x", "dense"]
+    )
+    with pytest.raises(ValueError, match=r"mlp_layer_types has \['x'\]"):
+        RoutingLayout.from_hf_config(odd)
     per_layer = SimpleNamespace(num_hidden_layers=2, num_experts=[16, 32], moe_topk=2)
     with pytest.raises(ValueError, match=r"expert count differs between layers \(\[16, 32\]\)"):
         RoutingLayout.from_hf_config(per_layer)
