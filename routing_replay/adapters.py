@@ -36,6 +36,11 @@ def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> T
     return weights_TK
 
 
+def softmax_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Jamba: float softmax over all experts at the ids, not renormalised."""
+    return torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(1, ids_TK)
+
+
 def softmax_scaled(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
     """DeepSeek-V2: float32 softmax over all experts at the ids, times the scaling factor.
 
@@ -117,6 +122,7 @@ _SCORES: dict[str, ScoreFunction] = {
     "Qwen3_5MoeTopKRouter": softmax_then_topk,
     "Qwen3VLMoeTextTopKRouter": softmax_then_topk,
     "HunYuanMoEV1Gate": softmax_then_topk,
+    "JambaTopKRouter": softmax_at_ids,
     "DeepseekV2TopkRouter": softmax_scaled,
     "Ernie4_5_MoeTopKRouter": softmax_clamped_renorm,
     "GptOssTopKRouter": topk_then_softmax,

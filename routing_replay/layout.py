@@ -230,6 +230,10 @@ class RoutingLayout:
             freq = getattr(config, "moe_layer_freq", 1) or 1
             first = config.first_k_dense_replace
             moe = [i for i in range(n) if i >= first and i % freq == 0]
+        elif getattr(config, "expert_layer_period", None) is not None:
+            # Jamba: every `period`-th layer from `offset` routes.
+            period, offset = config.expert_layer_period, config.expert_layer_offset
+            moe = [i for i in range(n) if i % period == offset]
         elif getattr(config, "num_dense_layers", None) is not None:
             moe = list(range(config.num_dense_layers, n))  # LFM2-MoE: dense first layers
         elif getattr(config, "moe_layer_interval", None) is not None:

@@ -248,6 +248,22 @@ CONFIGS = {
         tie_word_embeddings=False,
         expert_selection_fn="sigmoid",
     ),
+    "jamba": lambda: transformers.JambaConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,  # the PyTorch path: no CUDA kernels here
+        tie_word_embeddings=False,
+    ),
     "gpt_oss": lambda: transformers.GptOssConfig(
         **COMMON,
         num_hidden_layers=2,
@@ -267,6 +283,7 @@ ROUTER_WEIGHTS = (
     "mlp.gate.wg.weight",
     "feed_forward.gate.weight",
     "block_sparse_moe.router.weight",
+    "feed_forward.router.weight",
 )
 
 

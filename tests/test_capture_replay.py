@@ -121,6 +121,8 @@ def family_weights(family, router, logits_TE, ids_TK):
     if family in ("gpt_oss", "granitemoe"):
         top = logits_TE.gather(1, ids_TK)
         return F.softmax(top, dim=1, dtype=top.dtype)
+    if family == "jamba":
+        return F.softmax(logits_TE, dim=-1, dtype=torch.float).gather(1, ids_TK)
     if family == "deepseek_v2":
         return logits_TE.softmax(dim=-1, dtype=torch.float32).gather(1, ids_TK) * (
             router.routed_scaling_factor

@@ -13,6 +13,7 @@ from transformers import (
     Glm4MoeConfig,
     GptOssConfig,
     HunYuanMoEV1Config,
+    JambaConfig,
     Lfm2MoeConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -47,6 +48,7 @@ from routing_replay import InvalidRoutesError, RoutingLayout
                             moe_layer_interval=2),
          RoutingLayout(8, 6, 64, (3, 5))),
         (Lfm2MoeConfig(), RoutingLayout(32, 4, 32, tuple(range(2, 32)))),
+        (JambaConfig(), RoutingLayout(32, 2, 16, tuple(range(1, 32, 2)))),
         (HunYuanMoEV1Config(num_hidden_layers=4, num_experts=16, moe_topk=2),
          RoutingLayout(4, 2, 16)),
         # Older HunYuan configs list the expert count and top-k per layer.
