@@ -135,6 +135,7 @@ _SCORES: dict[str, ScoreFunction] = {
     "Glm4MoeLiteTopkRouter": sigmoid_with_bias,
     "Glm4vMoeTextTopkRouter": sigmoid_with_bias,
     "ExaoneMoeTopkRouter": sigmoid_with_bias,
+    "KimiLinearTopkRouter": sigmoid_with_bias,
     "Lfm2MoeTopKRouter": sigmoid_eps_renorm,
     "MiniMaxM2TopKRouter": sigmoid_renorm,
     "DeepseekV4TopKRouter": score_fn_renorm,

@@ -143,6 +143,7 @@ def family_weights(family, router, logits_TE, ids_TK):
         "dots1",
         "glm4_moe_lite",
         "exaone_moe",
+        "kimi_linear",
     ):
         w = logits_TE.sigmoid().gather(1, ids_TK)
         if router.norm_topk_prob:
