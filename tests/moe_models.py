@@ -30,6 +30,15 @@ GROUPED = dict(
 # Multi-head latent attention (DeepSeek-V2/V3/V3.2, GLM-4-MoE-Lite) at tiny ranks.
 MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
 
+# Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE) at tiny sizes.
+GATED_DELTANET = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
 CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON,
@@ -92,11 +101,7 @@ CONFIGS = {
         mlp_only_layers=[2],
         norm_topk_prob=True,
         head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        **GATED_DELTANET,
     ),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(
         **COMMON, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
@@ -211,11 +216,7 @@ CONFIGS = {
         moe_intermediate_size=16,
         shared_expert_intermediate_size=24,
         head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        **GATED_DELTANET,
     ),
     "granitemoe": lambda: transformers.GraniteMoeConfig(
         **COMMON, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2
