@@ -22,23 +22,22 @@ from routing_replay.layout import RoutingLayout
 ScoreFunction = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
+def softmax_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Jamba (and the start of the softmax families): float softmax over all experts at the ids."""
+    return torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(1, ids_TK)
+
+
 def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
     """Qwen2/3/3.5-MoE, Qwen3-Next, (Flex)OLMoE, Mixtral, MiniMax, HunYuan: float softmax at ids."""
     if hasattr(router, "norm_topk_prob"):  # Qwen2/3-MoE, Qwen3-Next, OLMoE, FlexOlmo
-        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
+        weights_TK = softmax_at_ids(router, logits_TE, ids_TK)
         renorm = router.norm_topk_prob
     else:  # Mixtral, MiniMax, Qwen3.5, HunYuan: no flag, always renormalise (same ops)
-        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        weights_TK = torch.softmax(logits_TE.float(), dim=-1).gather(1, ids_TK)
         renorm = True
-    weights_TK = probs_TE.gather(1, ids_TK)
     if renorm:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK
-
-
-def softmax_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """Jamba: float softmax over all experts at the ids, not renormalised."""
-    return torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(1, ids_TK)
 
 
 def softmax_scaled(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
@@ -46,9 +45,7 @@ def softmax_scaled(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tens
 
     Greedy or group-limited, the group limit only chooses: no renormalisation.
     """
-    return logits_TE.softmax(dim=-1, dtype=torch.float32).gather(1, ids_TK) * (
-        router.routed_scaling_factor
-    )
+    return softmax_at_ids(router, logits_TE, ids_TK) * router.routed_scaling_factor
 
 
 def softmax_clamped_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
@@ -56,7 +53,7 @@ def softmax_clamped_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor)
 
     The expert bias (`moe_statics`) only chooses experts.
     """
-    weights_TK = torch.softmax(logits_TE, dim=1, dtype=torch.float).gather(1, ids_TK)
+    weights_TK = softmax_at_ids(router, logits_TE, ids_TK)
     return weights_TK / torch.clamp(weights_TK.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 

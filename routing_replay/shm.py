@@ -195,7 +195,7 @@ class SegmentLock:
     The kernel drops a flock when its holder dies (SIGKILL included), so a killed
     process never leaves the store locked; the store's dirty flag repairs what it was
     doing. A flock belongs to the open file description, which a forked child shares with
-    its parent: in the child the lock re-opens the file (see `_reopen_locks_in_child`).
+    its parent: in the child the lock re-opens the file (see `_after_fork_in_child`).
     """
 
     def __init__(self, fd: int) -> None:
@@ -233,8 +233,9 @@ class SegmentLock:
 _LOCKS: weakref.WeakSet[SegmentLock] = weakref.WeakSet()
 
 
-def _reopen_locks_in_child() -> None:
-    """After fork, in the child (one thread): give every live lock its own description."""
+def _after_fork_in_child() -> None:
+    """In a forked child (one thread): a new process identity, and every live lock its own
+    file description."""
     global _THIS_PROCESS
     _THIS_PROCESS = None
     for lock in list(_LOCKS):
@@ -242,4 +243,4 @@ def _reopen_locks_in_child() -> None:
             lock._reopen()
 
 
-os.register_at_fork(after_in_child=_reopen_locks_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
