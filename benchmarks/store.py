@@ -34,9 +34,8 @@ def best_of(fn, repeat: int) -> float:
 
 def run(samples: int, tokens: int, repeat: int) -> dict:
     layout = RoutingLayout(48, 8, 128)  # Qwen3-30B-A3B
-    L, K = layout.num_moe_layers, layout.top_k
     rng = np.random.default_rng(0)
-    routes = rng.integers(0, 128, (samples, tokens, L, K), dtype=np.uint8)
+    routes = np.stack([layout.random_routes(rng, tokens, np.uint8) for _ in range(samples)])
     routes[:, -1] = layout.missing  # last token: never forwarded
     routes_i32 = [routes[i].astype(np.int32) for i in range(min(samples, 16))]
     routes_i32 = [np.where(r == layout.missing, -1, r) for r in routes_i32]

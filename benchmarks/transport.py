@@ -151,7 +151,7 @@ def subset(spec: dict, count: int) -> dict:
 def sample_routes(spec: dict, i: int, layout: Any, cache: dict | None = None) -> np.ndarray:
     """Sample i's routes `[T, L, K]` in the narrow dtype, stored marker on the last row."""
     T, P, group, seed = spec["samples"][i]
-    L, K, E = layout.num_moe_layers, layout.top_k, layout.num_experts
+    L, K = layout.num_moe_layers, layout.top_k
     cache = {} if cache is None else cache
     out = np.empty((T, L, K), dtype=layout.dtype)
     if P:
@@ -159,10 +159,10 @@ def sample_routes(spec: dict, i: int, layout: Any, cache: dict | None = None) ->
         if key not in cache:
             cache.clear()
             rng = np.random.default_rng([group, 1])
-            cache[key] = rng.integers(0, E, (P, L, K), dtype=layout.dtype)
+            cache[key] = layout.random_routes(rng, P, layout.dtype)
         out[:P] = cache[key]
     rng = np.random.default_rng([seed, 2])
-    out[P:] = rng.integers(0, E, (T - P, L, K), dtype=layout.dtype)
+    out[P:] = layout.random_routes(rng, T - P, layout.dtype)
     out[-1] = layout.missing  # the last sampled token is never forwarded
     return out
 

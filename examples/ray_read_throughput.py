@@ -39,7 +39,7 @@ class Writer:
     def put(self, prefix: str, samples: int, tokens: int) -> list:
         store = node_store(JOB, LAYOUT, capacity_tokens=4 * samples * tokens)
         rng = np.random.default_rng(0)
-        routes = rng.integers(0, 128, (tokens, 48, 8), dtype=np.int32)
+        routes = LAYOUT.random_routes(rng, tokens, np.int32)
         return [store.put(f"{prefix}{i}", routes) for i in range(samples)]
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
+from routing_replay.errors import RoutingReplayError
 from routing_replay.shm import SHM_DIR
-from routing_replay.store import StoreInfo, list_stores, sweep_stores
+from routing_replay.store import RoutingStore, StoreInfo, list_stores, sweep_stores
+from routing_replay.store.sweep import skipped
 
 
 def _row(info: StoreInfo) -> str:
     owner = f"{info.owner_pid}{'' if info.owner_alive else ' (dead)'}" if info.owner_pid else "?"
     if info.stats is None:
-        use = "incomplete" if info.layout is None else "not readable"
+        use = info.problem or "not readable"
     else:
         s = info.stats
         use = (
@@ -23,11 +26,28 @@ def _row(info: StoreInfo) -> str:
     return f"{info.name:<40} {info.size_bytes / 2**20:>9.1f} MiB  owner {owner:<14} {use}"
 
 
+def _verify(name: str) -> str:
+    try:
+        store = RoutingStore.attach(name)
+    except RoutingReplayError as e:
+        return f"cannot attach: {e}"
+    try:
+        store.verify()
+        return "ok"
+    except RoutingReplayError as e:
+        return str(e)
+    finally:
+        store.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `routing-replay` console command."""
     parser = argparse.ArgumentParser(prog="routing-replay", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("ls", help=f"list routing stores in {SHM_DIR} with their use")
+    ls = commands.add_parser("ls", help=f"list routing stores in {SHM_DIR} with their use")
+    ls.add_argument(
+        "--verify", action="store_true", help="also check every invariant of each store's tables"
+    )
     sweep = commands.add_parser("sweep", help="remove stores whose owner process is dead")
     sweep.add_argument("--dry-run", action="store_true", help="only print what would go")
     sweep.add_argument(
@@ -38,12 +58,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         infos = list_stores()
         for info in infos:
             print(_row(info))
+            if args.verify and info.stats is not None:
+                print(f"  verify: {_verify(info.name)}")
         print(f"{len(infos)} store(s) in {SHM_DIR}")
         return 0
-    stale = sweep_stores(dry_run=args.dry_run, min_age_s=args.min_age)
+    for info in list_stores():
+        if skipped(info):
+            print(f"skipped {info.path}: {info.problem}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said above, once
+        stale = sweep_stores(dry_run=args.dry_run, min_age_s=args.min_age)
     verb = "would remove" if args.dry_run else "removed"
     for info in stale:
-        print(f"{verb} {info.path} (owner {info.owner_pid or '?'} is dead)")
+        print(f"{verb} {info.path} (its owner, pid {info.owner_pid or '?'}, is dead)")
     print(f"{verb} {len(stale)} stale store(s)")
     return 0
 

@@ -34,6 +34,14 @@ class StoreUnavailableError(RoutingReplayError, OSError):
     """A store segment is missing, unreadable, or /dev/shm has no room for it."""
 
 
+class CorruptStoreError(RoutingReplayError):
+    """A store segment's tables are inconsistent: its routes cannot be trusted."""
+
+
+class StoreBusyError(RoutingReplayError, TimeoutError):
+    """A store's lock stayed held by another process past the operation's timeout."""
+
+
 class ConcurrentReleaseError(RoutingReplayError, RuntimeError):
     """A sample was released while it was being read."""
 

@@ -133,6 +133,41 @@ class RoutingLayout:
                     f"[0, {self.num_experts}) or -1 for missing ({int(bad.sum())} bad ids in all)"
                 )
 
+    def check_distinct(self, arr: np.ndarray) -> None:
+        """Raise if a token names one expert twice among a layer's top-k ids (missing aside).
+
+        Engines' top-k never repeats an id; a repeat means the routes were padded or cast
+        wrongly (ids past the dtype wrap onto real ones), and replaying it would send one
+        token to one expert twice. One contiguous pass per pair of top-k slots.
+        """
+        K = self.top_k
+        if K == 1 or arr.size == 0:
+            return
+        missing = self.missing if arr.dtype == self.dtype else MISSING
+        cols_KN = np.ascontiguousarray(arr.reshape(-1, K).T)
+        bits_KN = cols_KN.view(f"u{cols_KN.itemsize}")  # xor is 0 exactly where ids match
+        least_N = np.full(bits_KN.shape[1], np.iinfo(bits_KN.dtype).max, dtype=bits_KN.dtype)
+        xor_N = np.empty_like(least_N)
+        for i in range(K - 1):
+            for j in range(i + 1, K):
+                np.bitwise_xor(bits_KN[i], bits_KN[j], out=xor_N)
+                np.minimum(least_N, xor_N, out=least_N)
+        dup_N = least_N == 0
+        dup_N &= cols_KN[0] != missing  # all-missing rows repeat the marker by design
+        if not dup_N.any():
+            return
+        for n in np.flatnonzero(dup_N).tolist():  # mixed rows: look at each pair exactly
+            ids = cols_KN[:, n]
+            real = ids[ids != missing]
+            if len(np.unique(real)) < len(real):
+                token, layer = divmod(n, self.num_moe_layers)
+                raise InvalidRoutesError(
+                    f"token {token}, MoE layer {layer} names an expert twice in its top-"
+                    f"{K}: {ids.astype(np.int64).tolist()}. Engines never repeat an id; the "
+                    "routes were padded (pad with -1, never with expert 0) or cast to a "
+                    "dtype too narrow for the expert count"
+                )
+
     def _in_range(self, arr: np.ndarray) -> bool:
         """Fast path: two reductions, no temporaries; False means "look closer"."""
         if arr.dtype == self.dtype:
@@ -176,6 +211,17 @@ class RoutingLayout:
         np.copyto(out, stored, casting="same_kind")
         out[stored == self.missing] = MISSING
         return out
+
+    def random_routes(
+        self, rng: np.random.Generator, num_tokens: int, dtype: Any = np.int64
+    ) -> np.ndarray:
+        """Random `[T, L, K]` routes shaped like an engine's: ids distinct within each
+        token's top-k at a layer (for tests, benchmarks and examples)."""
+        L, K, E = self.num_moe_layers, self.top_k, self.num_experts
+        first = rng.integers(0, E, (num_tokens, L, 1), dtype=np.int32)
+        # 0 < step * (j - i) < E for any two slots i < j: never the same id.
+        step = rng.integers(1, E // K + 1, (num_tokens, L, 1), dtype=np.int32)
+        return ((first + step * np.arange(K, dtype=np.int32)) % E).astype(dtype)
 
     # -- (de)serialisation ----------------------------------------------------------
 

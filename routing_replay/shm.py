@@ -1,22 +1,37 @@
-"""POSIX shared-memory segments and the cross-process lock that guards them.
+"""POSIX shared-memory segments: trusted creation and attachment, and the file locks on them.
 
 A segment is a file under /dev/shm (what `shm_open` creates on Linux), opened directly
 with `os.open`: Python's `multiprocessing.shared_memory` registers every segment it
 *attaches* with the resource tracker, which unlinks it when that process exits (3.11),
 and a Ray worker's tracker dies with the worker. Opening the file ourselves means no
 tracker ever owns a segment: only `Segment.unlink` (called by the creator) removes it.
+
+Every handle has two descriptions of the file: one mapped (the data), and one for locks
+(`Segment.lock_fd`), never mapped. Kernel file locks belong to an open file description
+and last until its last reference goes, and a mapping is a reference: locks on the mapped
+description would outlive a dead holder as long as a forked child still maps the file.
+In a forked child the lock description is closed at once (see `_after_fork_in_child`)
+and a new one opened on first use, so a child never holds, or keeps alive, its parent's
+locks.
+
+Two kinds of lock, independent on Linux: `flock` on the whole file is the store's commit
+lock; open-file-description (OFD) byte-range locks at offsets past any data are leases,
+one byte per holder, that the kernel drops when the holder dies, whatever its pid
+namespace (containers that share /dev/shm but not pids see each other's leases).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import mmap
 import os
+import pwd
 import re
-import threading
+import stat
 import weakref
-from collections.abc import Iterator
 
 from routing_replay.errors import StoreUnavailableError
 
@@ -26,9 +41,17 @@ SHM_DIR = os.environ.get("ROUTING_REPLAY_SHM_DIR", "/dev/shm")
 SEGMENT_PREFIX = "rr_"
 SEGMENT_MODE = 0o600  # owner-only: another user cannot open, let alone map, a store
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 # Map every page up front: one pass at create/attach instead of a page fault on the
 # first touch of each 4 KiB during puts and reads.
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+_fork_epoch = 0  # bumped in every forked child: handles notice they were inherited
+
+
+def fork_epoch() -> int:
+    """How many forks separate this process from the one that imported routing_replay."""
+    return _fork_epoch
 
 
 def segment_path(name: str) -> str:
@@ -47,66 +70,103 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _proc_stat(pid: int) -> list[bytes] | None:
-    """Fields of /proc/<pid>/stat after the command name, or None if there is no such pid."""
+def user_name(uid: int) -> str:
+    """`name (uid N)` for messages."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rfind(b")") + 2 :].split()
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
-def process_start(pid: int) -> int:
-    """Start time of a process in clock ticks since boot, low 32 bits (tells a pid from its reuse).
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Why a segment file must not be used by this process, or None if it may be."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"belongs to {user_name(st.st_uid)}, not to you ({user_name(os.geteuid())})"
+    if stat.S_IMODE(st.st_mode) != SEGMENT_MODE:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {SEGMENT_MODE:04o}"
+    return None
 
-    32 bits are 497 days of uptime at 100 ticks/s; a reused pid also has to start at the
-    same tick modulo that to be mistaken for the first process. 0 if there is no such pid.
+
+# -- OFD byte-range locks (leases) ------------------------------------------------------
+
+
+class _Flock(ctypes.Structure):
+    """`struct flock` of fcntl(2) on 64-bit Linux."""
+
+    _fields_ = [
+        ("l_type", ctypes.c_short),
+        ("l_whence", ctypes.c_short),
+        ("l_start", ctypes.c_int64),
+        ("l_len", ctypes.c_int64),
+        ("l_pid", ctypes.c_int32),
+    ]
+
+
+def _flock(kind: int, offset: int) -> bytes:
+    return bytes(_Flock(kind, os.SEEK_SET, offset, 1, 0))
+
+
+def lease_try(fd: int, offset: int) -> bool:
+    """Take the lease at byte `offset` on `fd`'s description; False if another holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, offset))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def lease_drop(fd: int, offset: int) -> None:
+    """Give back the lease at byte `offset` held on `fd`'s description."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, offset))
+
+
+def lease_held(fd: int, offset: int) -> bool:
+    """Whether a description other than `fd`'s holds the lease at byte `offset`.
+
+    A description never conflicts with its own locks: a caller asks about its own lease
+    from its own bookkeeping, not here.
     """
-    fields = _proc_stat(pid)
-    return int(fields[19]) & 0xFFFFFFFF if fields else 0
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_RDLCK, offset))
+    return _Flock.from_buffer_copy(answer).l_type != fcntl.F_UNLCK
 
 
-_THIS_PROCESS: tuple[int, int] | None = None
-
-
-def this_process() -> tuple[int, int]:
-    """(pid, start time) of this process, as pages and headers record it; new after fork."""
-    global _THIS_PROCESS
-    if _THIS_PROCESS is None:
-        _THIS_PROCESS = (os.getpid(), process_start(os.getpid()))
-    return _THIS_PROCESS
-
-
-def pid_alive(pid: int, start: int = 0) -> bool:
-    """Whether a process exists, is not a zombie, and (if `start` is given) is that process."""
-    try:
-        fields = _proc_stat(pid)
-    except PermissionError:
-        return True
-    if fields is None or fields[0] in (b"Z", b"X"):  # a killed, unreaped child is dead
-        return False
-    return not start or int(fields[19]) & 0xFFFFFFFF == start & 0xFFFFFFFF
+# -- segments -----------------------------------------------------------------------------
 
 
 class Segment:
-    """One mapped shared-memory file: create (owner) or attach (anyone on the node)."""
+    """One mapped shared-memory file: create (owner) or attach (same user, mode 0600)."""
 
-    def __init__(self, name: str, fd: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, fd: int, lock_fd: int, mm: mmap.mmap, owner: bool) -> None:
         self.name = name
         self.path = segment_path(name)
-        self.fd = fd
+        self.fd = fd  # the mapped description: fstat, reopening; never locked
+        self._lock_fd = lock_fd
+        self.epoch = _fork_epoch
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
+        _SEGMENTS.add(self)
 
     @property
     def owner(self) -> bool:
         """Whether this process created the segment (a forked child of the creator is not)."""
         return self._creator == os.getpid()
 
+    @property
+    def lock_fd(self) -> int:
+        """This process's own description of the file for locks (new after a fork)."""
+        if self._lock_fd < 0:
+            if self.fd < 0:
+                raise StoreUnavailableError(f"store {self.name!r} is closed in this process")
+            self._lock_fd = _reopen(self.fd)
+        return self._lock_fd
+
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
-        """Create, size and map a new segment; fails cleanly if it exists or cannot fit."""
+    def create(cls, name: str, size: int, owner_lease: int) -> Segment:
+        """Create, size and map a new segment, holding its owner lease from the start."""
         path = segment_path(name)
         free = shm_free_bytes()
         if size > free:
@@ -117,35 +177,41 @@ class Segment:
                 "store lives there too)"
             )
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
+            fd = os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
         except FileExistsError:
-            raise StoreUnavailableError(
-                f"a store named {name!r} already exists ({path}): attach to it with "
-                "RoutingStore.attach, or if its owner is dead remove it with "
-                "routing_replay.sweep_stores() or `routing-replay sweep`"
-            ) from None
+            raise StoreUnavailableError(_exists_message(name, path)) from None
+        lock_fd = -1
         try:
             os.fchmod(fd, SEGMENT_MODE)
+            lock_fd = _reopen(fd)
+            lease_try(lock_fd, owner_lease)  # a new file: nobody else can hold it
             # Commit the memory now: a full tmpfs fails here with ENOSPC instead of
             # killing a writer with SIGBUS half-way through a put later.
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
         except OSError as e:
-            os.close(fd)
+            for f in (fd, lock_fd):
+                if f >= 0:
+                    os.close(f)
             os.unlink(path)
             raise StoreUnavailableError(
                 f"could not allocate {size / 2**20:.1f} MiB in {SHM_DIR} for store {name!r} "
                 f"({e.strerror}): lower capacity_tokens or give the container more shared "
                 "memory (docker run --shm-size=...)"
             ) from e
-        return cls(name, fd, mm, owner=True)
+        return cls(name, fd, lock_fd, mm, owner=True)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        """Map an existing segment created by another process on this node."""
+        """Map an existing segment of this user's, created by another process on this node.
+
+        The file must be a regular file (no symbolic link is followed), owned by this
+        process's effective user, with mode 0600: anything else may have been planted by
+        another user and is refused.
+        """
         path = segment_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, OPEN_FLAGS)
         except FileNotFoundError:
             raise StoreUnavailableError(
                 f"no routing store named {name!r} on this node ({path} does not exist): "
@@ -157,11 +223,31 @@ class Segment:
                 f"store {name!r} ({path}) belongs to another user: stores are owner-only; "
                 "attach as the user that created it"
             ) from None
-        size = os.fstat(fd).st_size
-        if size == 0:
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise StoreUnavailableError(
+                f"{path} is a symbolic link, not a routing store: somebody else may have "
+                "planted it; remove it and pick a store name that includes your job"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            reason = untrusted_reason(st)
+            if reason:
+                raise StoreUnavailableError(
+                    f"{path} {reason}: a store is attached only if it is yours with mode 0600, "
+                    "so this file is not used. If another user's job has this name, pick "
+                    "another store name (include your job); if it is a leftover, its owner "
+                    f"(or root) removes it: rm {path}"
+                )
+            if st.st_size == 0:
+                raise StoreUnavailableError(f"store {name!r} is still being created; retry")
+            lock_fd = _reopen(fd)
+            mm = mmap.mmap(fd, st.st_size, flags=MAP_FLAGS)
+        except BaseException:
             os.close(fd)
-            raise StoreUnavailableError(f"store {name!r} is still being created; retry")
-        return cls(name, fd, mmap.mmap(fd, size, flags=MAP_FLAGS), owner=False)
+            raise
+        return cls(name, fd, lock_fd, mm, owner=False)
 
     @property
     def size(self) -> int:
@@ -171,76 +257,68 @@ class Segment:
     def is_current(self) -> bool:
         """Whether the file at the segment's path is still this mapping (not unlinked/replaced)."""
         try:
-            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
-        except (FileNotFoundError, OSError):
+            now, mine = os.stat(self.path, follow_symlinks=False), os.fstat(self.fd)
+        except OSError:
             return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
     def close(self) -> None:
         """Unmap and close; every numpy view of the mapping must be dropped first."""
         if self.fd < 0:
             return
         self.mmap.close()  # BufferError if a view still exists: never hand out views
-        os.close(self.fd)
-        self.fd = -1
+        for f in (self.fd, self._lock_fd):
+            if f >= 0:
+                os.close(f)  # drops this handle's leases and commit lock, if held
+        self.fd = self._lock_fd = -1
+        _SEGMENTS.discard(self)
 
     def unlink(self) -> None:
         """Remove the segment file; mappings stay valid until closed."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-
-class SegmentLock:
-    """Exclusive cross-process lock: `flock` on the segment fd, plus a thread lock.
-
-    The kernel drops a flock when its holder dies (SIGKILL included), so a killed
-    process never leaves the store locked; the store's dirty flag repairs what it was
-    doing. A flock belongs to the open file description, which a forked child shares with
-    its parent: in the child the lock re-opens the file (see `_after_fork_in_child`).
-    """
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._own_fd = -1  # the fd this lock opened itself (in a forked child)
-        self._thread_lock = threading.Lock()
-        _LOCKS.add(self)
-
-    def _reopen(self) -> None:
-        """Take a file description of this process's own, and a fresh thread lock."""
-        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR)  # same file, new description
-        if self._own_fd >= 0:
-            os.close(self._own_fd)  # inherited from the parent: its flock stays the parent's
-        self._fd = self._own_fd = fd
-        self._thread_lock = threading.Lock()  # the parent's may have been held at fork
-
-    def close(self) -> None:
-        """Close the fd this lock opened itself, if any (the segment closes its own)."""
-        if self._own_fd >= 0:
-            os.close(self._own_fd)
-            self._own_fd = -1
-        _LOCKS.discard(self)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold the lock for the duration of the block."""
-        with self._thread_lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def _forget_parents_locks(self) -> None:
+        """In a forked child: close the lock description shared with the parent."""
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # the parent's locks stay the parent's
+        self._lock_fd = -1
+        self.epoch = _fork_epoch
 
 
-_LOCKS: weakref.WeakSet[SegmentLock] = weakref.WeakSet()
+def _reopen(fd: int) -> int:
+    """A new open file description of the same file as `fd` (same inode, never a path race)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def _exists_message(name: str, path: str) -> str:
+    try:
+        reason = untrusted_reason(os.stat(path, follow_symlinks=False))
+    except OSError:
+        reason = None
+    if reason:
+        return (
+            f"store name {name!r} is taken: {path} {reason}. It is not used; pick another "
+            f"store name (include your job), or have its owner (or root) remove it: rm {path}"
+        )
+    return (
+        f"a store named {name!r} already exists ({path}): attach to it with "
+        "RoutingStore.attach, or if its owner is dead remove it with "
+        "routing_replay.sweep_stores() or `routing-replay sweep`"
+    )
+
+
+_SEGMENTS: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    """In a forked child (one thread): a new process identity, and every live lock its own
-    file description."""
-    global _THIS_PROCESS
-    _THIS_PROCESS = None
-    for lock in list(_LOCKS):
-        with contextlib.suppress(OSError):  # a closed segment: its lock is never used again
-            lock._reopen()
+    """In a forked child (one thread): every segment drops the lock description it shares
+    with the parent; stores see the new epoch and take leases and thread locks of their own."""
+    global _fork_epoch
+    _fork_epoch += 1
+    for segment in list(_SEGMENTS):
+        segment._forget_parents_locks()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -78,7 +78,7 @@ def sample_routes(i: int, T: int | None = None) -> np.ndarray:
     """Deterministic routes of sample i, a few missing rows, last row missing."""
     rng = np.random.default_rng(i)
     T = T or int(rng.integers(5, 300))
-    routes = rng.integers(0, LAYOUT.num_experts, (T, LAYOUT.num_moe_layers, LAYOUT.top_k))
+    routes = LAYOUT.random_routes(rng, T)
     routes[rng.random(T) < 0.05] = -1
     routes[-1] = -1
     return routes

@@ -34,7 +34,7 @@ def store():
 
 
 def _routes(n: int, seed: int) -> np.ndarray:
-    r = np.random.default_rng(seed).integers(0, 8, (n, 2, 2))
+    r = LAYOUT.random_routes(np.random.default_rng(seed), n)
     r[-1] = -1
     return r
 

@@ -41,7 +41,7 @@ def content(sample_id: str, max_len: int = 400) -> np.ndarray:
     """The routes a sample id always stands for: derived from the id, so any process checks."""
     rng = np.random.default_rng(zlib.crc32(sample_id.encode()))
     T = int(rng.integers(1, max_len))
-    routes = rng.integers(0, 32, (T, 3, 2), dtype=np.int16)
+    routes = LAYOUT.random_routes(rng, T, np.int16)
     routes[-1] = -1
     return routes
 
@@ -62,7 +62,7 @@ def _put_forever(name: str, first: int, committed) -> None:
         routes = content(sid)
         # Half the samples share a 64-token prompt prefix: the sharing path is killed too.
         if i % 2:
-            routes[:64] = 7
+            routes[:64] = (7, 8)
             tokens = np.concatenate([prompt, np.full(max(len(routes) - 64, 0), i)])[: len(routes)]
             store.put(sid, routes, token_ids=tokens)
         else:
@@ -75,7 +75,7 @@ def _put_forever(name: str, first: int, committed) -> None:
 def _expected(sid: str) -> np.ndarray:
     routes = content(sid)
     if int(sid[1:]) % 2:
-        routes[:64] = 7
+        routes[:64] = (7, 8)
     return routes
 
 
@@ -268,7 +268,11 @@ def _blocked_writer(name: str, w: int, timeout: float, result) -> None:
     store = RoutingStore.attach(name)
     try:
         for i in range(5):
-            store.put(f"b{w}-{i}", np.full((64, 3, 2), w, dtype=np.int64), timeout=timeout)
+            store.put(
+                f"b{w}-{i}",
+                np.broadcast_to([w, w + 1], (64, 3, 2)).astype(np.int64),
+                timeout=timeout,
+            )
         result.put((w, "ok", ""))
     except StoreFullError as e:
         result.put((w, "full", str(e)))
@@ -277,7 +281,7 @@ def _blocked_writer(name: str, w: int, timeout: float, result) -> None:
 def test_full_store_writers_resume_or_time_out(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=256, page_tokens=64) as store:
         for i in range(4):
-            store.put(f"fill{i}", np.zeros((64, 3, 2), dtype=np.int64))
+            store.put(f"fill{i}", np.broadcast_to([0, 1], (64, 3, 2)).astype(np.int64))
         result = FORK.Queue()
         ws = [FORK.Process(target=_blocked_writer, args=(name, w, 20, result)) for w in range(3)]
         for p in ws:
@@ -293,7 +297,9 @@ def test_full_store_writers_resume_or_time_out(name):
                 for i in range(5):
                     sid = f"b{w}-{i}"
                     if sid not in seen and sid in store:
-                        assert np.array_equal(store.get(sid), np.full((64, 3, 2), w))
+                        assert np.array_equal(
+                            store.get(sid), np.broadcast_to([w, w + 1], (64, 3, 2))
+                        )
                         store.release([sid])
                         seen.add(sid)
             while not result.empty():
@@ -306,7 +312,7 @@ def test_full_store_writers_resume_or_time_out(name):
             p.join(10)
         # Nobody releases: every blocked writer times out with the capacity in the error.
         for i in range(4):
-            store.put(f"fill{i}", np.zeros((64, 3, 2), dtype=np.int64))
+            store.put(f"fill{i}", np.broadcast_to([0, 1], (64, 3, 2)).astype(np.int64))
         ws = [FORK.Process(target=_blocked_writer, args=(name, w, 0.5, result)) for w in range(3)]
         t0 = time.monotonic()
         for p in ws:
@@ -316,7 +322,7 @@ def test_full_store_writers_resume_or_time_out(name):
         for _, outcome, message in outcomes:
             assert outcome == "full" and "256 tokens" in message and "capacity_tokens" in message
         for i in range(4):
-            assert np.array_equal(store.get(f"fill{i}"), np.zeros((64, 3, 2)))
+            assert np.array_equal(store.get(f"fill{i}"), np.broadcast_to([0, 1], (64, 3, 2)))
         store.verify()
 
 

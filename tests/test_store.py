@@ -29,6 +29,7 @@ from routing_replay import (
     to_torch,
 )
 from routing_replay.shm import segment_path
+from routing_replay.store.lock import interleave
 
 # 6 layers, the first and fourth dense (DeepSeek-style), top-2 of 16 experts.
 LAYOUT = RoutingLayout(num_layers=6, top_k=2, num_experts=16, moe_layers=(1, 2, 4, 5))
@@ -39,7 +40,7 @@ def sample(i: int, layout: RoutingLayout = LAYOUT, max_len: int = 600):
     """Deterministic sample i: (routes [T, L_moe, K] int64 with -1 rows, prompt_len)."""
     rng = np.random.default_rng(i)
     T = int(rng.integers(1, max_len))
-    routes = rng.integers(0, layout.num_experts, (T, layout.num_moe_layers, layout.top_k))
+    routes = layout.random_routes(rng, T)
     routes[rng.random(T) < 0.05] = -1  # prefix-cache gaps
     routes[-1] = -1  # the last token is never forwarded
     return routes, int(rng.integers(0, T + 1))
@@ -172,34 +173,44 @@ def test_writer_killed_mid_put(name):
             store.release([f"after{trial}"])
 
 
-def _die_holding_pages(name: str, count: int) -> None:
+def _die_mid_put(name: str, point: str, routes: np.ndarray) -> None:
     store = RoutingStore.attach(name)
-    with store._locked(mutate=True):
-        store._reserve(count)  # as put does before it fills them; then death
-    os.kill(os.getpid(), signal.SIGKILL)
+
+    def die_at(p: str) -> None:
+        if p == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with interleave(die_at):
+        store.put("doomed", routes)
 
 
-def test_pages_of_a_dead_writer_freed_even_if_its_pid_is_reused(name):
+def test_pages_of_a_dead_writer_are_reclaimed_whatever_its_pid(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=4096, page_tokens=32) as store:
         kept = sample(1)[0]
         store.put("kept", kept)
         before = store.stats()
-        p = FORK.Process(target=_die_holding_pages, args=(name, 5))
+        routes = LAYOUT.random_routes(np.random.default_rng(3), 160)  # 5 pages
+        p = FORK.Process(target=_die_mid_put, args=(name, "put.publish:take", routes))
         p.start()
         p.join()
         assert p.exitcode == -signal.SIGKILL
-        assert store.stats().pages_pending == 5
-        # The kernel hands the dead writer's pid to a live process: here, this one.
-        owners = store._pages["owner"]
-        owners[owners == p.pid] = os.getpid()
+        assert store.stats().pages_pending == 5 and "doomed" not in store
+        # Its lease record names a pid that a live process has now (this one): liveness is
+        # the kernel's lease, which died with the writer, never the pid.
+        store._t.leases["pid"][:] = os.getpid()
         assert store.reclaim() == 5
         assert store.stats() == before
-        # Pages this process reserves itself are its own, not a dead writer's.
-        with store._locked(mutate=True):
-            got = store._reserve(3)
-        assert store.reclaim() == 0 and store.stats().pages_pending == 3
-        store._unreserve(got)
-        assert store.stats() == before
+        # A live writer's reservation (this process, mid-put) is never reclaimed.
+        seen = []
+
+        def reclaim_mid_put(point: str) -> None:
+            if point == "put.publish:take":
+                seen.extend([store.reclaim(), store.stats().pages_pending])
+
+        with interleave(reclaim_mid_put):
+            store.put("mine", routes)
+        assert seen == [0, 5]
+        assert np.array_equal(store.get("mine"), routes)
         assert np.array_equal(store.get("kept"), kept)
         store.verify()
 
@@ -222,10 +233,10 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
         p = FORK.Process(target=_put_with_the_parents_handle, args=(store, go, done))
         with contextlib.ExitStack() as held:
             if locked_at_fork:  # the child inherits a held thread lock too
-                held.enter_context(store._locked(mutate=True))
+                held.enter_context(store._lock.held("test", time.monotonic() + 60))
             p.start()
             if not locked_at_fork:
-                held.enter_context(store._locked(mutate=True))
+                held.enter_context(store._lock.held("test", time.monotonic() + 60))
             go.value = 1
             time.sleep(0.5)
             assert not done.value, "the child's put ran while the parent held the lock"
@@ -244,10 +255,13 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
 
 def _die_inside_critical_section(name: str) -> None:
     store = RoutingStore.attach(name)
-    with store._locked(mutate=True):
-        # Half of a release: refcounts changed, the slot not yet freed. Then death.
-        store._pages["refcount"][:] = 7
-        store._page_heads[:] = 3
+    with store._lock.held("test", time.monotonic() + 60) as hold:
+        hold.write()
+        # Half of a release: refcounts, buckets and the free stack changed, the slot not
+        # yet freed. Then death.
+        store._t.p_refcount[:] = 7
+        store._t.page_heads[:] = 3
+        store._t.hdr["free_pages"] = 0
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -256,7 +270,7 @@ def test_locker_killed_inside_critical_section_is_repaired(name):
         prompt = np.arange(64)
         for i in range(6):
             routes = sample(i)[0][:40]
-            shared = np.concatenate([np.full((64, 4, 2), 3), routes])
+            shared = np.concatenate([np.broadcast_to([3, 4], (64, 4, 2)), routes])
             store.put(f"r{i}", shared, token_ids=np.concatenate([prompt, np.arange(len(routes))]))
         before = store.stats()
         p = FORK.Process(target=_die_inside_critical_section, args=(name,))
@@ -268,7 +282,7 @@ def test_locker_killed_inside_critical_section_is_repaired(name):
         for i in range(6):
             assert np.array_equal(store.get(f"r{i}")[64:], sample(i)[0][:40])
         # Sharing still works after the buckets were rebuilt.
-        store.put("r6", np.full((64, 4, 2), 3), token_ids=prompt)
+        store.put("r6", np.broadcast_to([3, 4], (64, 4, 2)), token_ids=prompt)
         assert store.stats().pages_used == before.pages_used
 
 
@@ -276,18 +290,18 @@ def test_grpo_prefix_sharing_fits_in_35_percent():
     layout = RoutingLayout(48, 8, 128)  # Qwen3-30B-A3B shape
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(0, 150_000, 3000)
-    prompt_routes = rng.integers(0, 128, (3000, 48, 8))
+    prompt_routes = layout.random_routes(rng, 3000)
     n, completion = 8, 500
     unshared_tokens = n * (3000 + completion)
     name = f"test-grpo-{uuid.uuid4().hex[:8]}"
     with RoutingStore.create(name, layout, capacity_tokens=int(0.35 * unshared_tokens)) as store:
         samples = []
         for j in range(n):
-            routes = np.concatenate([prompt_routes, rng.integers(0, 128, (completion, 48, 8))])
+            routes = np.concatenate([prompt_routes, layout.random_routes(rng, completion)])
             routes[-1] = -1
             tokens = np.concatenate([prompt_ids, rng.integers(0, 150_000, completion)])
             ref = store.put(f"g{j}", routes, prompt_len=3000, token_ids=tokens, timeout=0)
-            assert ref == RoutingRef(f"g{j}", name, store.node_id, 3500, 3000)
+            assert ref == RoutingRef(f"g{j}", name, store.node_id, 3500, 3000, store.store_uid)
             samples.append(routes)
         for j, routes in enumerate(samples):
             assert np.array_equal(store.get(f"g{j}"), routes)
@@ -298,7 +312,7 @@ def test_grpo_prefix_sharing_fits_in_35_percent():
         assert stats.bytes_used <= 0.35 * unshared_tokens * layout.bytes_per_token
 
         # Multi-turn: turn 2 extends turn 1's tokens and shares all of turn 1's full pages.
-        turn2 = np.concatenate([samples[0], rng.integers(0, 128, (100, 48, 8))])
+        turn2 = np.concatenate([samples[0], layout.random_routes(rng, 100)])
         store.release([f"g{j}" for j in range(1, n)])
         used = store.stats().pages_used
         tokens2 = np.concatenate([prompt_ids, np.arange(completion + 100)])
@@ -314,7 +328,7 @@ def test_grpo_prefix_sharing_fits_in_35_percent():
 def test_same_tokens_different_routes_are_not_merged(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, page_tokens=16) as store:
         tokens = np.arange(100)
-        a = np.full((100, 4, 2), 5)
+        a = np.broadcast_to([5, 7], (100, 4, 2)).copy()
         b = a.copy()
         b[40, 2, 1] = 6  # one id differs, in the third page
         store.put("a", a, token_ids=tokens)
@@ -339,9 +353,9 @@ def test_sharing_finds_the_twin_with_equal_routes(name):
     page = 16 * LAYOUT.bytes_per_token
     with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, page_tokens=16) as store:
         tokens = np.arange(100)  # 6 full pages (shareable) and a partial one
-        a = np.random.default_rng(0).integers(0, 8, (100, 4, 2))
+        a = LAYOUT.random_routes(np.random.default_rng(0), 100)
         b = a.copy()
-        b[40, 2, 1] = (a[40, 2, 1] + 1) % 8  # differs from the third page on
+        b[40, 2, 1] = next(e for e in range(16) if e not in a[40, 2])  # differs from page 3 on
         store.put("a", a, token_ids=tokens)
         store.put("b", b, token_ids=tokens)
         assert store.stats().dedup_saved_bytes == 2 * page
@@ -360,30 +374,27 @@ def test_sharing_finds_the_twin_with_equal_routes(name):
         store.verify()
 
 
-def test_shared_page_reused_after_its_compare_is_not_shared(name, monkeypatch):
+def test_shared_page_reused_after_its_compare_is_not_shared(name):
     """put compares candidate pages without the lock; if they are released and published
     again before it publishes, it must notice (generations) and start over, not share."""
     with RoutingStore.create(name, LAYOUT, capacity_tokens=128, page_tokens=16) as store:
         tokens = np.arange(64)  # 4 pages of 8
-        a = np.random.default_rng(1).integers(0, 16, (64, 4, 2))
-        other = np.random.default_rng(2).integers(0, 16, (64, 4, 2))
+        a = LAYOUT.random_routes(np.random.default_rng(1), 64)
+        other = LAYOUT.random_routes(np.random.default_rng(2), 64)
         store.put("a", a, token_ids=tokens)
         store.put("filler", other)  # the other 4 pages
-        compare, calls = RoutingStore._equal_prefix, []
+        points = []
 
-        def then_race(self, pages, checked):
-            equal = compare(self, pages, checked)
-            calls.append((len(pages), equal))
-            if len(calls) == 1:  # after b's compare: a's 4 pages now hold "other"
-                self.release(["a"])
-                self.put("other", other)
-                self.release(["filler"])
-            return equal
+        def then_race(point: str) -> None:
+            points.append(point)
+            if points.count("put.reserve:take") == 1 and point == "put.reserve:take":
+                with interleave(lambda _: None):  # b compared a's 4 pages: now they hold "other"
+                    store.release(["a"])
+                    store.put("other", other)
+                    store.release(["filler"])
 
-        monkeypatch.setattr(RoutingStore, "_equal_prefix", then_race)
-        store.put("b", a, token_ids=tokens)
-        # b: 4 candidates, all equal; "other" (no token ids); b again: no candidates.
-        assert calls == [(4, 4), (0, 0), (0, 0)]
+        with interleave(then_race):
+            store.put("b", a, token_ids=tokens)
         assert np.array_equal(store.get("b"), a)
         assert np.array_equal(store.get("other"), other)
         assert store.stats().dedup_saved_bytes == 0
@@ -398,7 +409,7 @@ def _release_later(name: str, ids: list[str], delay: float) -> None:
 
 def test_full_store_waits_then_raises_and_keeps_data(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=256, page_tokens=64) as store:
-        r = np.ones((128, 4, 2), dtype=np.int64)
+        r = np.broadcast_to([1, 3], (128, 4, 2)).astype(np.int64)
         store.put("a", r)
         store.put("b", r + 1)
         t0 = time.monotonic()
@@ -491,7 +502,8 @@ def test_wide_ids_layout_round_trip(name):
     assert layout.dtype == np.uint16 and layout.bytes_per_token == 48
     with RoutingStore.create(name, layout, capacity_tokens=5000) as store:
         rng = np.random.default_rng(5)
-        routes = rng.integers(-1, 256, (700, 3, 8)).astype(np.int32)
+        routes = layout.random_routes(rng, 700, np.int32)
+        routes[rng.random((700, 3)) < 0.1] = -1
         store.put("w", routes)
         assert np.array_equal(store.get("w"), routes)
         assert np.array_equal(to_torch(store.read(["w"])).numpy(), routes)

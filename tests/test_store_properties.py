@@ -44,7 +44,8 @@ class StoreMachine(RuleBasedStateMachine):
         if len(tokens) == 0:
             return
         rng = np.random.default_rng(prompt if same_routes else seed + 10)
-        routes = rng.integers(-1, 4, (len(tokens), 2, 2))
+        routes = LAYOUT.random_routes(rng, len(tokens))
+        routes[rng.random((len(tokens), 2)) < 0.2] = -1
         sid = f"p{self.counter}"
         self.counter += 1
         used = self.store.stats().pages_used
@@ -80,7 +81,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert stats.tokens_stored == sum(len(r) for r in self.model.values())
         assert stats.pages_used <= stats.pages_total and stats.pages_pending == 0
         free = stats.pages_total - stats.pages_used
-        assert free == int((self.store._p_refcount == 0).sum())
+        assert free == int((self.store._t.p_refcount == 0).sum())
         for sid, routes in self.model.items():
             assert np.array_equal(self.store.get(sid), routes)
 

@@ -1,0 +1,137 @@
+"""The store segment's format: every constant, record type and region, in one place.
+
+Segment layout (every region 64-byte aligned):
+
+    header | page table [num_pages] | page buckets | free-page stack [num_pages] |
+    slot table [max_samples] | sample buckets | free-slot stack [max_samples] |
+    writer leases [max_writers] | page data [num_pages, page_tokens * L * K] (narrow dtype)
+
+Byte-range locks at `LEASE_BASE` and up (past the end of any segment: a lock needs no
+data under it) are the leases: the owner's at `OWNER_LEASE`, writer i's at
+`WRITER_LEASE + i`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAGIC = b"RRSTORE1"
+VERSION = 3  # 3: kernel leases, free stacks, sample checksums, store uid
+ALIGN = 64
+HEADER_BYTES = 4096
+MAX_SAMPLE_ID_BYTES = 128
+FORBIDDEN_ID_CHARS = "/\\\x00"
+MAX_PAGE_TOKENS = 1 << 16
+MAX_TABLE = 2**31 - 2  # pages, slots and buckets are int32 indices
+DEFAULT_PAGE_TOKENS = 128
+DEFAULT_PUT_TIMEOUT_S = 30.0
+DEFAULT_MAX_WRITERS = 1024
+MIN_LOCK_WAIT_S = 1.0  # a put with timeout=0 still waits this long for the lock
+CHECK_CHUNK_BYTES = 1 << 18  # put copies and checks ids in chunks that stay in L2
+ATTACH_WAIT_S = 5.0
+
+LEASE_BASE = 1 << 40
+OWNER_LEASE = LEASE_BASE
+WRITER_LEASE = LEASE_BASE + 1
+
+NO_PAGE = -1  # also "no slot" and "end of a bucket chain"
+NO_OWNER = 0  # page owner field: 0, or writer lease index + 1
+FREE, PUBLISHED = 0, 1  # slot states
+LEASE_FREE, LEASE_HELD = 0, 1  # lease record states
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("dirty", "<u4"),  # a locker is changing the tables; the next one repairs them
+        ("page_tokens", "<i8"),
+        ("num_pages", "<i8"),
+        ("max_samples", "<i8"),
+        ("page_buckets", "<i8"),
+        ("sample_buckets", "<i8"),
+        ("max_writers", "<i8"),
+        ("store_uid", "<u8"),  # random per store: refs of another incarnation are refused
+        ("owner_pid", "<i8"),  # informational: a pid means nothing in another namespace
+        ("created", "<f8"),
+        ("free_pages", "<i8"),  # entries in the free-page stack
+        ("free_slots", "<i8"),  # entries in the free-slot stack
+        ("samples", "<i8"),  # published samples
+        ("tokens", "<i8"),  # their tokens
+        ("pages_used", "<i8"),  # pages with refcount > 0
+        ("pages_reserved", "<i8"),  # pages reserved by writers, not yet published
+        ("pages_referenced", "<i8"),  # sum of the published samples' chain lengths
+        ("node_id", "S128"),
+        ("layout", "S2048"),
+    ]
+)
+PAGE_DTYPE = np.dtype(
+    [
+        ("refcount", "<i4"),  # published samples whose chain holds this page
+        ("owner", "<i4"),  # writer lease index + 1 while reserved, NO_OWNER otherwise
+        ("parent", "<i4"),  # page of the previous tokens, NO_PAGE for a first page
+        ("next", "<i4"),  # next page in the same key bucket
+        ("gen", "<u4"),  # bumped at every reservation: reuse is visible to everyone
+        ("owner_gen", "<u4"),  # generation of the writer lease that reserved it
+        ("key", "<u8"),  # hash of the page's token ids; 0 = not shareable
+    ]
+)
+SLOT_DTYPE = np.dtype(
+    [
+        ("state", "<u4"),
+        ("next", "<i4"),  # next slot in the same sample-id bucket
+        ("num_tokens", "<i4"),
+        ("prompt_len", "<i4"),  # -1 when unknown
+        ("last_page", "<i4"),
+        ("num_pages", "<i4"),
+        ("check", "<u4"),  # crc32 of the fields above and the chain's pages and generations
+        ("spare", "<u4"),
+        ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
+    ]
+)
+LEASE_DTYPE = np.dtype(
+    [
+        ("state", "<u4"),
+        ("gen", "<u4"),  # bumped each time a process takes the lease
+        ("pid", "<i4"),  # informational, in the holder's pid namespace
+        ("spare", "<u4"),
+        ("since", "<f8"),
+    ]
+)
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to the region alignment."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pow2_at_least(n: int) -> int:
+    """Smallest power of two >= n (at least 2)."""
+    return 1 << max(int(n) - 1, 1).bit_length()
+
+
+def regions(
+    bytes_per_token: int,
+    page_tokens: int,
+    num_pages: int,
+    max_samples: int,
+    page_buckets: int,
+    sample_buckets: int,
+    max_writers: int,
+) -> dict[str, int]:
+    """Offset of every region, and `end`: the segment's size."""
+    sizes = [
+        ("pages", num_pages * PAGE_DTYPE.itemsize),
+        ("page_heads", page_buckets * 4),
+        ("free_pages", num_pages * 4),
+        ("slots", max_samples * SLOT_DTYPE.itemsize),
+        ("sample_heads", sample_buckets * 4),
+        ("free_slots", max_samples * 4),
+        ("leases", max_writers * LEASE_DTYPE.itemsize),
+        ("data", num_pages * page_tokens * bytes_per_token),
+    ]
+    offsets, pos = {}, HEADER_BYTES
+    for name, size in sizes:
+        offsets[name] = pos
+        pos = aligned(pos + size)
+    offsets["end"] = pos
+    return offsets

@@ -1,0 +1,172 @@
+"""The sample index: slots, their id buckets, the free-slot stack, and each sample's checksum.
+
+A published sample is a slot: id, token count, prompt length, its last page and chain
+length, and a crc32 of all of that plus every page of its chain *and that page's
+generation at publish*. A page of a published chain is never reserved again while the
+sample holds it, so the checksum is the same at every read unless the tables were broken:
+a wrong parent pointer, a page handed to another writer, a flipped byte. Readers check it
+under the lock and raise `CorruptStoreError` rather than return another sample's routes.
+
+Setting `state = PUBLISHED` is the commit point of a put, `state = FREE` that of a release.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from routing_replay.errors import StoreFullError
+from routing_replay.store.format import FREE, NO_PAGE, PUBLISHED
+from routing_replay.store.lock import Hold
+from routing_replay.store.tables import Tables, checked_index
+
+
+def checksum(
+    raw_id: bytes, num_tokens: int, prompt_len: int, chain: np.ndarray, gens: np.ndarray
+) -> int:
+    """crc32 of a sample's fields, chain pages and their generations."""
+    fields = np.array([num_tokens, prompt_len, len(chain)], dtype="<i4").tobytes()
+    crc = zlib.crc32(fields + raw_id)
+    crc = zlib.crc32(np.ascontiguousarray(chain, dtype="<i4"), crc)
+    return zlib.crc32(np.ascontiguousarray(gens, dtype="<u4"), crc)
+
+
+class SampleIndex:
+    """Slots of one store, found by sample id in bounded bucket chains."""
+
+    def __init__(self, tables: Tables) -> None:
+        self._t = tables
+
+    def _bucket(self, raw_id: bytes) -> int:
+        return zlib.crc32(raw_id) % len(self._t.sample_heads)
+
+    def find(self, raw_id: bytes) -> int:
+        """The published slot of `raw_id`, or NO_PAGE (under the lock)."""
+        t = self._t
+        s = checked_index(t, t.sample_heads[self._bucket(raw_id)], t.max_samples, "bucket head")
+        for _ in range(t.max_samples):
+            if s == NO_PAGE:
+                return NO_PAGE
+            if t.s_state[s] == PUBLISHED and t.s_sample_id[s] == raw_id:
+                return s
+            s = checked_index(t, t.s_next[s], t.max_samples, f"slot {s}'s next")
+        raise t.corrupt("a sample bucket chain loops")
+
+    def sample_id(self, slot: int) -> bytes:
+        """The raw id of a slot."""
+        return bytes(self._t.s_sample_id[slot])
+
+    def chain(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(pages, their generations, num_tokens, prompt_len) of a published slot, every field
+        range-checked and the checksum verified (under the lock)."""
+        t = self._t
+        n, tokens = int(t.s_num_pages[slot]), int(t.s_num_tokens[slot])
+        prompt_len = int(t.s_prompt_len[slot])
+        if not (
+            0 < n <= t.num_pages
+            and (n - 1) * t.page_tokens < tokens <= n * t.page_tokens
+            and -1 <= prompt_len <= tokens
+        ):
+            raise t.corrupt(f"slot {slot}: {tokens} tokens in {n} pages, prompt_len {prompt_len}")
+        pages = np.empty(n, dtype=np.int64)
+        p, parent = int(t.s_last_page[slot]), t.p_parent
+        for i in range(n - 1, -1, -1):
+            if not 0 <= p < t.num_pages:
+                raise t.corrupt(f"slot {slot}: page {p} of its chain is out of range")
+            pages[i] = p
+            p = int(parent[p])
+        if p != NO_PAGE:
+            raise t.corrupt(f"slot {slot}: its chain's first page has a parent")
+        gens = t.p_gen[pages]
+        raw_id = self.sample_id(slot)
+        if checksum(raw_id, tokens, prompt_len, pages, gens) != int(t.s_check[slot]):
+            raise t.corrupt(
+                f"sample {raw_id.decode(errors='replace')!r} (slot {slot}) fails its checksum: "
+                "its chain or a page generation changed after it was published"
+            )
+        return pages, gens, tokens, prompt_len
+
+    def take_slot(self, hold: Hold) -> int:
+        """Pop a free slot (under the lock); StoreFullError if every slot holds a sample."""
+        t = self._t
+        top = t.counter("free_slots", t.max_samples)
+        if top == 0:
+            raise StoreFullError(
+                f"store {t.name!r} holds its maximum of {t.max_samples} samples: release "
+                "consumed samples, or create it with a larger max_samples"
+            )
+        slot = checked_index(t, t.free_slots[top - 1], t.max_samples, "free slot")
+        if slot == NO_PAGE or t.s_state[slot] != FREE:
+            raise t.corrupt(f"the free-slot stack holds slot {slot}, which is not free")
+        hold.write()
+        t.hdr["free_slots"] = top - 1
+        return slot
+
+    def publish(
+        self,
+        slot: int,
+        raw_id: bytes,
+        num_tokens: int,
+        prompt_len: int,
+        chain: np.ndarray,
+        gens: np.ndarray,
+    ) -> None:
+        """Fill a taken slot, link it, and commit it (inside a write)."""
+        t = self._t
+        t.s_num_tokens[slot] = num_tokens
+        t.s_prompt_len[slot] = prompt_len
+        t.s_last_page[slot] = chain[-1]
+        t.s_num_pages[slot] = len(chain)
+        t.s_sample_id[slot] = raw_id
+        t.s_check[slot] = checksum(raw_id, num_tokens, prompt_len, chain, gens)
+        b = self._bucket(raw_id)
+        t.s_next[slot] = t.sample_heads[b]
+        t.sample_heads[b] = slot
+        t.s_state[slot] = PUBLISHED  # the commit point
+        t.add("samples", 1)
+        t.add("tokens", num_tokens)
+        t.add("pages_referenced", len(chain))
+
+    def remove(self, slot: int, raw_id: bytes, num_pages: int) -> None:
+        """Free a published slot (inside a write): the commit point of a release."""
+        t = self._t
+        t.s_state[slot] = FREE  # the commit point
+        t.add("samples", -1)
+        t.add("tokens", -int(t.s_num_tokens[slot]))
+        t.add("pages_referenced", -num_pages)
+        b = self._bucket(raw_id)
+        cur, prev = int(t.sample_heads[b]), NO_PAGE
+        for _ in range(t.max_samples):
+            if cur in (NO_PAGE, slot):
+                break
+            prev, cur = cur, checked_index(t, t.s_next[cur], t.max_samples, f"slot {cur}'s next")
+        if cur == slot:
+            if prev == NO_PAGE:
+                t.sample_heads[b] = t.s_next[cur]
+            else:
+                t.s_next[prev] = t.s_next[cur]
+        t.s_next[slot] = NO_PAGE
+        top = t.counter("free_slots", t.max_samples - 1)
+        t.free_slots[top] = slot
+        t.hdr["free_slots"] = top + 1
+
+    def published(self) -> np.ndarray:
+        """Slots whose state is PUBLISHED."""
+        return np.flatnonzero(self._t.s_state == PUBLISHED)
+
+    def rebuild(self, published: np.ndarray, chains: list[np.ndarray]) -> None:
+        """Repair: buckets, free-slot stack and counters from the published slots."""
+        t = self._t
+        t.sample_heads[:] = NO_PAGE
+        for s in published.tolist():
+            b = self._bucket(self.sample_id(s))
+            t.s_next[s] = t.sample_heads[b]
+            t.sample_heads[b] = s
+        free = np.flatnonzero(t.s_state != PUBLISHED)
+        t.s_state[free] = FREE
+        t.free_slots[: len(free)] = free[::-1]
+        t.hdr["free_slots"] = len(free)
+        t.hdr["samples"] = len(published)
+        t.hdr["tokens"] = int(t.s_num_tokens[published].astype(np.int64).sum())
+        t.hdr["pages_referenced"] = sum(len(c) for c in chains)

@@ -1,0 +1,144 @@
+"""Finding and removing stale stores: `list_stores`, `sweep_stores`, and `StoreInfo`.
+
+A store's owner is alive while it holds the owner lease (a kernel file lock, dropped when
+it dies, in any pid namespace). A store is swept only when it is this user's, has mode
+0600, and its owner lease is free; anything else is skipped and said so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+import warnings
+from dataclasses import dataclass
+
+from routing_replay.errors import RoutingReplayError
+from routing_replay.layout import RoutingLayout
+from routing_replay.shm import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    lease_held,
+    untrusted_reason,
+)
+from routing_replay.store.format import HEADER_DTYPE, OWNER_LEASE, VERSION
+from routing_replay.store.routing_store import RoutingStore, StoreStats
+from routing_replay.store.tables import header_info
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """One store segment found in the shared-memory directory, as `list_stores` sees it."""
+
+    name: str
+    path: str
+    size_bytes: int
+    owner_pid: int  # as the creator saw it, in its own pid namespace
+    owner_alive: bool  # the creator holds the owner lease
+    node_id: str
+    layout: RoutingLayout | None  # None: not a complete store (half-made or foreign)
+    age_s: float
+    stats: StoreStats | None  # None when it could not be attached
+    owner_uid: int = -1
+    problem: str | None = None  # why it cannot be used or judged (another user's, ...)
+
+
+def _read_info(path: str) -> StoreInfo:
+    name = os.path.basename(path)[len(SEGMENT_PREFIX) :]
+    st = os.stat(path, follow_symlinks=False)
+    age = time.time() - st.st_mtime
+    base = {"name": name, "path": path, "size_bytes": st.st_size, "age_s": age}
+    problem = untrusted_reason(st)
+    if problem:
+        # Never opened: not ours to judge, and sweep must not remove it.
+        return StoreInfo(
+            **base, owner_pid=0, owner_alive=True, node_id="", layout=None, stats=None,
+            owner_uid=st.st_uid, problem=problem,
+        )  # fmt: skip
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        alive = lease_held(fd, OWNER_LEASE)
+        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+    finally:
+        os.close(fd)
+    info = header_info(raw)
+    if info is None:  # half-made (or not a store)
+        return StoreInfo(
+            **base, owner_pid=0, owner_alive=alive, node_id="", layout=None, stats=None,
+            owner_uid=st.st_uid, problem="incomplete",
+        )  # fmt: skip
+    if info["version"] != VERSION:
+        return StoreInfo(
+            **base, owner_pid=info["owner_pid"], owner_alive=True, node_id=info["node_id"],
+            layout=None, stats=None, owner_uid=st.st_uid,
+            problem=f"format version {info['version']} (this routing_replay reads {VERSION}); "
+            "remove it by hand once no process uses it",
+        )  # fmt: skip
+    stats, problem = None, None
+    try:
+        store = RoutingStore.attach(name)
+        try:
+            stats = store.stats()
+        finally:
+            store.close()
+    except RoutingReplayError as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"not readable: {e}"
+    return StoreInfo(
+        **base, owner_pid=info["owner_pid"], owner_alive=alive, node_id=info["node_id"],
+        layout=info["layout"], stats=stats, owner_uid=st.st_uid, problem=problem,
+    )  # fmt: skip
+
+
+def list_stores(prefix: str = "") -> list[StoreInfo]:
+    """Routing stores in the shared-memory directory (names starting with `prefix`)."""
+    paths = sorted(
+        e.path
+        for e in os.scandir(SHM_DIR)
+        if e.name.startswith(SEGMENT_PREFIX + prefix) and not e.is_dir(follow_symlinks=False)
+    )
+    infos = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):  # unlinked meanwhile
+            infos.append(_read_info(path))
+    return infos
+
+
+def is_stale(info: StoreInfo, min_age_s: float) -> bool:
+    """Whether `sweep_stores` removes this store: ours, and its owner lease is free."""
+    if info.owner_alive:
+        return False
+    if info.layout is not None:
+        return True
+    return info.problem == "incomplete" and info.age_s >= min_age_s
+
+
+def skipped(info: StoreInfo) -> bool:
+    """Whether sweep cannot judge or may not remove this entry (another user's, ...)."""
+    return info.problem is not None and info.problem != "incomplete" and info.layout is None
+
+
+def sweep_stores(
+    dry_run: bool = False, min_age_s: float = 60.0, prefix: str = ""
+) -> list[StoreInfo]:
+    """Unlink this user's stores whose owner is dead (and half-made ones older than min_age_s).
+
+    A store whose owner holds its lease is never touched, whatever its pid says; entries
+    that are not this user's, or of another format version, are skipped with a warning.
+    Processes that still map a swept store keep their mapping; the memory returns when the
+    last of them closes.
+    """
+    infos = list_stores(prefix)
+    for info in infos:
+        if skipped(info):
+            warnings.warn(f"routing-replay sweep skipped {info.path}: {info.problem}", stacklevel=2)
+    stale = [info for info in infos if is_stale(info, min_age_s)]
+    if not dry_run:
+        for info in stale:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(info.path, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(info.path)
+    return stale

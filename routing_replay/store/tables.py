@@ -1,0 +1,194 @@
+"""Typed views of one mapped store segment, with the bounds every index is checked against.
+
+Nothing read from shared memory is trusted: another process may have died half-way, or a
+stray write may have flipped a byte. Header values are checked against the segment's size
+before any view is made; indices read from the tables are checked by the objects that walk
+them (`checked_index`, and bounded walks), and a break raises `CorruptStoreError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from routing_replay.errors import CorruptStoreError, StoreUnavailableError
+from routing_replay.layout import RoutingLayout
+from routing_replay.store.format import (
+    HEADER_DTYPE,
+    LEASE_DTYPE,
+    MAGIC,
+    MAX_PAGE_TOKENS,
+    MAX_TABLE,
+    NO_PAGE,
+    PAGE_DTYPE,
+    SLOT_DTYPE,
+    VERSION,
+    regions,
+)
+
+
+def view(buf: Any, dtype: Any, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """A numpy view of `buf` that holds a buffer export: the mapping cannot be closed under it.
+
+    (`np.ndarray(buffer=...)` does not hold one, so closing the mmap would leave it
+    dangling, and reading it would crash the process.)
+    """
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def corrupt_error(store: str, what: str) -> CorruptStoreError:
+    """The error for a store whose tables break an invariant: what broke, and what to do."""
+    return CorruptStoreError(
+        f"store {store!r} is corrupt ({what}): its routes cannot be trusted. Stop its "
+        "writers, create a new store, and re-run the rollouts it held; the old segment is "
+        "removed by its owner's store.unlink(), or by `routing-replay sweep` once its owner "
+        "has exited"
+    )
+
+
+class Tables:
+    """Header, page table, buckets, stacks, slots, leases and page data of one segment."""
+
+    def __init__(self, name: str, buf: Any) -> None:
+        self.name = name
+        self.map(buf)
+
+    def map(self, buf: Any) -> None:
+        """Check the header against the segment and make every view (again, after a failed
+        close)."""
+        name = self.name
+        if len(buf) < HEADER_DTYPE.itemsize or bytes(buf[:8]) != MAGIC:
+            raise StoreUnavailableError(f"store {name!r} is not a routing store")
+        hdr = view(buf, HEADER_DTYPE, (), 0)
+        version = int(hdr["version"])
+        if version != VERSION:
+            raise StoreUnavailableError(
+                f"store {name!r} has format version {version}, this routing_replay reads "
+                f"{VERSION}: it was made by another version. Use that version, or remove it "
+                "once no process uses it"
+            )
+        self.hdr = hdr
+        try:
+            self.layout = RoutingLayout.from_json(hdr["layout"].item())
+            self.node_id = hdr["node_id"].item().decode()
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise corrupt_error(name, f"header layout or node id unreadable: {e}") from None
+        sizes = {}
+        for field, lo, hi in (
+            ("page_tokens", 1, MAX_PAGE_TOKENS),
+            ("num_pages", 1, MAX_TABLE),
+            ("max_samples", 1, MAX_TABLE),
+            ("page_buckets", 2, MAX_TABLE),
+            ("sample_buckets", 2, MAX_TABLE),
+            ("max_writers", 1, 1 << 20),
+        ):
+            value = int(hdr[field])
+            if not lo <= value <= hi:
+                raise corrupt_error(name, f"header {field}={value} outside [{lo}, {hi}]")
+            sizes[field] = value
+        offsets = regions(self.layout.bytes_per_token, **sizes)
+        if offsets["end"] != len(buf):
+            raise corrupt_error(
+                name, f"segment is {len(buf)} bytes, its header describes {offsets['end']}"
+            )
+        self.page_tokens = sizes["page_tokens"]
+        self.num_pages = sizes["num_pages"]
+        self.max_samples = sizes["max_samples"]
+        self.max_writers = sizes["max_writers"]
+        self.store_uid = int(hdr["store_uid"])
+        self.pages = view(buf, PAGE_DTYPE, (self.num_pages,), offsets["pages"])
+        self.page_heads = view(buf, "<i4", (sizes["page_buckets"],), offsets["page_heads"])
+        self.free_pages = view(buf, "<i4", (self.num_pages,), offsets["free_pages"])
+        self.slots = view(buf, SLOT_DTYPE, (self.max_samples,), offsets["slots"])
+        self.sample_heads = view(buf, "<i4", (sizes["sample_buckets"],), offsets["sample_heads"])
+        self.free_slots = view(buf, "<i4", (self.max_samples,), offsets["free_slots"])
+        self.leases = view(buf, LEASE_DTYPE, (self.max_writers,), offsets["leases"])
+        page_values = self.page_tokens * self.layout.values_per_token
+        self.data = view(buf, self.layout.dtype, (self.num_pages, page_values), offsets["data"])
+        # One view per field, made once: field lookups are on every put's path.
+        for field in PAGE_DTYPE.names:
+            setattr(self, f"p_{field}", self.pages[field])
+        for field in SLOT_DTYPE.names:
+            setattr(self, f"s_{field}", self.slots[field])
+
+    # -- typed field views (set in __init__) -------------------------------------------
+
+    p_refcount: np.ndarray
+    p_owner: np.ndarray
+    p_parent: np.ndarray
+    p_next: np.ndarray
+    p_gen: np.ndarray
+    p_owner_gen: np.ndarray
+    p_key: np.ndarray
+    s_state: np.ndarray
+    s_next: np.ndarray
+    s_num_tokens: np.ndarray
+    s_prompt_len: np.ndarray
+    s_last_page: np.ndarray
+    s_num_pages: np.ndarray
+    s_check: np.ndarray
+    s_sample_id: np.ndarray
+
+    def corrupt(self, what: str) -> CorruptStoreError:
+        """`corrupt_error` for this store."""
+        return corrupt_error(self.name, what)
+
+    def counter(self, field: str, hi: int) -> int:
+        """A header counter, checked to lie in [0, hi]."""
+        value = int(self.hdr[field])
+        if not 0 <= value <= hi:
+            raise self.corrupt(f"header {field}={value} outside [0, {hi}]")
+        return value
+
+    def add(self, field: str, delta: int) -> None:
+        """Add to a header counter (under the lock, inside a write)."""
+        self.hdr[field] = int(self.hdr[field]) + delta
+
+    @property
+    def dirty(self) -> bool:
+        """Whether a locker died (or raised) half-way through changing the tables."""
+        return bool(self.hdr["dirty"])
+
+    def set_dirty(self, value: bool) -> None:
+        """Mark the tables as being changed (True) or consistent (False)."""
+        self.hdr["dirty"] = int(value)
+
+    def release_views(self) -> None:
+        """Drop every view of the mapping, so that it can be closed."""
+        for attr in [a for a in self.__dict__ if a.startswith(("p_", "s_"))] + [
+            "hdr",
+            "pages",
+            "page_heads",
+            "free_pages",
+            "slots",
+            "sample_heads",
+            "free_slots",
+            "leases",
+            "data",
+        ]:
+            self.__dict__.pop(attr, None)
+
+
+def checked_index(tables: Tables, value: int, size: int, what: str) -> int:
+    """`value` as an index into a table of `size`, or NO_PAGE; corrupt otherwise."""
+    value = int(value)
+    if value != NO_PAGE and not 0 <= value < size:
+        raise tables.corrupt(f"{what} {value} outside [0, {size})")
+    return value
+
+
+def header_info(raw: bytes) -> dict[str, Any] | None:
+    """Owner pid, node id and layout JSON of a segment's header bytes (None: not a store)."""
+    if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
+        return None
+    hdr = np.frombuffer(raw[: HEADER_DTYPE.itemsize], HEADER_DTYPE)[0]
+    info: dict[str, Any] = {"version": int(hdr["version"]), "owner_pid": int(hdr["owner_pid"])}
+    try:
+        info["node_id"] = hdr["node_id"].decode()
+        info["layout"] = RoutingLayout.from_json(hdr["layout"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError):
+        info["node_id"], info["layout"] = "", None
+    return info
