@@ -91,10 +91,14 @@ class PageAllocator:
             self._untag_and_push(mine)
         return len(mine)
 
-    def reclaim_lease(self, hold: Hold, index: int) -> int:
-        """Free every page reserved under writer lease `index` (its holder is dead)."""
+    def reclaim_lease(self, hold: Hold, index: int, gen: int | None = None) -> int:
+        """Free every page reserved under writer lease `index` (its holder is dead), or
+        only those of its generation `gen` (orphans of a live holder with no put running)."""
         t = self._t
-        dead = np.flatnonzero((t.p_owner == index + 1) & (t.p_refcount == 0))
+        tagged = (t.p_owner == index + 1) & (t.p_refcount == 0)
+        if gen is not None:
+            tagged &= t.p_owner_gen == gen
+        dead = np.flatnonzero(tagged)
         if len(dead):
             hold.write()
             self._untag_and_push(dead)

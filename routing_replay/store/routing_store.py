@@ -175,6 +175,7 @@ class RoutingStore:
         self._pages = PageAllocator(self._t)
         self._samples = SampleIndex(self._t)
         self._prefix = PrefixIndex(self._t)
+        self._puts_running: list[None] = []  # one entry per put in flight (append/pop: atomic)
 
     @classmethod
     def create(
@@ -369,19 +370,31 @@ class RoutingStore:
             self._leases.mark_free(i)
         t.set_dirty(False)
 
-    def _reclaim_dead(self, hold: Hold) -> int:
-        """Free pages reserved by writers whose lease the kernel dropped (under the lock)."""
+    def _reclaim_dead(self, hold: Hold, puts_of_caller: int) -> int:
+        """Free pages reserved by writers whose lease the kernel dropped, and this handle's
+        orphans (under the lock).
+
+        Orphans are pages of this handle's lease that a put cut short by an async exception
+        inside its own clean-up (a second KeyboardInterrupt) could not give back. They are
+        freed only while no other put of this handle is in flight (`puts_of_caller`: 1
+        from inside a put that holds no pages, 0 from `reclaim`); the count of puts in
+        flight can only err high, which skips the clean-up, never frees a live put's pages.
+        """
         freed = 0
         for i in self._leases.dead_holders():
             hold.write()
             freed += self._pages.reclaim_lease(hold, i)
             self._leases.mark_free(i)
+        mine = self._leases.mine()
+        if mine is not None and len(self._puts_running) == puts_of_caller:
+            freed += self._pages.reclaim_lease(hold, *mine)
         return freed
 
     def reclaim(self) -> int:
-        """Free pages reserved by writers that died mid-put; returns how many were freed."""
+        """Free pages reserved by writers that died mid-put (and this handle's orphans);
+        returns how many were freed."""
         with self._lock.held("reclaim", self._deadline()) as hold:
-            return self._reclaim_dead(hold)
+            return self._reclaim_dead(hold, 0)
 
     # -- writing ----------------------------------------------------------------------
 
@@ -423,6 +436,7 @@ class RoutingStore:
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
         keyed = self._as_stored(checked[: len(keys) * P]) if keys else checked[:0]
         resv, wait = Reservation(), 0.001
+        self._puts_running.append(None)
         try:
             while True:
                 with self._lock.held("put.lookup", lock_deadline):
@@ -435,7 +449,7 @@ class RoutingStore:
                     lease = self._leases.take(hold, lambda i: self._pages.reclaim_lease(hold, i))
                     count = num_pages - len(plan)
                     ok = self._pages.reserve(hold, count, lease, resv) or (
-                        self._reclaim_dead(hold) > 0
+                        self._reclaim_dead(hold, 1) > 0
                         and self._pages.reserve(hold, count, lease, resv)
                     )
                 if ok:
@@ -455,9 +469,12 @@ class RoutingStore:
                 time.sleep(wait)
                 wait = min(wait * 2, 0.05)
         finally:
-            if len(resv.pages) and not resv.published:
-                with self._lock.held("put.unreserve", self._deadline()) as hold:
-                    self._pages.unreserve(hold, resv)
+            try:
+                if len(resv.pages) and not resv.published:
+                    with self._lock.held("put.unreserve", self._deadline()) as hold:
+                        self._pages.unreserve(hold, resv)
+            finally:
+                self._puts_running.pop()
 
     def _refuse_duplicate(self, raw_id: bytes) -> None:
         if self._samples.find(raw_id) != NO_PAGE:
