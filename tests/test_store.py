@@ -23,6 +23,7 @@ from routing_replay import (
     RoutingRef,
     RoutingStore,
     SampleNotFoundError,
+    StoreBusyError,
     StoreFullError,
     StoreUnavailableError,
     cu_seqlens,
@@ -451,6 +452,20 @@ def test_bad_input_is_refused_and_store_unharmed(name):
             store.put("good", good)
         with pytest.raises(InvalidRoutesError, match="prompt_len"):
             store.put("new", good, prompt_len=len(good) + 1)
+        for not_int in (3.7, True, np.float64(2.0), "2"):  # never truncated, never a bool
+            with pytest.raises(InvalidRoutesError, match=r"prompt_len must be an int .* got"):
+                store.put("new", good, prompt_len=not_int)
+        store.put("np-int", good, prompt_len=np.int32(2))  # numpy ints are ints
+        assert store.read(["np-int"]).column("prompt_len").to_pylist() == [2]
+        store.release(["np-int"])
+        twice = good.copy()
+        twice[5, 2] = [7, 7]  # one token sent to expert 7 twice
+        with pytest.raises(InvalidRoutesError, match=r"token 5, MoE layer 2 names an expert twice"):
+            store.put("new", twice)
+        twice[5, 2] = [7, -1]  # a missing slot beside a real id is no repeat
+        store.put("half-missing", twice)
+        assert np.array_equal(store.get("half-missing"), twice)
+        store.release(["half-missing"])
         with pytest.raises(InvalidRoutesError, match="token_ids"):
             store.put("new", good, token_ids=np.arange(len(good) - 1))
         with pytest.raises(InvalidRoutesError, match="sample_id"):
@@ -507,3 +522,85 @@ def test_wide_ids_layout_round_trip(name):
         store.put("w", routes)
         assert np.array_equal(store.get("w"), routes)
         assert np.array_equal(to_torch(store.read(["w"])).numpy(), routes)
+
+
+def test_refs_and_handles_of_a_removed_store_are_refused(name):
+    store = RoutingStore.create(name, LAYOUT, capacity_tokens=1000)
+    attached = RoutingStore.attach(name)
+    routes = sample(1)[0]
+    ref = store.put("s", routes)
+    assert ref.store_uid == store.store_uid != 0
+    store.close()
+    store.unlink()  # as `routing-replay sweep` would, or the owner's exit
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as again:
+        assert again.store_uid != ref.store_uid
+        again.put("s", sample(2)[0])  # the same id, other routes
+        with pytest.raises(StoreUnavailableError, match="earlier store named"):
+            again.get(ref)
+        with pytest.raises(StoreUnavailableError, match="earlier store named"):
+            again.release([ref])
+        assert np.array_equal(again.get("s"), sample(2)[0])  # by id: this store's sample
+        assert not attached.is_current()
+        with pytest.raises(StoreUnavailableError, match=r"removed .* or re-created"):
+            attached.put("t", routes)
+        assert "t" not in again
+    attached.close()
+
+
+def _hold_the_lock(name: str, held, go) -> None:
+    store = RoutingStore.attach(name)
+    with store._lock.held("test", time.monotonic() + 5):
+        held.value = 1
+        while not go.value:
+            time.sleep(0.01)
+
+
+def test_put_timeout_bounds_the_wait_for_the_lock(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as store:
+        held, go = FORK.Value("i", 0, lock=False), FORK.Value("i", 0, lock=False)
+        p = FORK.Process(target=_hold_the_lock, args=(name, held, go))
+        p.start()
+        while not held.value:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(StoreBusyError, match="lock stayed held by another process"):
+            store.put("s", sample(1)[0], timeout=0.2)
+        assert p.is_alive() and not go.value  # it gave up while the lock was still held
+        waited = time.monotonic() - t0
+        go.value = 1
+        p.join(10)
+        assert waited < 5  # the holder would have held it for ever
+        store.put("s", sample(1)[0])  # released: the store is whole
+        assert np.array_equal(store.get("s"), sample(1)[0])
+        store.verify()
+
+
+def _put_and_wait(name: str, sample_id: str, done, go) -> None:
+    store = RoutingStore.attach(name)
+    store.put(sample_id, sample(1)[0])
+    done.value = 1
+    while not go.value:
+        time.sleep(0.01)
+
+
+def test_writer_leases_run_out_with_a_clear_error_and_come_back(name):
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, max_writers=2) as store:
+        go = FORK.Value("i", 0, lock=False)
+        writers = []
+        for i in range(2):
+            done = FORK.Value("i", 0, lock=False)
+            p = FORK.Process(target=_put_and_wait, args=(name, f"w{i}", done, go))
+            p.start()
+            while not done.value:
+                time.sleep(0.01)
+            writers.append(p)
+        with pytest.raises(StoreUnavailableError, match="all 2 writer leases are held"):
+            store.put("mine", sample(2)[0])
+        assert "mine" not in store and len(store) == 2
+        go.value = 1
+        for p in writers:
+            p.join(10)
+        store.put("mine", sample(2)[0])  # a dead writer's lease is taken over
+        assert np.array_equal(store.get("mine"), sample(2)[0])
+        assert np.array_equal(store.get("w0"), sample(1)[0])
+        store.verify()
