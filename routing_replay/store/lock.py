@@ -81,8 +81,8 @@ class CommitLock:
             raise self._busy(deadline)
         try:
             fd = self._segment.lock_fd
-            self._take(fd, deadline)
-            try:
+            try:  # unlocking what this description does not hold is a no-op: no window
+                self._take(fd, deadline)
                 hold = Hold(self._tables)
                 if self._tables.dirty:
                     self._repair()  # sets the flag back once the tables are whole
