@@ -13,17 +13,22 @@ from routing_replay.store import RoutingStore, StoreInfo, list_stores, sweep_sto
 from routing_replay.store.sweep import skipped
 
 
+def _shown(text: str) -> str:
+    """`text` as printed: control characters (of a file name another user chose) escaped."""
+    return text if text.isprintable() else ascii(text)[1:-1]
+
+
 def _row(info: StoreInfo) -> str:
     owner = f"{info.owner_pid}{'' if info.owner_alive else ' (dead)'}" if info.owner_pid else "?"
     if info.stats is None:
-        use = info.problem or "not readable"
+        use = "not used (skipped)" if skipped(info) else info.problem or "not readable"
     else:
         s = info.stats
         use = (
             f"{s.samples} samples, {s.pages_used + s.pages_pending}/{s.pages_total} pages, "
             f"{s.dedup_saved_bytes / 2**20:.1f} MiB saved by sharing"
         )
-    return f"{info.name:<40} {info.size_bytes / 2**20:>9.1f} MiB  owner {owner:<14} {use}"
+    return f"{_shown(info.name):<40} {info.size_bytes / 2**20:>9.1f} MiB  owner {owner:<14} {use}"
 
 
 def _verify(name: str) -> str:
@@ -58,13 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         infos = list_stores()
         for info in infos:
             print(_row(info))
+            if skipped(info):
+                print(f"  skipped {_shown(info.path)}: {info.problem}")
             if args.verify and info.stats is not None:
                 print(f"  verify: {_verify(info.name)}")
         print(f"{len(infos)} store(s) in {SHM_DIR}")
         return 0
     for info in list_stores():
         if skipped(info):
-            print(f"skipped {info.path}: {info.problem}")
+            print(f"skipped {_shown(info.path)}: {info.problem}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # said above, once
         stale = sweep_stores(dry_run=args.dry_run, min_age_s=args.min_age)

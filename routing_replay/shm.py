@@ -54,9 +54,14 @@ def fork_epoch() -> int:
     return _fork_epoch
 
 
+def is_store_name(name: str) -> bool:
+    """Whether `name` may name a store (its segment is SEGMENT_PREFIX + name)."""
+    return bool(NAME_PATTERN.fullmatch(name)) and not name.startswith(".")
+
+
 def segment_path(name: str) -> str:
     """Path of a store's segment file."""
-    if not NAME_PATTERN.match(name) or name.startswith("."):
+    if not is_store_name(name):
         raise ValueError(
             f"store name {name!r} is invalid: use 1-200 characters from [A-Za-z0-9_.-] "
             "(include the job and node, e.g. 'grpo-run7.node3')"
@@ -78,10 +83,19 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def untrusted_reason(st: os.stat_result) -> str | None:
     """Why a segment file must not be used by this process, or None if it may be."""
     if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
+        kind = next((k for is_kind, k in _KINDS if is_kind(st.st_mode)), "a device file")
+        return f"is {kind} of {user_name(st.st_uid)}, not a regular file"
     if st.st_uid != os.geteuid():
         return f"belongs to {user_name(st.st_uid)}, not to you ({user_name(os.geteuid())})"
     if stat.S_IMODE(st.st_mode) != SEGMENT_MODE:
@@ -218,28 +232,13 @@ class Segment:
                 "create it first with RoutingStore.create, or check the job and node in the "
                 "name"
             ) from None
-        except PermissionError:
-            raise StoreUnavailableError(
-                f"store {name!r} ({path}) belongs to another user: stores are owner-only; "
-                "attach as the user that created it"
-            ) from None
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise StoreUnavailableError(
-                f"{path} is a symbolic link, not a routing store: somebody else may have "
-                "planted it; remove it and pick a store name that includes your job"
-            ) from None
+        except OSError as e:  # another user's (no permission), a link, a socket, ...
+            raise StoreUnavailableError(_unopenable(name, path, e)) from None
         try:
             st = os.fstat(fd)
             reason = untrusted_reason(st)
             if reason:
-                raise StoreUnavailableError(
-                    f"{path} {reason}: a store is attached only if it is yours with mode 0600, "
-                    "so this file is not used. If another user's job has this name, pick "
-                    "another store name (include your job); if it is a leftover, its owner "
-                    f"(or root) removes it: rm {path}"
-                )
+                raise StoreUnavailableError(_refusal(path, reason))
             if st.st_size == 0:
                 raise StoreUnavailableError(f"store {name!r} is still being created; retry")
             lock_fd = _reopen(fd)
@@ -290,6 +289,28 @@ class Segment:
 def _reopen(fd: int) -> int:
     """A new open file description of the same file as `fd` (same inode, never a path race)."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def _refusal(path: str, reason: str) -> str:
+    return (
+        f"{path} {reason}: a store is attached only if it is yours with mode 0600, so this "
+        "file is not used. If another user's job has this name, pick another store name "
+        f"(include your job); if it is a leftover, its owner (or root) removes it: rm {path}"
+    )
+
+
+def _unopenable(name: str, path: str, error: OSError) -> str:
+    """Why `path` could not be opened, naming its owner (nothing is followed or used)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return _refusal(path, f"cannot be opened ({error.strerror})")
+    if isinstance(error, PermissionError) and st.st_uid != os.geteuid():
+        return (
+            f"store {name!r} ({path}) belongs to another user, {user_name(st.st_uid)}: "
+            "stores are owner-only; attach as the user that created it"
+        )
+    return _refusal(path, untrusted_reason(st) or f"cannot be opened ({error.strerror})")
 
 
 def _exists_message(name: str, path: str) -> str:

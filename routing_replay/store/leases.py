@@ -47,8 +47,7 @@ class Leases:
         mine = self.mine()
         if mine is not None:
             return mine
-        records, fd = self._tables.leases, self._segment.lock_fd
-        n = len(records)
+        fd, n = self._segment.lock_fd, len(self._tables.leases)  # no view kept: close works
         start = os.getpid() % n  # spread first tries: fewer locked bytes to step over
         for j in range(n):
             i = (start + j) % n
@@ -56,8 +55,8 @@ class Leases:
                 continue  # a live writer's
             hold.write()
             reclaim_pages(i)  # whatever a dead holder of lease i left reserved
-            gen = (int(records["gen"][i]) + 1) & 0xFFFFFFFF
-            records[i] = (LEASE_HELD, gen, os.getpid(), 0, time.time())
+            gen = (int(self._tables.leases["gen"][i]) + 1) & 0xFFFFFFFF
+            self._tables.leases[i] = (LEASE_HELD, gen, os.getpid(), 0, time.time())
             self._mine = (i, gen)
             return self._mine
         raise StoreUnavailableError(

@@ -178,7 +178,8 @@ class PrefixIndex:
         if not key:
             return
         b = self._bucket(int(t.p_parent[page]), key)
-        cur, prev = int(t.page_heads[b]), NO_PAGE
+        cur = checked_index(t, t.page_heads[b], t.num_pages, "page bucket")
+        prev = NO_PAGE
         for _ in range(t.num_pages):
             if cur in (NO_PAGE, page):
                 break

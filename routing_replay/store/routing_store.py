@@ -741,9 +741,8 @@ class RoutingStore:
             if len(owners) and not (owners[0] > 0 and owners[-1] <= t.max_writers):
                 raise t.corrupt(f"pages are reserved by writer leases {owners.tolist()}")
             top = t.counter("free_pages", t.num_pages)
-            stack = t.free_pages[:top]
             expected = np.flatnonzero((referenced == 0) & ~reserved)
-            if not np.array_equal(np.sort(stack), expected):
+            if not np.array_equal(np.sort(t.free_pages[:top]), expected):
                 raise t.corrupt("the free-page stack is not exactly the free pages")
             for p in np.flatnonzero((t.p_key != 0) & (referenced > 0)).tolist():
                 if not self._prefix.findable(p):

@@ -70,12 +70,12 @@ class SampleIndex:
         ):
             raise t.corrupt(f"slot {slot}: {tokens} tokens in {n} pages, prompt_len {prompt_len}")
         pages = np.empty(n, dtype=np.int64)
-        p, parent = int(t.s_last_page[slot]), t.p_parent
+        p = int(t.s_last_page[slot])  # (no view in a local: a traceback would keep it)
         for i in range(n - 1, -1, -1):
             if not 0 <= p < t.num_pages:
                 raise t.corrupt(f"slot {slot}: page {p} of its chain is out of range")
             pages[i] = p
-            p = int(parent[p])
+            p = int(t.p_parent[p])
         if p != NO_PAGE:
             raise t.corrupt(f"slot {slot}: its chain's first page has a parent")
         gens = t.p_gen[pages]
@@ -136,7 +136,8 @@ class SampleIndex:
         t.add("tokens", -int(t.s_num_tokens[slot]))
         t.add("pages_referenced", -num_pages)
         b = self._bucket(raw_id)
-        cur, prev = int(t.sample_heads[b]), NO_PAGE
+        cur = checked_index(t, t.sample_heads[b], t.max_samples, "bucket head")
+        prev = NO_PAGE
         for _ in range(t.max_samples):
             if cur in (NO_PAGE, slot):
                 break

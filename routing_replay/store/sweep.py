@@ -14,11 +14,12 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from routing_replay.errors import RoutingReplayError
+from routing_replay.errors import CorruptStoreError, RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.shm import (
     SEGMENT_PREFIX,
     SHM_DIR,
+    is_store_name,
     lease_held,
     untrusted_reason,
 )
@@ -42,6 +43,7 @@ class StoreInfo:
     stats: StoreStats | None  # None when it could not be attached
     owner_uid: int = -1
     problem: str | None = None  # why it cannot be used or judged (another user's, ...)
+    corrupt: bool = False  # this user's store, but its header or tables are broken
 
 
 def _read_info(path: str) -> StoreInfo:
@@ -50,6 +52,8 @@ def _read_info(path: str) -> StoreInfo:
     age = time.time() - st.st_mtime
     base = {"name": name, "path": path, "size_bytes": st.st_size, "age_s": age}
     problem = untrusted_reason(st)
+    if problem is None and not is_store_name(name):
+        problem = "its name is not a store name: it is not opened"
     if problem:
         # Never opened: not ours to judge, and sweep must not remove it.
         return StoreInfo(
@@ -75,20 +79,20 @@ def _read_info(path: str) -> StoreInfo:
             problem=f"format version {info['version']} (this routing_replay reads {VERSION}); "
             "remove it by hand once no process uses it",
         )  # fmt: skip
-    stats, problem = None, None
+    stats, problem, store, corrupt = None, None, None, False
     try:
         store = RoutingStore.attach(name)
-        try:
-            stats = store.stats()
-        finally:
-            store.close()
+        stats = store.stats()
     except RoutingReplayError as e:
-        problem = str(e)
+        problem, corrupt = str(e), isinstance(e, CorruptStoreError)
     except OSError as e:
         problem = f"not readable: {e}"
+    if store is not None:
+        store.close()  # after the error is gone: its frames may still view the segment
     return StoreInfo(
         **base, owner_pid=info["owner_pid"], owner_alive=alive, node_id=info["node_id"],
         layout=info["layout"], stats=stats, owner_uid=st.st_uid, problem=problem,
+        corrupt=corrupt,
     )  # fmt: skip
 
 
@@ -110,14 +114,16 @@ def is_stale(info: StoreInfo, min_age_s: float) -> bool:
     """Whether `sweep_stores` removes this store: ours, and its owner lease is free."""
     if info.owner_alive:
         return False
-    if info.layout is not None:
+    if info.layout is not None or info.corrupt:
         return True
     return info.problem == "incomplete" and info.age_s >= min_age_s
 
 
 def skipped(info: StoreInfo) -> bool:
     """Whether sweep cannot judge or may not remove this entry (another user's, ...)."""
-    return info.problem is not None and info.problem != "incomplete" and info.layout is None
+    if info.problem is None or info.problem == "incomplete" or info.corrupt:
+        return False
+    return info.layout is None
 
 
 def sweep_stores(

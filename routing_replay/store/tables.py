@@ -8,7 +8,6 @@ them (`checked_index`, and bounded walks), and a break raises `CorruptStoreError
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,10 @@ from routing_replay.store.format import (
     VERSION,
     regions,
 )
+
+# What parsing a header's layout JSON and node id may raise (UnicodeDecodeError and
+# JSONDecodeError are ValueErrors; Infinity in an int field overflows; deep nesting recurses).
+UNREADABLE = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
 
 
 def view(buf: Any, dtype: Any, shape: tuple[int, ...], offset: int) -> np.ndarray:
@@ -58,11 +61,15 @@ class Tables:
 
     def map(self, buf: Any) -> None:
         """Check the header against the segment and make every view (again, after a failed
-        close)."""
+        close).
+
+        The checks read a copy of the header: a view made before a check fails would stay
+        exported by the traceback, and the segment could not be closed (BufferError).
+        """
         name = self.name
         if len(buf) < HEADER_DTYPE.itemsize or bytes(buf[:8]) != MAGIC:
             raise StoreUnavailableError(f"store {name!r} is not a routing store")
-        hdr = view(buf, HEADER_DTYPE, (), 0)
+        hdr = np.frombuffer(bytes(buf[: HEADER_DTYPE.itemsize]), HEADER_DTYPE)[0]
         version = int(hdr["version"])
         if version != VERSION:
             raise StoreUnavailableError(
@@ -70,11 +77,10 @@ class Tables:
                 f"{VERSION}: it was made by another version. Use that version, or remove it "
                 "once no process uses it"
             )
-        self.hdr = hdr
         try:
-            self.layout = RoutingLayout.from_json(hdr["layout"].item())
-            self.node_id = hdr["node_id"].item().decode()
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            layout = RoutingLayout.from_json(hdr["layout"].item())
+            node_id = hdr["node_id"].item().decode()
+        except UNREADABLE as e:
             raise corrupt_error(name, f"header layout or node id unreadable: {e}") from None
         sizes = {}
         for field, lo, hi in (
@@ -89,11 +95,13 @@ class Tables:
             if not lo <= value <= hi:
                 raise corrupt_error(name, f"header {field}={value} outside [{lo}, {hi}]")
             sizes[field] = value
-        offsets = regions(self.layout.bytes_per_token, **sizes)
+        offsets = regions(layout.bytes_per_token, **sizes)
         if offsets["end"] != len(buf):
             raise corrupt_error(
                 name, f"segment is {len(buf)} bytes, its header describes {offsets['end']}"
             )
+        self.layout, self.node_id = layout, node_id
+        self.hdr = view(buf, HEADER_DTYPE, (), 0)
         self.page_tokens = sizes["page_tokens"]
         self.num_pages = sizes["num_pages"]
         self.max_samples = sizes["max_samples"]
@@ -144,8 +152,13 @@ class Tables:
         return value
 
     def add(self, field: str, delta: int) -> None:
-        """Add to a header counter (under the lock, inside a write)."""
-        self.hdr[field] = int(self.hdr[field]) + delta
+        """Add to a header counter (under the lock, inside a write); it stays in [0, 2**62]."""
+        value = int(self.hdr[field]) + delta
+        if not 0 <= value <= 1 << 62:
+            raise self.corrupt(
+                f"header {field}={int(self.hdr[field])}, {delta:+d} leaves it negative or huge"
+            )
+        self.hdr[field] = value
 
     @property
     def dirty(self) -> bool:
@@ -189,6 +202,6 @@ def header_info(raw: bytes) -> dict[str, Any] | None:
     try:
         info["node_id"] = hdr["node_id"].decode()
         info["layout"] = RoutingLayout.from_json(hdr["layout"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError):
+    except UNREADABLE:
         info["node_id"], info["layout"] = "", None
     return info
