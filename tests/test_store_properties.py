@@ -1,7 +1,10 @@
-"""Property-based: any sequence of put / read / release keeps the store's tables consistent."""
+"""Property-based: any sequence of put / read / release keeps the store's tables consistent,
+also when another handle releases samples and reuses their pages in the middle of a put or
+a read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -10,13 +13,29 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from routing_replay import RoutingLayout, RoutingStore, StoreFullError
+from routing_replay import (
+    ConcurrentReleaseError,
+    RoutingLayout,
+    RoutingStore,
+    SampleNotFoundError,
+    StoreFullError,
+)
 from routing_replay.shm import segment_path
+from routing_replay.store.lock import interleave
 
 LAYOUT = RoutingLayout(num_layers=2, top_k=2, num_experts=4)
 PAGE = 4
 CAPACITY = 64  # 16 pages: full stores happen often
 PROMPTS = [np.arange(12), np.arange(12) + 100, np.arange(8) + 500]
+
+
+def batch_routes(batch) -> dict[str, np.ndarray]:
+    """{sample id: routes} of a record batch from `read`."""
+    col = batch.column("routed_experts")
+    offsets = col.offsets.to_numpy()
+    values = col.flatten().flatten().to_numpy().view(np.int8).reshape(-1, 2, 2)
+    ids = batch.column("sample_id").to_pylist()
+    return {s: values[offsets[j] : offsets[j + 1]] for j, s in enumerate(ids)}
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -28,8 +47,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = RoutingStore.create(
             self.name, LAYOUT, capacity_tokens=CAPACITY, page_tokens=PAGE, put_timeout=0
         )
+        self.other = RoutingStore.attach(self.name, put_timeout=0)  # a second writer
         self.model: dict[str, np.ndarray] = {}
+        self.tokens: dict[str, np.ndarray] = {}
         self.counter = 0
+
+    def new_id(self) -> str:
+        self.counter += 1
+        return f"p{self.counter - 1}"
 
     @rule(
         prompt=st.integers(0, len(PROMPTS) - 1),
@@ -46,8 +71,7 @@ class StoreMachine(RuleBasedStateMachine):
         rng = np.random.default_rng(prompt if same_routes else seed + 10)
         routes = LAYOUT.random_routes(rng, len(tokens))
         routes[rng.random((len(tokens), 2)) < 0.2] = -1
-        sid = f"p{self.counter}"
-        self.counter += 1
+        sid = self.new_id()
         used = self.store.stats().pages_used
         try:
             self.store.put(sid, routes, token_ids=tokens if shared else None)
@@ -55,6 +79,125 @@ class StoreMachine(RuleBasedStateMachine):
             assert used + -(-len(tokens) // PAGE) > CAPACITY // PAGE or shared
             return
         self.model[sid] = routes
+        self.tokens[sid] = tokens
+
+    @rule(
+        prompt=st.integers(0, len(PROMPTS) - 1),
+        prompt_len=st.integers(4, 12),
+        tail=st.integers(0, 6),
+        variant=st.integers(0, 1),
+        at=st.integers(0, 6),
+        seed_sharer=st.booleans(),
+        data=st.data(),
+    )
+    def put_while_pages_are_reused(self, prompt, prompt_len, tail, variant, at, seed_sharer, data):
+        """A put with token_ids during which, at its `at`-th lock point, the other handle
+        releases samples and puts new ones with the same tokens but other routes: freed
+        pages come back holding other routes under the same sharing keys. With
+        `seed_sharer`, a sample it shares pages with is put first."""
+        tokens = np.concatenate([PROMPTS[prompt][:prompt_len], np.arange(tail) + 1000])
+        routes = self.routes(prompt, variant, len(tokens))
+        if seed_sharer:
+            first = self.routes(prompt, variant, len(tokens) + 1)  # the same first rows
+            first_id = self.new_id()
+            with contextlib.suppress(StoreFullError):
+                self.other.put(first_id, first, token_ids=np.append(tokens, 2000))
+                self.model[first_id], self.tokens[first_id] = first, np.append(tokens, 2000)
+        # Those that hold this put's first page of tokens (its pages to share), or any.
+        sharers = [v for v, t in self.tokens.items() if np.array_equal(t[:PAGE], tokens[:PAGE])]
+        if data.draw(st.booleans()):
+            victims = sharers
+        elif self.model:
+            victims = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True))
+        else:
+            victims = []
+        others = data.draw(
+            st.lists(
+                st.tuples(st.sampled_from(["same", "victim"]), st.integers(0, 2)),
+                min_size=1,
+                max_size=3,
+            )
+        )
+        sid = self.new_id()
+        points: list[str] = []
+
+        def race(point: str) -> None:
+            points.append(point)
+            if len(points) - 1 == at:
+                self.reuse(victims, others, tokens, prompt)
+
+        with interleave(race):
+            try:
+                self.store.put(sid, routes, token_ids=tokens)
+            except StoreFullError:
+                return
+        self.model[sid], self.tokens[sid] = routes, tokens
+
+    @precondition(lambda self: self.model)
+    @rule(at=st.integers(0, 3), one=st.booleans(), data=st.data())
+    def read_while_pages_are_reused(self, at, one, data):
+        """A get (or read) during which, at its `at`-th lock point, the other handle releases
+        samples (some of those read) and reuses their pages for other routes: the routes
+        read are exact, or the read raises; never another sample's routes."""
+        ids = data.draw(
+            st.lists(
+                st.sampled_from(sorted(self.model)),
+                min_size=1,
+                max_size=1 if one else 4,
+                unique=True,
+            )
+        )
+        if data.draw(st.booleans()):
+            victims = ids
+        else:
+            victims = data.draw(st.lists(st.sampled_from(sorted(self.model)), unique=True))
+        others = data.draw(
+            st.lists(st.tuples(st.sampled_from(["same", "victim"]), st.integers(0, 2)), max_size=3)
+        )
+        wanted = {i: self.model[i] for i in ids}
+        points: list[str] = []
+
+        def race(point: str) -> None:
+            points.append(point)
+            if len(points) - 1 == at:
+                self.reuse(victims, others, self.tokens[ids[0]], len(PROMPTS))
+
+        with interleave(race):
+            try:
+                if one:
+                    got = {ids[0]: self.store.get(ids[0])}
+                else:
+                    got = batch_routes(self.store.read(ids))
+            except (ConcurrentReleaseError, SampleNotFoundError):
+                assert set(ids) & set(victims)  # only a sample released meanwhile is missed
+                return
+        for i, routes in got.items():
+            assert np.array_equal(routes, wanted[i]), i
+
+    def reuse(self, victims, others, tokens, prompt) -> None:
+        """On the other handle: release `victims`, then put a sample for each of `others`
+        with the same tokens as `tokens` ("same") or as the first victim ("victim"), routed
+        otherwise: freed pages come back holding other routes under the same keys."""
+        with interleave(lambda _: None):
+            freed = self.tokens[victims[0]] if victims else tokens
+            self.other.release(victims)
+            for v in victims:
+                del self.model[v], self.tokens[v]
+            for whose, variant in others:
+                like = tokens if whose == "same" else freed
+                routes = self.routes(prompt, variant + 3, len(like))  # not the put's
+                oid = self.new_id()
+                try:
+                    self.other.put(oid, routes, token_ids=like)
+                except StoreFullError:
+                    continue
+                self.model[oid], self.tokens[oid] = routes, like
+
+    @staticmethod
+    def routes(prompt: int, variant: int, num_tokens: int) -> np.ndarray:
+        """Routes whose first rows are the same for a (prompt, variant) at any length."""
+        rng = np.random.default_rng([prompt, variant])
+        return np.concatenate([LAYOUT.random_routes(rng, 1) for _ in range(num_tokens)])
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -62,7 +205,7 @@ class StoreMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
         self.store.release(ids)
         for sid in ids:
-            del self.model[sid]
+            del self.model[sid], self.tokens[sid]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -86,6 +229,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert np.array_equal(self.store.get(sid), routes)
 
     def teardown(self):
+        self.other.close()
         self.store.close()
         os.unlink(segment_path(self.name))
 
