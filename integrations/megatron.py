@@ -157,6 +157,15 @@ class MegatronRouterFeed:
                 "or -1 for missing"
             )
         local = ids[:, :, self._columns]  # [B, S, L_local, K]
+        sorted_ = local.sort(dim=-1).values
+        repeat = ((sorted_[..., 1:] == sorted_[..., :-1]) & (sorted_[..., 1:] != -1)).any(-1)
+        if repeat.any():  # Megatron would send the token to that expert twice
+            b, s, j = (int(i) for i in repeat.nonzero()[0])
+            raise InvalidRoutesError(
+                f"batch {b}, position {s}, MoE layer {self.layers[j]} names an expert twice "
+                f"in its top-{K}: {local[b, s, j].tolist()}; a router's top-k never repeats "
+                "an id (padding with expert 0 instead of -1?)"
+            )
         if fill:
             local, _ = fill_missing(local, self.layout.num_experts)
         elif (local == -1).any():

