@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ class Replay:
         self._recomputes = 0
 
     def __enter__(self) -> Replay:
+        _refuse_compiled(self.model)
         decoder = self.moe.decoder
         self._handles.append(
             decoder.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
@@ -131,6 +133,39 @@ class Replay:
             self._recomputes += 1
         elif torch.is_grad_enabled():
             self._grad_forwards += 1
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    """Raise if Dynamo would run compiled code of `model` that never calls replay's hooks.
+
+    Dynamo does not guard on hooks added after it traced (`skip_nnmodule_hook_guards`), so
+    a model compiled and run before `replay` would route natively inside it, silently.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return  # never imported: nothing was compiled (and replay does not import it)
+    cache_entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    seen: dict[Any, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or (
+            getattr(module, "_compiled_call_impl", None) is not None
+        ):
+            where = f"module {name or type(module).__name__!r} is compiled"
+            break
+        seen.setdefault(type(module).forward.__code__, type(module).__name__)
+    else:
+        compiled = [c for code, c in seen.items() if cache_entries and cache_entries(code)]
+        if not compiled:
+            return
+        where = (
+            f"torch.compile holds compiled code of {compiled[0]}.forward (this model, or "
+            "another instance of its class, was compiled and run)"
+        )
+    raise UnsupportedModelError(
+        f"replay: {where}; compiled code never calls replay's hooks, so the recorded experts "
+        "would be ignored. Replay under torch.compile is not supported yet: run the replayed "
+        "forward and backward with an uncompiled model (call torch._dynamo.reset() first if "
+        "another instance of the class was compiled)"
+    )
 
 
 def replay(model: nn.Module, routes: Any) -> Replay:
