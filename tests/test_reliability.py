@@ -404,7 +404,10 @@ def test_other_user_cannot_open(name):
         p.start()
         message = result.get(timeout=30)
         p.join()
-        assert "belongs to another user" in message
+        assert message == (
+            f"store {name!r} ({segment_path(name)}) belongs to another user, root (uid 0): "
+            "stores are owner-only; attach as the user that created it"
+        )
 
 
 # -- stale segments -------------------------------------------------------------------------

@@ -190,35 +190,6 @@ def test_name_squatted_by_another_user_is_never_used(name, kind):
         remove(path)
 
 
-@as_root
-def test_another_users_store_names_its_owner_to_a_non_root_user(name):
-    """A non-root user cannot even open nobody's 0600 store: the refusal names the owner."""
-    path = segment_path(name)
-    try:
-        as_nobody(plant_store, name, 0o600)
-
-        def attach_as_other(result) -> None:
-            os.setgid(NOBODY - 1)
-            os.setuid(NOBODY - 1)
-            try:
-                RoutingStore.attach(name)
-                result.put("attached")
-            except StoreUnavailableError as e:
-                result.put(str(e))
-
-        result = FORK.Queue()
-        p = FORK.Process(target=attach_as_other, args=(result,))
-        p.start()
-        message = result.get(timeout=30)
-        p.join(30)
-        assert message == (
-            f"store {name!r} ({path}) belongs to another user, nobody (uid 65534): stores are "
-            "owner-only; attach as the user that created it"
-        )
-    finally:
-        remove(path)
-
-
 # -- this user's file, but others may have written it ----------------------------------------
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from routing_replay.store.format import NO_PAGE
-from routing_replay.store.tables import Tables, checked_index
+from routing_replay.store.tables import Tables, checked_index, unlink_from_chain
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -178,18 +178,7 @@ class PrefixIndex:
         if not key:
             return
         b = self._bucket(int(t.p_parent[page]), key)
-        cur = checked_index(t, t.page_heads[b], t.num_pages, "page bucket")
-        prev = NO_PAGE
-        for _ in range(t.num_pages):
-            if cur in (NO_PAGE, page):
-                break
-            prev, cur = cur, checked_index(t, t.p_next[cur], t.num_pages, f"page {cur}'s next")
-        if cur == page:
-            if prev == NO_PAGE:
-                t.page_heads[b] = t.p_next[cur]
-            else:
-                t.p_next[prev] = t.p_next[cur]
-        t.p_next[page] = NO_PAGE
+        unlink_from_chain(t, t.page_heads, t.p_next, b, page, "page")
         t.p_key[page] = 0
 
     def findable(self, page: int) -> bool:

@@ -19,7 +19,7 @@ import numpy as np
 from routing_replay.errors import StoreFullError
 from routing_replay.store.format import FREE, NO_PAGE, PUBLISHED
 from routing_replay.store.lock import Hold
-from routing_replay.store.tables import Tables, checked_index
+from routing_replay.store.tables import Tables, checked_index, unlink_from_chain
 
 
 def checksum(
@@ -135,19 +135,7 @@ class SampleIndex:
         t.add("samples", -1)
         t.add("tokens", -int(t.s_num_tokens[slot]))
         t.add("pages_referenced", -num_pages)
-        b = self._bucket(raw_id)
-        cur = checked_index(t, t.sample_heads[b], t.max_samples, "bucket head")
-        prev = NO_PAGE
-        for _ in range(t.max_samples):
-            if cur in (NO_PAGE, slot):
-                break
-            prev, cur = cur, checked_index(t, t.s_next[cur], t.max_samples, f"slot {cur}'s next")
-        if cur == slot:
-            if prev == NO_PAGE:
-                t.sample_heads[b] = t.s_next[cur]
-            else:
-                t.s_next[prev] = t.s_next[cur]
-        t.s_next[slot] = NO_PAGE
+        unlink_from_chain(t, t.sample_heads, t.s_next, self._bucket(raw_id), slot, "slot")
         top = t.counter("free_slots", t.max_samples - 1)
         t.free_slots[top] = slot
         t.hdr["free_slots"] = top + 1

@@ -193,6 +193,26 @@ def checked_index(tables: Tables, value: int, size: int, what: str) -> int:
     return value
 
 
+def unlink_from_chain(
+    tables: Tables, heads: np.ndarray, nexts: np.ndarray, bucket: int, item: int, what: str
+) -> None:
+    """Remove `item` from the chain `heads[bucket] -> nexts[...]` (a bounded walk; inside a
+    write); `what` names the chain's items in a corruption error ("page", "slot")."""
+    size = len(nexts)
+    cur = checked_index(tables, heads[bucket], size, f"{what} bucket")
+    prev = NO_PAGE
+    for _ in range(size):
+        if cur in (NO_PAGE, item):
+            break
+        prev, cur = cur, checked_index(tables, nexts[cur], size, f"{what} {cur}'s next")
+    if cur == item:
+        if prev == NO_PAGE:
+            heads[bucket] = nexts[cur]
+        else:
+            nexts[prev] = nexts[cur]
+    nexts[item] = NO_PAGE
+
+
 def header_info(raw: bytes) -> dict[str, Any] | None:
     """Owner pid, node id and layout JSON of a segment's header bytes (None: not a store)."""
     if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
