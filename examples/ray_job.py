@@ -112,7 +112,7 @@ class Trainer:
         batch = fetch_batch(refs, release=True)  # consumed: the stores free the pages
         fetch_s = time.perf_counter() - t0
         ids, mask = right_padded(tokens)
-        routes = to_torch(batch, attention_mask=mask)  # [B, S, L, K], -1 where missing
+        routes = to_torch(batch, attention_mask=mask, input_ids=ids)  # [B, S, L, K], checked
         recorded = [routes[b, : len(t)] for b, t in enumerate(tokens)]
         with capture(self.model) as native, torch.no_grad():
             self.model(input_ids=ids, attention_mask=mask)

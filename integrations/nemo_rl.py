@@ -54,7 +54,8 @@ def attach_routes(
     """Fetch the batch's routes and add `batch[key]` `[B, S, L, K]` aligned with input_ids.
 
     Row b's routes fill positions `[0, input_lengths[b])` (right padding); padding and rows
-    whose ref is None are -1 (missing: replay routes those natively). `fetch` turns refs
+    whose ref is None are -1 (missing: replay routes those natively). Every row's tokens
+    are checked against those its routes were put with (`TokenMismatchError`). `fetch` turns refs
     into an Arrow routes batch (default: `routing_replay.dataset.fetch_batch`, Ray-aware;
     `store.read` for one process). Returns the same dict.
     """
@@ -79,7 +80,7 @@ def attach_routes(
     mask = torch.zeros((len(rows), S), dtype=torch.bool)
     for i, b in enumerate(rows):
         mask[i, : int(lengths[b])] = True
-    fetched = to_torch(table, attention_mask=mask)
+    fetched = to_torch(table, attention_mask=mask, input_ids=input_ids[torch.tensor(rows)])
     out = torch.full((B, S, layout.num_moe_layers, layout.top_k), MISSING, dtype=fetched.dtype)
     out[torch.tensor(rows)] = fetched
     batch[key] = out

@@ -17,6 +17,7 @@ from routing_replay.errors import (
     StoreBusyError,
     StoreFullError,
     StoreUnavailableError,
+    TokenMismatchError,
     UnsupportedModelError,
 )
 from routing_replay.layout import MISSING, RoutingLayout
@@ -56,6 +57,7 @@ __all__ = [
     "StoreInfo",
     "StoreStats",
     "StoreUnavailableError",
+    "TokenMismatchError",
     "UnsupportedModelError",
     "capture",
     "cu_seqlens",

@@ -34,6 +34,7 @@ from routing_replay.reader import cu_seqlens, to_torch
 from routing_replay.schema import (
     LAYOUT_METADATA_KEY,
     SAMPLE_ID,
+    TOKEN_IDS,
     copy_into,
     layout_of,
     routes_schema,
@@ -210,7 +211,8 @@ def release_refs(refs: Iterable[RoutingRef]) -> int:
 
 
 class _RoutesCollate:
-    """Arrow batch -> {"routes": [sum_T, L, K], "cu_seqlens": [B+1], "num_tokens", "sample_ids"}."""
+    """Arrow batch -> {"routes": [sum_T, L, K], "cu_seqlens": [B+1], "num_tokens",
+    "sample_ids", "token_ids": [sum_T] (None when a sample was put without them)}."""
 
     def __init__(self, layout: RoutingLayout | None) -> None:
         self.layout = layout
@@ -222,8 +224,17 @@ class _RoutesCollate:
             "cu_seqlens": cu_seqlens(table),
             "num_tokens": torch.from_numpy(table.column("num_tokens").to_numpy().astype(np.int64)),
             "sample_ids": table.column(SAMPLE_ID).to_pylist(),
+            "token_ids": _packed_tokens(table),
         }
         return out
+
+
+def _packed_tokens(table: pa.Table) -> torch.Tensor | None:
+    """The batch's token ids back to back (`[sum_T]`, int32), or None if any sample lacks them."""
+    if TOKEN_IDS not in table.schema.names or table.column(TOKEN_IDS).null_count:
+        return None
+    column = pa.chunked_array(table.column(TOKEN_IDS)).combine_chunks()
+    return torch.from_numpy(column.flatten().to_numpy(False).copy())
 
 
 def _as_table(batch: pa.Table | dict[str, np.ndarray], layout: RoutingLayout | None) -> pa.Table:
@@ -239,6 +250,9 @@ def _as_table(batch: pa.Table | dict[str, np.ndarray], layout: RoutingLayout | N
                 if batch["prompt_len"][i] is None
                 else int(batch["prompt_len"][i]),
                 "routed_experts": [list(t) for t in batch["routed_experts"][i]],
+                "token_ids": None
+                if batch.get("token_ids") is None or batch["token_ids"][i] is None
+                else [int(t) for t in batch["token_ids"][i]],
             }
             for i in range(len(batch["sample_id"]))
         ]

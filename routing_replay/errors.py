@@ -48,3 +48,7 @@ class ConcurrentReleaseError(RoutingReplayError, RuntimeError):
 
 class UnsupportedModelError(RoutingReplayError, TypeError):
     """A model has an MoE layer whose router no replay/capture adapter knows."""
+
+
+class TokenMismatchError(RoutingReplayError, ValueError):
+    """Routes were recorded for other tokens than those trained on (or a ref is stale)."""

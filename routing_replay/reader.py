@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from routing_replay.errors import InvalidRoutesError
+from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.layout import MISSING, RoutingLayout
-from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, layout_of
+from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, SAMPLE_ID, TOKEN_IDS, layout_of
 
 
 def _stored_ids(batch: pa.RecordBatch | pa.Table, layout: RoutingLayout) -> np.ndarray:
@@ -64,7 +64,9 @@ def cu_seqlens(batch: pa.RecordBatch | pa.Table) -> torch.Tensor:
 
 
 def to_torch(
-    batch: pa.RecordBatch | pa.Table, attention_mask: torch.Tensor | None = None
+    batch: pa.RecordBatch | pa.Table,
+    attention_mask: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routes of a batch, -1 where missing: packed `[sum_T, L, K]`, or padded `[B, S, L, K]`.
 
@@ -75,11 +77,24 @@ def to_torch(
     `[1, sum_T]` batch, `unsqueeze(0)` it. With the `[B, S]` mask of a padded batch (left
     or right padding), sample b's routes fill row b's unmasked positions, which must be
     one contiguous run of exactly `num_tokens[b]` positions.
+
+    With `input_ids` (`[B, S]` padded, `[sum_T]` or `[1, sum_T]` packed), every token is
+    compared with the token ids the routes were put with: `TokenMismatchError` names the
+    sample and the first differing position.
     """
     layout = layout_of(batch)
     L, K = layout.num_moe_layers, layout.top_k
     stored = _stored_ids(batch, layout)
+    lengths = batch.column(NUM_TOKENS).to_numpy()
     if attention_mask is None:
+        if input_ids is not None:
+            trained = torch.as_tensor(input_ids).cpu().reshape(-1)
+            if trained.ndim != 1 or len(trained) != int(lengths.sum()):
+                raise InvalidRoutesError(
+                    f"packed input_ids must be [sum_T={int(lengths.sum())}] or [1, sum_T], got "
+                    f"{tuple(torch.as_tensor(input_ids).shape)}"
+                )
+            check_tokens(batch, trained.numpy(), np.zeros(len(lengths), np.int64), None)
         packed = layout.decode(stored.reshape(-1, L, K))
         with warnings.catch_warnings():
             # An Arrow buffer that arrived through Ray is read-only; the tensor shares it,
@@ -87,7 +102,6 @@ def to_torch(
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             return torch.from_numpy(packed)
     mask = torch.as_tensor(attention_mask).bool().cpu()
-    lengths = batch.column(NUM_TOKENS).to_numpy()
     if mask.ndim != 2 or mask.shape[0] != len(lengths):
         raise InvalidRoutesError(
             f"attention_mask must be [batch={len(lengths)}, seq_len], got {tuple(mask.shape)}"
@@ -101,6 +115,18 @@ def to_torch(
                 f"{int(n)} routed tokens, or its tokens are not one contiguous run: routes "
                 "must cover exactly the tokens the trainer forwards, in order"
             )
+    if input_ids is not None:
+        trained = torch.as_tensor(input_ids).cpu()
+        if tuple(trained.shape) != tuple(mask.shape):
+            raise InvalidRoutesError(
+                f"input_ids {tuple(trained.shape)} and attention_mask {tuple(mask.shape)} "
+                "must have the same [B, S] shape"
+            )
+        columns = np.concatenate(
+            [np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        )
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        check_tokens(batch, trained.numpy()[rows, columns], starts, mask.shape[1])
     B, S = mask.shape
     out_np = np.full((B, S, L, K), MISSING, dtype=layout.signed_dtype)
     row = 0
@@ -108,3 +134,47 @@ def to_torch(
         layout.decode(stored[row : row + n].reshape(n, L, K), out=out_np[b, start : start + n])
         row += n
     return torch.from_numpy(out_np)
+
+
+def check_tokens(
+    batch: pa.RecordBatch | pa.Table,
+    trained_T: np.ndarray,
+    starts: np.ndarray,
+    width: int | None,
+) -> None:
+    """Compare the tokens a trainer forwards, the batch's samples back to back (`[sum_T]`),
+    with the token ids the routes were put with; raise `TokenMismatchError` on the first
+    difference. `starts[b]`: where sample b begins in its row (`width`: the row length;
+    None for a packed batch)."""
+    names = batch.schema.names
+    column = batch.column(TOKEN_IDS) if TOKEN_IDS in names else None
+    sample_ids = batch.column(SAMPLE_ID).to_pylist()
+    lengths = batch.column(NUM_TOKENS).to_numpy().astype(np.int64)
+    if column is None or column.null_count:
+        b = 0 if column is None else int(np.flatnonzero(column.is_null().to_numpy(False))[0])
+        raise InvalidRoutesError(
+            f"sample {sample_ids[b]!r} was put without token_ids, so its tokens cannot be "
+            "checked: pass token_ids= to store.put (the engine adapters do), or call without "
+            "input_ids to skip the check"
+        )
+    recorded_T = pa.chunked_array(column).combine_chunks().flatten().to_numpy(False)
+    differs = np.flatnonzero(recorded_T != trained_T)
+    if not len(differs):
+        return
+    first = int(differs[0])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    b = int(np.searchsorted(offsets, first, side="right") - 1)
+    pos = first - int(offsets[b])
+    where = (
+        f"position {pos} (column {int(starts[b]) + pos} of row {b})"
+        if width is not None
+        else f"position {pos} (token {first} of the packed batch)"
+    )
+    in_sample = int(np.sum((differs >= offsets[b]) & (differs < offsets[b + 1])))
+    raise TokenMismatchError(
+        f"sample {sample_ids[b]!r}: the trainer's token at {where} is {int(trained_T[first])} "
+        f"but the routes were recorded for token {int(recorded_T[first])} ({in_sample} of its "
+        f"{int(lengths[b])} tokens differ, {len(differs)} in the batch): the training batch "
+        "does not hold the rollout's tokens (text re-tokenised, e.g. a chat template applied "
+        "again, or rows reordered). Train on the token ids the rollout returned"
+    )

@@ -1,4 +1,8 @@
-"""The Arrow form of routes: one row per sample, one fixed-size list of L*K ids per token."""
+"""The Arrow form of routes: one row per sample, one fixed-size list of L*K ids per token.
+
+A row also carries the token ids the routes were recorded for (null when they were put
+without them), so a trainer can check its batch against them (`to_torch(input_ids=)`).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ from routing_replay.errors import LayoutMismatchError
 from routing_replay.layout import RoutingLayout
 
 LAYOUT_METADATA_KEY = b"routing_replay.layout"
-SAMPLE_ID, NUM_TOKENS, PROMPT_LEN, ROUTED_EXPERTS = (
+SAMPLE_ID, NUM_TOKENS, PROMPT_LEN, ROUTED_EXPERTS, TOKEN_IDS = (
     "sample_id",
     "num_tokens",
     "prompt_len",
     "routed_experts",
+    "token_ids",
 )
 
 
@@ -31,6 +36,7 @@ def routes_schema(layout: RoutingLayout) -> pa.Schema:
             pa.field(NUM_TOKENS, pa.int32(), nullable=False),
             pa.field(PROMPT_LEN, pa.int32()),
             pa.field(ROUTED_EXPERTS, pa.list_(token), nullable=False),
+            pa.field(TOKEN_IDS, pa.list_(pa.int32())),
         ],
         metadata={LAYOUT_METADATA_KEY: layout.to_json().encode()},
     )
@@ -42,8 +48,12 @@ def routes_batch(
     num_tokens: np.ndarray,
     prompt_lens: Sequence[int | None],
     values: pa.Buffer,
+    token_ids: tuple[np.ndarray, pa.Buffer] | None = None,
 ) -> pa.RecordBatch:
-    """Wrap a buffer of stored ids (samples back to back) as a routes batch, no copy."""
+    """Wrap a buffer of stored ids (samples back to back) as a routes batch, no copy.
+
+    `token_ids`: (which samples have them, their int32 ids back to back), or None: none.
+    """
     schema = routes_schema(layout)
     token_type = schema.field(ROUTED_EXPERTS).type.value_type
     total = int(np.sum(num_tokens))
@@ -59,8 +69,27 @@ def routes_batch(
         _int32_array(np.asarray(num_tokens, dtype=np.int32)),
         _int32_array(np.array([-1 if p is None else p for p in prompt_lens], dtype=np.int32)),
         routed,
+        _token_ids_array(num_tokens, token_ids),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _token_ids_array(
+    num_tokens: np.ndarray, token_ids: tuple[np.ndarray, pa.Buffer] | None
+) -> pa.Array:
+    """list<int32> of each sample's token ids; null (and empty) for samples without."""
+    has = np.zeros(len(num_tokens), dtype=bool) if token_ids is None else token_ids[0]
+    data = pa.py_buffer(b"") if token_ids is None else token_ids[1]
+    offsets = np.zeros(len(num_tokens) + 1, dtype=np.int32)
+    np.cumsum(np.where(has, num_tokens, 0), out=offsets[1:])
+    validity = None if has.all() else pa.py_buffer(np.packbits(has, bitorder="little"))
+    values = pa.Array.from_buffers(pa.int32(), int(offsets[-1]), [None, data])
+    return pa.Array.from_buffers(
+        pa.list_(pa.int32()),
+        len(num_tokens),
+        [validity, pa.py_buffer(offsets)],
+        children=[values],
+    )
 
 
 def output_buffer(out: Any, nbytes: int) -> pa.Buffer:
@@ -121,10 +150,15 @@ def copy_into(batch: pa.RecordBatch, out: Any) -> pa.RecordBatch:
         ids.buffers()[1], layout.dtype, len(ids), ids.offset * layout.dtype.itemsize
     )
     np.copyto(np.frombuffer(buf, layout.dtype), src)
-    return routes_batch(
+    out_batch = routes_batch(
         layout,
         batch.column(SAMPLE_ID).to_pylist(),
         batch.column(NUM_TOKENS).to_numpy(),
         batch.column(PROMPT_LEN).to_pylist(),
         buf,
+    )
+    return out_batch.set_column(
+        out_batch.schema.get_field_index(TOKEN_IDS),
+        out_batch.schema.field(TOKEN_IDS),
+        batch.column(TOKEN_IDS),
     )

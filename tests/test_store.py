@@ -30,6 +30,7 @@ from routing_replay import (
     to_torch,
 )
 from routing_replay.shm import segment_path
+from routing_replay.store import token_digest
 from routing_replay.store.lock import interleave
 
 # 6 layers, the first and fourth dense (DeepSeek-style), top-2 of 16 experts.
@@ -302,7 +303,9 @@ def test_grpo_prefix_sharing_fits_in_35_percent():
             routes[-1] = -1
             tokens = np.concatenate([prompt_ids, rng.integers(0, 150_000, completion)])
             ref = store.put(f"g{j}", routes, prompt_len=3000, token_ids=tokens, timeout=0)
-            assert ref == RoutingRef(f"g{j}", name, store.node_id, 3500, 3000, store.store_uid)
+            assert ref == RoutingRef(
+                f"g{j}", name, store.node_id, 3500, 3000, store.store_uid, token_digest(tokens)
+            )
             samples.append(routes)
         for j, routes in enumerate(samples):
             assert np.array_equal(store.get(f"g{j}"), routes)

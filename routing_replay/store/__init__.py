@@ -7,7 +7,7 @@ One small object per concept, read in this order:
 - `lock`: the commit lock, dirty flag and repair (and the test-only interleaving hook);
 - `leases`: writer liveness as kernel byte-range locks, valid across pid namespaces;
 - `pages`: the page allocator (free stack, generations, reservations, refcounts);
-- `samples`: the sample index (slots, id buckets, checksums);
+- `samples`: the sample index (slots, id buckets, checksums, token digests);
 - `prefix`: the prefix index and frozen share plans;
 - `routing_store`: `RoutingStore`, the facade;
 - `sweep`: `list_stores`, `sweep_stores`.
@@ -21,6 +21,7 @@ from routing_replay.store.routing_store import (
     StoreStats,
     default_node_id,
 )
+from routing_replay.store.samples import token_digest
 from routing_replay.store.sweep import StoreInfo, list_stores, sweep_stores
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "default_node_id",
     "list_stores",
     "sweep_stores",
+    "token_digest",
 ]

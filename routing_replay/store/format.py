@@ -4,7 +4,8 @@ Segment layout (every region 64-byte aligned):
 
     header | page table [num_pages] | page buckets | free-page stack [num_pages] |
     slot table [max_samples] | sample buckets | free-slot stack [max_samples] |
-    writer leases [max_writers] | page data [num_pages, page_tokens * L * K] (narrow dtype)
+    writer leases [max_writers] | page tokens [num_pages, page_tokens] (int32) |
+    page data [num_pages, page_tokens * L * K] (narrow dtype)
 
 Byte-range locks at `LEASE_BASE` and up (past the end of any segment: a lock needs no
 data under it) are the leases: the owner's at `OWNER_LEASE`, writer i's at
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 3  # 3: kernel leases, free stacks, sample checksums, store uid
+VERSION = 4  # 3: kernel leases, free stacks, sample checksums, store uid; 4: token ids
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -38,6 +39,8 @@ NO_PAGE = -1  # also "no slot" and "end of a bucket chain"
 NO_OWNER = 0  # page owner field: 0, or writer lease index + 1
 FREE, PUBLISHED = 0, 1  # slot states
 LEASE_FREE, LEASE_HELD = 0, 1  # lease record states
+NO_DIGEST = 0  # a sample put without token ids
+TOKEN_DTYPE = np.dtype("<i4")  # token ids as stored, read and compared
 
 HEADER_DTYPE = np.dtype(
     [
@@ -83,8 +86,9 @@ SLOT_DTYPE = np.dtype(
         ("prompt_len", "<i4"),  # -1 when unknown
         ("last_page", "<i4"),
         ("num_pages", "<i4"),
-        ("check", "<u4"),  # crc32 of the fields above and the chain's pages and generations
+        ("check", "<u4"),  # crc32 of the fields, the chain's pages and generations
         ("spare", "<u4"),
+        ("digest", "<u8"),  # token_digest of the sample's token ids; NO_DIGEST: put without
         ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
     ]
 )
@@ -127,6 +131,7 @@ def regions(
         ("sample_heads", sample_buckets * 4),
         ("free_slots", max_samples * 4),
         ("leases", max_writers * LEASE_DTYPE.itemsize),
+        ("tokens", num_pages * page_tokens * TOKEN_DTYPE.itemsize),
         ("data", num_pages * page_tokens * bytes_per_token),
     ]
     offsets, pos = {}, HEADER_BYTES

@@ -2,8 +2,8 @@
 
 When token ids are given, every full page is keyed by a hash of its tokens and found
 through its parent page, so samples with a common prefix (GRPO's n samples of a prompt,
-the turns of an episode) share those pages. Sharing also needs the routes to be
-byte-equal: a key only picks candidates.
+the turns of an episode) share those pages. Sharing also needs the stored token ids and
+the routes to be equal: a key only picks candidates.
 
 A `SharePlan` is what a put decided to share: each page *with the generation it had when
 its routes were compared*. Comparing happens without the lock, so the plan is checked
@@ -55,8 +55,8 @@ def page_keys(tokens_NP: np.ndarray) -> list[int]:
     """A 64-bit key per row of token ids `[N, P]` (never 0: 0 means "not shareable").
 
     A multiply-add hash with fixed odd multipliers, then a mixer, all vectorised: keys
-    only pick candidates, sharing also needs byte-equal routes, so a collision can cost a
-    missed share but never changes what is read back.
+    only pick candidates, sharing also needs equal tokens and routes, so a collision can
+    cost a missed share but never changes what is read back.
     """
     mult_P = _key_multipliers(tokens_NP.shape[1])
     with np.errstate(over="ignore"):
@@ -117,24 +117,39 @@ class PrefixIndex:
             pages.append(page)
         return SharePlan(tuple(pages), tuple(self._t.p_gen[pages].tolist()))
 
-    def equal_prefix(self, plan: SharePlan, rows: np.ndarray) -> int:
-        """How many leading pages of `plan` hold routes byte-equal to `rows` (stored dtype,
-        `[T, L, K]`): one comparison per run of consecutive pages. Needs no lock: a page
-        that changes meanwhile has a new generation, and `valid` refuses the plan."""
-        t, P = self._t, self._t.page_tokens
+    def _same(self, first: int, count: int, rows: np.ndarray, tokens: np.ndarray) -> bool:
+        """Whether pages [first, first + count) hold exactly these tokens and routes."""
+        t = self._t
+        return same_bytes(t.tokens[first : first + count], tokens) and same_bytes(
+            t.data[first : first + count], rows
+        )
+
+    def equal_prefix(self, plan: SharePlan, rows: np.ndarray, tokens: np.ndarray) -> int:
+        """How many leading pages of `plan` hold tokens equal to `tokens` (int32) and routes
+        byte-equal to `rows` (stored dtype, `[T, L, K]`): one comparison per run of
+        consecutive pages. Needs no lock: a page that changes meanwhile has a new
+        generation, and `valid` refuses the plan."""
+        P = self._t.page_tokens
         for i, first, count in runs(plan.pages):
-            ours = rows[i * P : (i + count) * P]
-            if not same_bytes(t.data[first : first + count], ours):
+            span = slice(i * P, (i + count) * P)
+            if not self._same(first, count, rows[span], tokens[span]):
                 differs = (
                     j
                     for j in range(count)
-                    if not same_bytes(t.data[first + j], ours[j * P : (j + 1) * P])
+                    if not self._same(
+                        first + j,
+                        1,
+                        rows[(i + j) * P : (i + j + 1) * P],
+                        tokens[(i + j) * P : (i + j + 1) * P],
+                    )
                 )
                 return i + next(differs, 0)  # 0: the run changed under us, share none of it
         return len(plan)
 
-    def twins(self, plan: SharePlan, keys: Sequence[int], rows: np.ndarray) -> SharePlan:
-        """Extend `plan` page by page with published pages of equal keys and equal routes,
+    def twins(
+        self, plan: SharePlan, keys: Sequence[int], rows: np.ndarray, tokens: np.ndarray
+    ) -> SharePlan:
+        """Extend `plan` page by page with published pages of equal keys, tokens and routes,
         compared now (under the lock): the slow path, when a key's first page was routed
         differently. Pages of `plan` keep the generations they were compared at."""
         t, P = self._t, self._t.page_tokens
@@ -142,10 +157,15 @@ class PrefixIndex:
             return SharePlan()  # changed since its compare: start over from nothing
         pages, gens = list(plan.pages), list(plan.gens)
         for i in range(len(pages), len(keys)):
-            ours = rows[i * P : (i + 1) * P]
+            span = slice(i * P, (i + 1) * P)
             parent = pages[-1] if pages else NO_PAGE
             page = next(
-                (p for p in self._walk(parent, keys[i]) if same_bytes(t.data[p], ours)), NO_PAGE
+                (
+                    p
+                    for p in self._walk(parent, keys[i])
+                    if self._same(p, 1, rows[span], tokens[span])
+                ),
+                NO_PAGE,
             )
             if page == NO_PAGE:
                 break

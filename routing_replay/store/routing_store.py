@@ -37,6 +37,7 @@ from routing_replay.errors import (
     SampleNotFoundError,
     StoreFullError,
     StoreUnavailableError,
+    TokenMismatchError,
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.schema import output_buffer, routes_batch
@@ -55,9 +56,11 @@ from routing_replay.store.format import (
     MAX_SAMPLE_ID_BYTES,
     MAX_TABLE,
     MIN_LOCK_WAIT_S,
+    NO_DIGEST,
     NO_PAGE,
     OWNER_LEASE,
     PAGE_DTYPE,
+    TOKEN_DTYPE,
     VERSION,
     pow2_at_least,
     regions,
@@ -66,7 +69,7 @@ from routing_replay.store.leases import Leases
 from routing_replay.store.lock import CommitLock, Hold
 from routing_replay.store.pages import PageAllocator, Reservation
 from routing_replay.store.prefix import PrefixIndex, SharePlan, page_keys, runs
-from routing_replay.store.samples import SampleIndex
+from routing_replay.store.samples import SampleIndex, token_digest
 from routing_replay.store.tables import Tables, view
 
 Part = Literal["all", "prompt", "completion"]
@@ -78,6 +81,9 @@ class RoutingRef:
 
     `store_uid` names the store's incarnation: a ref is never read from another store
     created later under the same name (0: not checked, for refs made by hand).
+    `tokens_digest` is the digest of the token ids the routes were put with (0: put
+    without them): a ref is never read for a sample put again under its id with other
+    tokens, and trainers check their tokens against it.
     """
 
     sample_id: str
@@ -86,6 +92,7 @@ class RoutingRef:
     num_tokens: int
     prompt_len: int | None = None
     store_uid: int = 0
+    tokens_digest: int = NO_DIGEST
 
 
 @dataclass(frozen=True)
@@ -409,8 +416,11 @@ class RoutingStore:
     ) -> RoutingRef:
         """Store one sample's `[T, L, K]` routes (-1 = missing) and return its reference.
 
-        Waits up to `timeout` (default `put_timeout`) for room, and for the lock, then
-        raises `StoreFullError` (or `StoreBusyError`); on any error nothing is stored.
+        `token_ids` (`[T]`, the tokens the routes were recorded for) are stored with the
+        routes: they let samples with a common prefix share pages, and trainers check
+        their batch against them (`to_torch(..., input_ids=)`). Waits up to `timeout`
+        (default `put_timeout`) for room, and for the lock, then raises `StoreFullError`
+        (or `StoreBusyError`); on any error nothing is stored.
         """
         raw_id = sample_id_bytes(sample_id)
         checked = self.layout.select_moe(routes)  # ids are checked after the copy, in cache
@@ -419,7 +429,9 @@ class RoutingStore:
             raise InvalidRoutesError(f"sample {sample_id!r} has no routed tokens")
         prompt = _prompt_len(prompt_len, num_tokens, sample_id)
         P = self.page_tokens
-        keys = self._page_keys(token_ids, num_tokens) if token_ids is not None else []
+        tokens = None if token_ids is None else self._tokens(token_ids, num_tokens, sample_id)
+        keys = [] if tokens is None else self._page_keys(tokens)
+        digest = NO_DIGEST if tokens is None else token_digest(tokens)
         num_pages = -(-num_tokens // P)
         if num_pages > self._t.num_pages:
             raise StoreFullError(
@@ -435,6 +447,7 @@ class RoutingStore:
         deadline = time.monotonic() + timeout
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
         keyed = self._as_stored(checked[: len(keys) * P]) if keys else checked[:0]
+        keyed_tokens = tokens[: len(keys) * P] if keys else np.empty(0, TOKEN_DTYPE)
         resv, wait = Reservation(), 0.001
         self._puts_running.append(None)
         try:
@@ -442,10 +455,10 @@ class RoutingStore:
                 with self._lock.held("put.lookup", lock_deadline):
                     self._refuse_duplicate(raw_id)
                     plan = self._prefix.candidates(keys)
-                equal = self._prefix.equal_prefix(plan, keyed)
+                equal = self._prefix.equal_prefix(plan, keyed, keyed_tokens)
                 with self._lock.held("put.reserve", lock_deadline) as hold:
                     if equal < len(plan):  # same tokens, other routes: an equal twin?
-                        plan = self._prefix.twins(plan.prefix(equal), keys, keyed)
+                        plan = self._prefix.twins(plan.prefix(equal), keys, keyed, keyed_tokens)
                     lease = self._leases.take(hold, lambda i: self._pages.reclaim_lease(hold, i))
                     count = num_pages - len(plan)
                     ok = self._pages.reserve(hold, count, lease, resv) or (
@@ -456,12 +469,14 @@ class RoutingStore:
                     # Ids are checked before publishing: nothing bad is ever seen. New rows
                     # are checked as they are copied; rows byte-equal to shared pages were
                     # checked when those were put, unless a wider input wrapped onto them.
-                    self._fill(resv.pages, checked, len(plan) * P)
+                    self._fill(resv.pages, checked, tokens, len(plan) * P)
                     if checked.dtype != self.layout.dtype:
                         self.layout.check_ids(checked[: len(plan) * P])
                     with self._lock.held("put.publish", lock_deadline) as hold:
                         if self._prefix.valid(plan):
-                            return self._publish(hold, raw_id, plan, resv, keys, num_tokens, prompt)
+                            return self._publish(
+                                hold, raw_id, plan, resv, keys, num_tokens, prompt, digest
+                            )
                         self._pages.unreserve(hold, resv)  # a shared page was released: again
                     continue
                 if time.monotonic() >= deadline:
@@ -483,16 +498,27 @@ class RoutingStore:
                 "first, or give every sample a unique id"
             )
 
-    def _page_keys(self, token_ids: Any, num_tokens: int) -> list[int]:
+    def _tokens(self, token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
+        """Checked token ids as stored (int32)."""
+        if hasattr(token_ids, "detach"):  # a torch tensor, maybe on a device
+            token_ids = token_ids.detach().cpu().numpy()
         tokens = np.asarray(token_ids)
         if tokens.ndim != 1 or len(tokens) != num_tokens or tokens.dtype.kind not in "iu":
             raise InvalidRoutesError(
-                f"token_ids must be a 1-D integer array with one id per routes row "
-                f"({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
+                f"sample {sample_id!r}: token_ids must be a 1-D integer array with one id per "
+                f"routes row ({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
             )
+        if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
+            raise InvalidRoutesError(
+                f"sample {sample_id!r}: token ids must be in [0, 2**31), got "
+                f"[{tokens.min()}, {tokens.max()}]"
+            )
+        return np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)
+
+    def _page_keys(self, tokens: np.ndarray) -> list[int]:
         P = self.page_tokens
-        full = num_tokens // P * P
-        return page_keys(tokens[:full].astype(np.int64).reshape(-1, P)) if full else []
+        full = len(tokens) // P * P
+        return page_keys(tokens[:full].reshape(-1, P)) if full else []
 
     def _as_stored(self, rows: np.ndarray) -> np.ndarray:
         """Rows in the stored dtype: the rows themselves when narrow, else a converted copy."""
@@ -500,9 +526,11 @@ class RoutingStore:
             return rows
         return self.layout.convert(rows, np.empty(rows.shape, dtype=self.layout.dtype))
 
-    def _fill(self, new: np.ndarray, checked: np.ndarray, first_row: int) -> None:
-        """Copy rows `first_row:` into reserved pages and range-check their ids chunk by
-        chunk, right after each copy while it is in cache.
+    def _fill(
+        self, new: np.ndarray, checked: np.ndarray, tokens: np.ndarray | None, first_row: int
+    ) -> None:
+        """Copy rows `first_row:` (and their tokens) into reserved pages and range-check
+        their ids chunk by chunk, right after each copy while it is in cache.
 
         Repeated ids within a top-k are not scanned for here: that scan costs 10-17x the
         copy in numpy (benchmarks/store.py), and is done exactly where routes come from an
@@ -512,9 +540,14 @@ class RoutingStore:
         flat = data.reshape(-1)
         page_values = data.shape[1]
         step = max(1, CHECK_CHUNK_BYTES // max(1, checked[:1].nbytes))
+        page_tokens = self._t.tokens.reshape(-1)
         try:
             for i, first, count in runs(new.tolist()):
                 rows = checked[first_row + i * P : first_row + (i + count) * P]
+                if tokens is not None:
+                    page_tokens[first * P : first * P + len(rows)] = tokens[
+                        first_row + i * P : first_row + i * P + len(rows)
+                    ]
                 start = first * page_values
                 out = flat[start : start + len(rows) * page_values // P].reshape(len(rows), *shape)
                 for a in range(0, len(rows), step):
@@ -533,6 +566,7 @@ class RoutingStore:
         keys: list[int],
         num_tokens: int,
         prompt_len: int,
+        digest: int,
     ) -> RoutingRef:
         """Commit a sample (under the lock; the plan was just found valid)."""
         t = self._t
@@ -548,11 +582,11 @@ class RoutingStore:
         for i in range(len(plan), len(keys)):
             self._prefix.link(int(chain[i]), int(t.p_parent[chain[i]]), keys[i])
         self._pages.reference(chain)
-        self._samples.publish(slot, raw_id, num_tokens, prompt_len, chain, t.p_gen[chain])
+        self._samples.publish(slot, raw_id, num_tokens, prompt_len, digest, chain, t.p_gen[chain])
         self._pages.publish(resv)
         prompt = None if prompt_len < 0 else prompt_len
         return RoutingRef(
-            raw_id.decode(), self.name, self.node_id, num_tokens, prompt, self._t.store_uid
+            raw_id.decode(), self.name, self.node_id, num_tokens, prompt, t.store_uid, digest
         )
 
     def _full_error(self, sample_id: str, num_tokens: int, timeout: float) -> StoreFullError:
@@ -617,7 +651,8 @@ class RoutingStore:
 
     def _locate(
         self, sample_ids: Iterable[str | RoutingRef]
-    ) -> tuple[list[str], list[np.ndarray], list[tuple[int, int]], np.ndarray]:
+    ) -> tuple[list[str], list[np.ndarray], list[tuple[int, int, int]], np.ndarray]:
+        """Ids, chains, (num_tokens, prompt_len, digest) and page generations of samples."""
         refs = _as_list(sample_ids)
         self._check_refs(refs)
         raw_ids = [sample_id_bytes(r) for r in refs]
@@ -630,7 +665,17 @@ class RoutingStore:
                 pages, page_gens, num_tokens, prompt_len = self._samples.chain(s)
                 chains.append(pages)
                 gens.append(page_gens)
-                meta.append((num_tokens, prompt_len))
+                meta.append((num_tokens, prompt_len, self._samples.digest(s)))
+        for ref, (num_tokens, _, digest) in zip(refs, meta, strict=True):
+            if isinstance(ref, RoutingRef) and (
+                ref.num_tokens != num_tokens or ref.tokens_digest not in (NO_DIGEST, digest)
+            ):
+                raise TokenMismatchError(
+                    f"ref {ref.sample_id!r} ({ref.num_tokens} tokens) does not describe the "
+                    f"sample stored under that id now ({num_tokens} tokens, other token ids): "
+                    "the sample was released and put again with other tokens. Refs must not "
+                    "outlive their release; give every rollout sample a unique id"
+                )
         all_gens = np.concatenate(gens) if gens else np.empty(0, dtype=np.uint32)
         return [r.decode() for r in raw_ids], chains, meta, all_gens
 
@@ -645,20 +690,23 @@ class RoutingStore:
                 "read: release samples only after every reader is done with them"
             )
 
-    def _copy_out(self, chain: np.ndarray, first: int, stop: int, out: np.ndarray) -> None:
-        """Copy tokens [first, stop) of a chain into `out` ([stop-first, L*K])."""
-        P, data = self.page_tokens, self._t.data
-        page_values, flat = data.shape[1], data.reshape(-1)
+    def _copy_out(
+        self, pages_data: np.ndarray, chain: np.ndarray, first: int, stop: int, out: np.ndarray
+    ) -> None:
+        """Copy tokens [first, stop) of a chain from `pages_data` (the routes or the token
+        ids, `[num_pages, P * width]`) into `out` (`[stop - first, width]`)."""
+        P, flat = self.page_tokens, pages_data.reshape(-1)
+        width = pages_data.shape[1] // P
         lo_page, hi_page = first // P, -(-stop // P)
-        pages = chain[lo_page:hi_page].tolist()
-        vpt = self.layout.values_per_token
-        for i, page, count in runs(pages):
+        for i, page, count in runs(chain[lo_page:hi_page].tolist()):
             t0 = max((lo_page + i) * P, first)
             t1 = min((lo_page + i + count) * P, stop)
-            src = page * page_values + (t0 - (lo_page + i) * P) * vpt
-            out[t0 - first : t1 - first] = flat[src : src + (t1 - t0) * vpt].reshape(-1, vpt)
+            src = (page * P + t0 - (lo_page + i) * P) * width
+            out[t0 - first : t1 - first] = flat[src : src + (t1 - t0) * width].reshape(-1, width)
 
-    def _span(self, sample_id: str, num_tokens: int, prompt_len: int, part: Part) -> range:
+    def _span(
+        self, sample_id: str, num_tokens: int, prompt_len: int, _digest: int, part: Part
+    ) -> range:
         if part == "all":
             return range(0, num_tokens)
         if part not in ("prompt", "completion"):
@@ -674,7 +722,7 @@ class RoutingStore:
         ids, chains, meta, gens = self._locate([sample_id])
         span = self._span(ids[0], *meta[0], part)
         stored = np.empty((len(span), self.layout.values_per_token), dtype=self.layout.dtype)
-        self._copy_out(chains[0], span.start, span.stop, stored)
+        self._copy_out(self._t.data, chains[0], span.start, span.stop, stored)
         self._check_unchanged(ids, chains, gens)
         L, K = self.layout.num_moe_layers, self.layout.top_k
         return self.layout.decode(stored.reshape(len(span), L, K))
@@ -691,19 +739,25 @@ class RoutingStore:
         do not overwrite it while they are in use.
         """
         ids, chains, meta, gens = self._locate(sample_ids)
-        spans = [self._span(i, n, p, part) for i, (n, p) in zip(ids, meta, strict=True)]
+        spans = [self._span(i, *m, part) for i, m in zip(ids, meta, strict=True)]
         lengths = np.array([len(s) for s in spans], dtype=np.int64)
+        has_tokens = np.array([digest != NO_DIGEST for *_, digest in meta], dtype=bool)
         vpt = self.layout.values_per_token
         nbytes = int(lengths.sum()) * self.layout.bytes_per_token
         buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
         values = np.frombuffer(buf, dtype=self.layout.dtype).reshape(-1, vpt)
-        row = 0
-        for chain, span in zip(chains, spans, strict=True):
-            self._copy_out(chain, span.start, span.stop, values[row : row + len(span)])
+        token_buf = pa.allocate_buffer(int(lengths[has_tokens].sum()) * TOKEN_DTYPE.itemsize)
+        tokens = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
+        row = token_row = 0
+        for chain, span, with_tokens in zip(chains, spans, has_tokens.tolist(), strict=True):
+            self._copy_out(self._t.data, chain, span.start, span.stop, values[row:])
+            if with_tokens:
+                self._copy_out(self._t.tokens, chain, span.start, span.stop, tokens[token_row:])
+                token_row += len(span)
             row += len(span)
         self._check_unchanged(ids, chains, gens)
-        prompt = [None if p < 0 else p for _, p in meta]
-        return routes_batch(self.layout, ids, lengths, prompt, buf)
+        prompt = [None if p < 0 else p for _, p, _ in meta]
+        return routes_batch(self.layout, ids, lengths, prompt, buf, (has_tokens, token_buf))
 
     def __contains__(self, sample_id: object) -> bool:
         raw_id = sample_id_bytes(sample_id)

@@ -1,33 +1,46 @@
 """The sample index: slots, their id buckets, the free-slot stack, and each sample's checksum.
 
 A published sample is a slot: id, token count, prompt length, its last page and chain
-length, and a crc32 of all of that plus every page of its chain *and that page's
-generation at publish*. A page of a published chain is never reserved again while the
-sample holds it, so the checksum is the same at every read unless the tables were broken:
-a wrong parent pointer, a page handed to another writer, a flipped byte. Readers check it
-under the lock and raise `CorruptStoreError` rather than return another sample's routes.
+length, the digest of its token ids, and a crc32 of all of that plus every page of its
+chain *and that page's generation at publish*. A page of a published chain is never
+reserved again while the sample holds it, so the checksum is the same at every read
+unless the tables were broken: a wrong parent pointer, a page handed to another writer, a
+flipped byte. Readers check it under the lock and raise `CorruptStoreError` rather than
+return another sample's routes.
 
 Setting `state = PUBLISHED` is the commit point of a put, `state = FREE` that of a release.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import numpy as np
 
 from routing_replay.errors import StoreFullError
-from routing_replay.store.format import FREE, NO_PAGE, PUBLISHED
+from routing_replay.store.format import FREE, NO_PAGE, PUBLISHED, TOKEN_DTYPE
 from routing_replay.store.lock import Hold
 from routing_replay.store.tables import Tables, checked_index, unlink_from_chain
 
 
+def token_digest(token_ids: np.ndarray) -> int:
+    """64-bit digest of a sample's token ids (as int32): what a ref carries (never NO_DIGEST)."""
+    data = np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") | 1
+
+
 def checksum(
-    raw_id: bytes, num_tokens: int, prompt_len: int, chain: np.ndarray, gens: np.ndarray
+    raw_id: bytes,
+    num_tokens: int,
+    prompt_len: int,
+    digest: int,
+    chain: np.ndarray,
+    gens: np.ndarray,
 ) -> int:
     """crc32 of a sample's fields, chain pages and their generations."""
     fields = np.array([num_tokens, prompt_len, len(chain)], dtype="<i4").tobytes()
-    crc = zlib.crc32(fields + raw_id)
+    crc = zlib.crc32(fields + np.array(digest, dtype="<u8").tobytes() + raw_id)
     crc = zlib.crc32(np.ascontiguousarray(chain, dtype="<i4"), crc)
     return zlib.crc32(np.ascontiguousarray(gens, dtype="<u4"), crc)
 
@@ -57,9 +70,13 @@ class SampleIndex:
         """The raw id of a slot."""
         return bytes(self._t.s_sample_id[slot])
 
+    def digest(self, slot: int) -> int:
+        """The token digest of a slot (NO_DIGEST: put without token ids); `chain` checks it."""
+        return int(self._t.s_digest[slot])
+
     def chain(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(pages, their generations, num_tokens, prompt_len) of a published slot, every field
-        range-checked and the checksum verified (under the lock)."""
+        (the digest too) range-checked and the checksum verified (under the lock)."""
         t = self._t
         n, tokens = int(t.s_num_pages[slot]), int(t.s_num_tokens[slot])
         prompt_len = int(t.s_prompt_len[slot])
@@ -80,7 +97,8 @@ class SampleIndex:
             raise t.corrupt(f"slot {slot}: its chain's first page has a parent")
         gens = t.p_gen[pages]
         raw_id = self.sample_id(slot)
-        if checksum(raw_id, tokens, prompt_len, pages, gens) != int(t.s_check[slot]):
+        digest = self.digest(slot)
+        if checksum(raw_id, tokens, prompt_len, digest, pages, gens) != int(t.s_check[slot]):
             raise t.corrupt(
                 f"sample {raw_id.decode(errors='replace')!r} (slot {slot}) fails its checksum: "
                 "its chain or a page generation changed after it was published"
@@ -109,6 +127,7 @@ class SampleIndex:
         raw_id: bytes,
         num_tokens: int,
         prompt_len: int,
+        digest: int,
         chain: np.ndarray,
         gens: np.ndarray,
     ) -> None:
@@ -116,10 +135,11 @@ class SampleIndex:
         t = self._t
         t.s_num_tokens[slot] = num_tokens
         t.s_prompt_len[slot] = prompt_len
+        t.s_digest[slot] = digest
         t.s_last_page[slot] = chain[-1]
         t.s_num_pages[slot] = len(chain)
         t.s_sample_id[slot] = raw_id
-        t.s_check[slot] = checksum(raw_id, num_tokens, prompt_len, chain, gens)
+        t.s_check[slot] = checksum(raw_id, num_tokens, prompt_len, digest, chain, gens)
         b = self._bucket(raw_id)
         t.s_next[slot] = t.sample_heads[b]
         t.sample_heads[b] = slot

@@ -23,6 +23,7 @@ from routing_replay.store.format import (
     NO_PAGE,
     PAGE_DTYPE,
     SLOT_DTYPE,
+    TOKEN_DTYPE,
     VERSION,
     regions,
 )
@@ -53,7 +54,7 @@ def corrupt_error(store: str, what: str) -> CorruptStoreError:
 
 
 class Tables:
-    """Header, page table, buckets, stacks, slots, leases and page data of one segment."""
+    """Header, page table, buckets, stacks, slots, leases, page tokens and data of a segment."""
 
     def __init__(self, name: str, buf: Any) -> None:
         self.name = name
@@ -114,6 +115,7 @@ class Tables:
         self.sample_heads = view(buf, "<i4", (sizes["sample_buckets"],), offsets["sample_heads"])
         self.free_slots = view(buf, "<i4", (self.max_samples,), offsets["free_slots"])
         self.leases = view(buf, LEASE_DTYPE, (self.max_writers,), offsets["leases"])
+        self.tokens = view(buf, TOKEN_DTYPE, (self.num_pages, self.page_tokens), offsets["tokens"])
         page_values = self.page_tokens * self.layout.values_per_token
         self.data = view(buf, self.layout.dtype, (self.num_pages, page_values), offsets["data"])
         # One view per field, made once: field lookups are on every put's path.
@@ -138,6 +140,7 @@ class Tables:
     s_last_page: np.ndarray
     s_num_pages: np.ndarray
     s_check: np.ndarray
+    s_digest: np.ndarray
     s_sample_id: np.ndarray
 
     def corrupt(self, what: str) -> CorruptStoreError:
@@ -180,6 +183,7 @@ class Tables:
             "sample_heads",
             "free_slots",
             "leases",
+            "tokens",
             "data",
         ]:
             self.__dict__.pop(attr, None)
