@@ -18,12 +18,21 @@ model it was given (each chunk of a virtual pipeline gets its own feed, set when
 chunk runs a micro-batch); shape, dtype, top-k, id range, each router's layer and row
 count (checked when it runs) are validated, fusion is refused, the backward queue is
 cleared at step boundaries. Megatron is imported lazily.
+
+Rows without routes: `RouterReplay` has no per-row native routing (`REPLAY_FORWARD` gathers
+the target ids of every row), so every row needs ids. A `replay_mask` (`replay_mask()`
+builds it) says which rows those may be: padding, and each sequence's final token (a
+rollout never forwards it, so it has no routes; no loss term and no other token reads its
+output). Those get filler ids (`integrations.nemo_rl.fill_missing`); a token the mask marks
+as replayed that has no routes (a prefix-cache gap, an SGLang suffix) is refused, since
+filler experts would change its output and the loss, unless `fill_real="filler"`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -52,6 +61,50 @@ def stage_moe_layers(
             f"layers [{layer_offset}, {end}) are not inside the model's {layout.num_layers} layers"
         )
     return [i for i in layout.moe_layers if layer_offset <= i < end]
+
+
+def replay_mask(
+    input_lengths: torch.Tensor | Sequence[int],
+    seq_len: int | None = None,
+    *,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    replay_final: bool = False,
+) -> torch.Tensor:
+    """Bool mask of the rows whose routes must be replayed: True for each real token except
+    (unless `replay_final`) a sequence's final one; False for padding and that final token.
+
+    Padded batch `[B, S]`: `replay_mask(input_lengths, S)` (right padding, as
+    `integrations.nemo_rl`). Packed `[1, T]`: `replay_mask(lengths, cu_seqlens=cu)` with the
+    unpadded lengths (`cu_seqlens_unpadded.diff()`) and the padded boundaries `cu_seqlens`
+    that `nemo_rl.pack` returns. Slice it exactly as the routes (`nemo_rl.cp_slice`,
+    `sp_slice`, or `routes_for_rank(..., key=)`) and pass it to `MegatronRouterFeed.set`.
+
+    The final token is False by default: a rollout records no routes for it (the engine
+    never forwards the last token it samples), and filler ids there change nothing the loss
+    sees (its logits predict past the sequence; causal attention lets no token read it).
+    """
+    lengths = torch.as_tensor(input_lengths, dtype=torch.int64).reshape(-1)
+    keep = lengths if replay_final else (lengths - 1).clamp(min=0)
+    if cu_seqlens is None:
+        if seq_len is None:
+            raise ValueError("replay_mask: pass seq_len (padded [B, S]) or cu_seqlens (packed)")
+        if (lengths < 0).any() or (lengths > seq_len).any():
+            raise InvalidRoutesError(
+                f"input_lengths must be in [0, {seq_len}], got {lengths.tolist()}"
+            )
+        return torch.arange(seq_len) < keep[:, None]
+    bounds = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1)
+    if len(bounds) != len(lengths) + 1 or ((bounds[1:] - bounds[:-1]) < lengths).any():
+        raise InvalidRoutesError(
+            f"cu_seqlens {bounds.tolist()} must hold one padded boundary per sequence around "
+            f"the input lengths {lengths.tolist()} (nemo_rl.pack's cu_seqlens)"
+        )
+    if seq_len is not None and seq_len != int(bounds[-1]):
+        raise InvalidRoutesError(f"seq_len={seq_len} but cu_seqlens ends at {int(bounds[-1])}")
+    mask = torch.zeros(1, int(bounds[-1]), dtype=torch.bool)
+    for start, n in zip(bounds[:-1].tolist(), keep.tolist(), strict=True):
+        mask[0, start : start + n] = True
+    return mask
 
 
 class MegatronRouterFeed:
@@ -128,15 +181,46 @@ class MegatronRouterFeed:
 
         return hook
 
-    def tensors(self, routes: torch.Tensor, *, fill: bool = True) -> list[torch.Tensor]:
+    def tensors(
+        self,
+        routes: torch.Tensor,
+        *,
+        replay_mask: torch.Tensor | None = None,
+        fill_real: Literal["error", "filler"] = "error",
+        fill: bool | None = None,
+    ) -> list[torch.Tensor]:
         """One int64 `[S * B, K]` tensor per router of this stage (seq-major), validated.
 
         `routes` is `[B, S, L, K]` (a packed batch is `[1, T, L, K]`) over all MoE layers,
-        -1 missing. Megatron has no per-row native fallback: with `fill`, missing rows get
-        padding ids from `integrations.nemo_rl.fill_missing` (distinct, spread over experts);
-        without, they raise. Use `fill` for padding and each sample's last token; a batch
-        whose real tokens lack routes (prefix-cache gaps) should be checked first.
+        -1 missing. Megatron's `RouterReplay` cannot route some rows natively (it gathers
+        the target ids of every row), so every row gets ids:
+
+        - routes given: those ids, wherever the row is;
+        - missing where `replay_mask` (`[B, S]`, sliced like the routes; `replay_mask()`) is
+          False (padding, each sequence's final token): filler ids from
+          `integrations.nemo_rl.fill_missing`, distinct and spread over every expert;
+        - missing where it is True, or anywhere without a mask: `InvalidRoutesError`,
+          naming the row, because filler experts would change that token's output. With
+          `fill_real="filler"` such rows get filler ids too (the old `fill=True`): only for
+          tokens whose outputs you know do not matter.
+
+        `fill` is deprecated: `fill=True` is `fill_real="filler"`, `fill=False` is
+        `fill_real="error"`.
         """
+        if fill is not None:
+            warnings.warn(
+                "MegatronRouterFeed: fill= is deprecated; pass replay_mask= (padding and each "
+                "sequence's final token get filler ids) and, to give filler ids to real "
+                "tokens without routes too, fill_real='filler' (fill=True did that)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            fill_real = "filler" if fill else "error"
+        if fill_real not in ("error", "filler"):
+            raise ValueError(
+                f"fill_real must be 'error' or 'filler', got {fill_real!r} (Megatron's "
+                "RouterReplay has no per-row native routing)"
+            )
         routes = torch.as_tensor(routes)
         L, K = self.layout.num_moe_layers, self.layout.top_k
         if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
@@ -147,6 +231,7 @@ class MegatronRouterFeed:
                 f"got {tuple(routes.shape)}: pass the routes of every MoE layer of the model; "
                 "the feed picks this stage's"
             )
+        replayed = self._replay_rows(replay_mask, tuple(routes.shape[:2]))
         ids = routes.long()
         bad = (ids < -1) | (ids >= self.layout.num_experts)
         if bad.any():
@@ -166,20 +251,73 @@ class MegatronRouterFeed:
                 f"in its top-{K}: {local[b, s, j].tolist()}; a router's top-k never repeats "
                 "an id (padding with expert 0 instead of -1?)"
             )
-        if fill:
-            local, _ = fill_missing(local, self.layout.num_experts)
-        elif (local == -1).any():
-            b, s, j, _ = (int(i) for i in (local == -1).nonzero()[0])
-            raise InvalidRoutesError(
-                f"batch {b}, position {s} has no route for layer {self.layers[j]}; Megatron "
-                "replays every row: pass fill=True to give such rows padding ids"
-            )
+        missing = (local == -1).any(-1)  # [B, S, L_local]
+        if fill_real == "error":
+            refused = missing if replayed is None else missing & replayed[..., None]
+            if refused.any():
+                b, s, j = (int(i) for i in refused.nonzero()[0])
+                raise InvalidRoutesError(self._refusal(b, s, self.layers[j], replayed is None))
+        local, _ = fill_missing(local, self.layout.num_experts)
         seq_major = local.transpose(0, 1)  # [S, B, L, K]: the router flattens [S, B, H]
         return [seq_major[:, :, j].reshape(-1, K).contiguous() for j in range(len(self.layers))]
 
-    def set(self, routes: torch.Tensor, *, fill: bool = True) -> None:
-        """Hand one micro-batch's routes to every router of this feed and replay them."""
-        per_router = self.tensors(routes, fill=fill)
+    @staticmethod
+    def _replay_rows(mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        mask = torch.as_tensor(mask)
+        if mask.is_floating_point() or mask.is_complex():
+            raise InvalidRoutesError(f"replay_mask must be bool or 0/1 integers, got {mask.dtype}")
+        if tuple(mask.shape) != shape:
+            raise InvalidRoutesError(
+                f"replay_mask is {tuple(mask.shape)} but the routes are {shape} (batch, seq): "
+                "slice the mask exactly as the routes (same CP / SP slicing)"
+            )
+        if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
+            raise InvalidRoutesError("replay_mask must hold only 0 and 1 (or bool)")
+        return mask.bool()
+
+    @staticmethod
+    def _refusal(b: int, s: int, layer: int, no_mask: bool) -> str:
+        where = f"batch {b}, position {s} has no route for layer {layer}"
+        if no_mask:
+            return (
+                f"{where} and the feed got no replay_mask, so it cannot tell padding from a "
+                "real token (Megatron's RouterReplay has no per-row native routing; filler "
+                "experts would change a real token's output): pass replay_mask= (e.g. "
+                "replay_mask(input_lengths, S), sliced like the routes) so that padding and "
+                "each sequence's final token get filler ids, or fill_real='filler' to give "
+                "every missing row filler ids"
+            )
+        return (
+            f"{where}, but replay_mask marks it as a real token to replay: its routes were "
+            "not recorded (a prefix-cache gap, an engine that reports a suffix only?). "
+            "Megatron's RouterReplay has no per-row native routing and filler experts would "
+            "change its output: re-collect the routes of this sample, drop it from the "
+            "batch, or pass fill_real='filler' to accept filler experts for such tokens"
+        )
+
+    def set(
+        self,
+        routes: torch.Tensor,
+        *,
+        replay_mask: torch.Tensor | None = None,
+        fill_real: Literal["error", "filler"] = "error",
+        fill: bool | None = None,
+    ) -> None:
+        """Hand one micro-batch's routes to every router of this feed and replay them.
+
+        `replay_mask`, `fill_real`: as in `tensors` (rows without routes).
+        """
+        if fill is not None:  # warn here, at the caller's line
+            warnings.warn(
+                "MegatronRouterFeed: fill= is deprecated; pass replay_mask= and, for real "
+                "tokens without routes, fill_real='filler' (fill=True did that)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            fill_real = "filler" if fill else "error"
+        per_router = self.tensors(routes, replay_mask=replay_mask, fill_real=fill_real)
         forward = _replay_module().RouterReplayAction.REPLAY_FORWARD
         for instance, ids in zip(self._instances, per_router, strict=True):
             instance.set_target_indices(ids)  # also queued for the recompute in backward

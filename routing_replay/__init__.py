@@ -4,6 +4,7 @@ Data path, top to bottom: layout -> capture -> store -> read -> replay.
 """
 
 from routing_replay.agreement import Agreement, routing_agreement
+from routing_replay.aux_loss import load_balancing_loss
 from routing_replay.capture import Capture, capture
 from routing_replay.dataset import fetch_batch, read_dataset, release_refs, routes_collate_fn
 from routing_replay.errors import (
@@ -64,6 +65,7 @@ __all__ = [
     "fetch_batch",
     "layout_of",
     "list_stores",
+    "load_balancing_loss",
     "node_store",
     "read_dataset",
     "release_refs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class _Group:
     sequences: Tensor | None = None  # generate's new tokens, [B, new]
     prompt_cols: int = 0  # padded prompt width: positions below it are prompt tokens
     eos: frozenset[int] = frozenset()
+    mask: Tensor | None = None  # the 2-D mask generate's last prepare step was given
 
 
 class Capture:
@@ -51,7 +53,7 @@ class Capture:
         self._current: _Forward | None = None
         self._generating: _Group | None = None
         self._handles: list[Any] = []
-        self._own_generate: Any = vars(model).get("generate")  # an instance override, if any
+        self._own: dict[str, Any] = {}  # instance overrides of the wrapped methods, if any
         self._outer_ids: Tensor | None = None  # the token ids a wrapping model was called with
 
     # -- context --------------------------------------------------------------------
@@ -67,19 +69,26 @@ class Capture:
         for j, router in enumerate(self.moe.routers):
             self._handles.append(router.module.register_forward_hook(self._recorder(j)))
         if callable(getattr(self.model, "generate", None)):
-            self._own_generate = vars(self.model).get("generate")
-            self.model.generate = self._wrap_generate(self.model.generate)
+            self._wrap("generate", self._wrap_generate)
+            if callable(getattr(self.model, "prepare_inputs_for_generation", None)):
+                self._wrap("prepare_inputs_for_generation", self._wrap_prepare)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._own_generate is not None:
-            self.model.generate = self._own_generate
-        elif "generate" in vars(self.model):
-            del self.model.generate
+        for name, own in self._own.items():
+            if own is not None:
+                setattr(self.model, name, own)
+            elif name in vars(self.model):
+                delattr(self.model, name)
+        self._own.clear()
         self._current = None
+
+    def _wrap(self, name: str, wrapper: Any) -> None:
+        self._own[name] = vars(self.model).get(name)  # an instance override, if any
+        setattr(self.model, name, wrapper(getattr(self.model, name)))
 
     # -- results ----------------------------------------------------------------------
 
@@ -116,15 +125,44 @@ class Capture:
             self._current = None  # not a token batch we can align; routers are ignored
             return
         mask = kwargs.get("attention_mask")
-        valid = mask[:, -shape[1] :] if isinstance(mask, Tensor) and mask.dim() == 2 else None
-        past = _past_columns(mask, kwargs.get("cache", kwargs.get("past_key_values")), shape[1])
+        group = self._generating
+        if group is not None:  # this forward's 2-D mask, before a compilable cache made it 4-D
+            if not _is_2d(mask):
+                mask = group.mask
+            group.mask = None
+        mask = mask if _is_2d(mask) else None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        width = shape[1]
+        # generate's 2-D mask always spans the whole sequence, so its width alone is the answer
+        past = _past_columns(mask, cache, width, whole=group is not None)
+        if past is None:  # only a device tensor knows: counted in generate, else read once
+            past = self._counted_past(cache)
         self._current = _Forward(
             shape=shape,
             input_ids_BS=_to_host(input_ids, copy=True),  # callers may reuse their buffers
-            valid_BS=_to_host(valid, copy=True),
+            valid_BS=_to_host(mask[:, -width:] if mask is not None else None, copy=True),
             past=past,
             ids_L=[None] * self.layout.num_moe_layers,
         )
+
+    def _counted_past(self, cache: Any) -> int:
+        """This forward's first column when the cache only knows it on the device.
+
+        Inside generate, after its first forward: the previous forward's end (generate appends
+        every forward's columns to the cache, nothing else changes it). Otherwise (the first
+        forward on a StaticCache that already holds state: one passed in, or initialized early
+        for chunked prefill; a hand-written loop over one without a 2-D mask of the whole
+        sequence, where it may have been reset or cropped in place) its length is read: one
+        read, a device sync on CUDA, for the forward, never per layer and never per decode
+        step of generate.
+        """
+        group = self._generating
+        if group is not None and group.forwards:
+            last = group.forwards[-1]
+            return last.past + last.shape[1]
+        lengths = [t for t in _cache_lengths(cache) if isinstance(t, Tensor)]
+        device = lengths[0].device
+        return int(torch.stack([t.reshape(()).to(device) for t in lengths]).max())  # the read
 
     def _recorder(self, j: int) -> Any:
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
@@ -183,6 +221,7 @@ class Capture:
                 out = generate(*args, **kwargs)
             finally:
                 self._generating = None
+                group.mask = None
             prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
             sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
             embeds = kwargs.get("inputs_embeds")
@@ -199,6 +238,17 @@ class Capture:
 
         return capturing_generate
 
+    def _wrap_prepare(self, prepare: Any) -> Any:
+        @functools.wraps(prepare)  # generate inspects its signature (e.g. for inputs_embeds)
+        def capturing_prepare(*args: Any, **kwargs: Any) -> Any:
+            group = self._generating
+            if group is not None:  # the 2-D mask generate keeps, whatever the forward gets
+                mask = kwargs.get("attention_mask")
+                group.mask = mask if _is_2d(mask) else None
+            return prepare(*args, **kwargs)
+
+        return capturing_prepare
+
     # -- alignment ----------------------------------------------------------------------
 
     def _samples(self) -> list[_Sample]:
@@ -214,18 +264,41 @@ class Capture:
         return out
 
 
-def _past_columns(mask: Any, cache: Any, width: int) -> int:
-    """Columns forwarded before this one: from the 2-D attention mask, or the cache's longest layer.
+def _is_2d(mask: Any) -> bool:
+    return isinstance(mask, Tensor) and mask.dim() == 2
 
-    A hybrid model's cache (MiniMax: linear attention in layer 0) reports 0 for the layers that
-    keep no tokens, so every layer is asked, and generate's whole-sequence mask says it too.
+
+def _past_columns(mask: Tensor | None, cache: Any, width: int, whole: bool = False) -> int | None:
+    """Columns forwarded before this one, from python ints only: never a device read.
+
+    From the 2-D attention mask (generate's covers the whole sequence) and every cache layer
+    whose length is a python int (DynamicCache, sliding-window layers, a StaticCache before
+    its first update). A hybrid model's cache reports 0 for layers that keep no tokens
+    (MiniMax: linear attention in layer 0), so every layer is asked. A StaticCache layer
+    keeps its length in a device tensor, which is not read: None when only such a tensor
+    could say the answer is not 0. `whole`: the mask is known to span the whole sequence.
     """
-    past = mask.shape[1] - width if isinstance(mask, Tensor) and mask.dim() == 2 else 0
-    if hasattr(cache, "get_seq_length"):
-        for layer in range(max(len(cache), 1) if hasattr(cache, "__len__") else 1):
-            with contextlib.suppress(ValueError, IndexError):  # a layer that tracks no length
-                past = max(past, int(cache.get_seq_length(layer)))
-    return past
+    past = mask.shape[1] - width if mask is not None else 0
+    if whole and mask is not None:
+        return past
+    on_device = False
+    for length in _cache_lengths(cache):
+        if isinstance(length, Tensor):
+            on_device = True
+        else:
+            past = max(past, int(length))
+    return None if on_device and past == 0 else past
+
+
+def _cache_lengths(cache: Any) -> list[Any]:
+    """Each layer's `get_seq_length`, as the cache returns it (an int or a tensor, unread)."""
+    if not hasattr(cache, "get_seq_length"):
+        return []
+    lengths = []
+    for layer in range(max(len(cache), 1) if hasattr(cache, "__len__") else 1):
+        with contextlib.suppress(ValueError, IndexError):  # a layer that tracks no length
+            lengths.append(cache.get_seq_length(layer))
+    return lengths
 
 
 def capture(model: nn.Module) -> Capture:

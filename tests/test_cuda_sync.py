@@ -2,18 +2,25 @@
 
 The hooks run under torch.cuda.set_sync_debug_mode("error"), which raises on any
 synchronising call (.item(), .cpu(), .nonzero(), a blocking copy). The HF experts loop
-itself synchronises (it calls nonzero), so only routing_replay's own code is run in that mode.
+itself synchronises (it calls nonzero), so only routing_replay's own code is run in that mode:
+called directly, or, under a whole `generate`, each of Capture's hook functions switched
+into that mode while it runs (`strict_hooks`). tests/test_capture_sync.py checks the same
+on the CPU with a counter of host reads.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from moe_models import tiny_model
 
 from routing_replay import RoutingLayout, capture, replay
+from routing_replay.capture import Capture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -26,6 +33,91 @@ def no_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def strict_hooks(monkeypatch) -> collections.Counter:
+    """Run each of Capture's hook functions in sync-debug "error" mode; count their calls."""
+    calls: collections.Counter = collections.Counter()
+
+    def strict(fn, name):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return run
+
+    def lenient(fn):  # transformers' own prepare step, called from capture's wrapper
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+        return run
+
+    for name in ("_begin", "_end", "_outer_begin"):
+        monkeypatch.setattr(Capture, name, strict(Capture.__dict__[name], name))
+    recorder = Capture.__dict__["_recorder"]
+    monkeypatch.setattr(Capture, "_recorder", lambda cap, j: strict(recorder(cap, j), "router"))
+    wrap_prepare = Capture.__dict__["_wrap_prepare"]
+    monkeypatch.setattr(
+        Capture,
+        "_wrap_prepare",
+        lambda cap, prepare: strict(wrap_prepare(cap, lenient(prepare)), "prepare"),
+    )
+    return calls
+
+
+NEW = 4  # new tokens: the prefill, then 3 decode steps
+PROMPT = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])  # row 0 left padded
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+FULL = torch.tensor([[9, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+
+
+def generate(model, impl, prompt, mask):
+    kw = (
+        {"do_sample": False} if impl is None else {"do_sample": False, "cache_implementation": impl}
+    )
+    mask = None if mask is None else mask.cuda()
+    with capture(model) as cap, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            prompt.cuda(), attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, **kw
+        )
+    return out.cpu(), cap.routes(), cap.token_ids()
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
+@pytest.mark.parametrize(
+    ("family", "impl"),
+    [
+        ("qwen3_moe", "static"),  # StaticCache: every layer's length is a device tensor
+        ("gpt_oss", "static"),  # sliding layers: python ints; full ones: device tensors
+        ("qwen3_5_moe", "static"),  # hybrid: linear attention + static full attention
+        ("qwen3_5_moe", None),  # hybrid, dynamic
+        ("minimax", None),  # MiniMax's own hybrid cache (static is ignored for it)
+    ],
+)
+def test_capture_hooks_do_not_sync_under_generate(monkeypatch, family, impl, padded):
+    model = tiny_model(family).cuda()
+    prompt, mask = (PROMPT, MASK) if padded else (FULL, None)
+    torch.cuda.synchronize()
+    calls = strict_hooks(monkeypatch)
+    out, routes, tokens = generate(model, impl, prompt, mask)
+    monkeypatch.undo()
+    assert calls["_begin"] == calls["_end"] == NEW  # every forward ran through the hooks
+    assert calls["router"] == NEW * len(routes[0][0])
+    # The same routes as the same generate with a DynamicCache and no strict mode.
+    ref_out, ref_routes, ref_tokens = generate(model, None, prompt, mask)
+    assert torch.equal(out, ref_out)
+    assert [len(r) for r in routes] == ([4 + NEW, 6 + NEW] if padded else [6 + NEW] * 2)
+    for a, b in zip(routes + tokens, ref_routes + ref_tokens, strict=True):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -25,7 +25,8 @@ from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
 from megatron_cpu import B, H, S, allgather_moe_layers, config, cpu_gating  # noqa: E402
 
-from integrations.megatron import MegatronRouterFeed, stage_moe_layers  # noqa: E402
+from integrations.megatron import MegatronRouterFeed, replay_mask, stage_moe_layers  # noqa: E402
+from integrations.nemo_rl import cp_slice, pack  # noqa: E402
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
 
 # 4 layers, layer 1 dense; top-2 of 8 experts (megatron_cpu.config). Hidden 16.
@@ -110,18 +111,144 @@ def test_pipeline_stage_takes_its_layers_and_skips_dense():
     feed.close()
 
 
-def test_packed_batch_and_missing_rows_get_spread_padding_ids():
+def filler(i: int) -> list[int]:
+    """fill_missing's ids for the i-th filled row, E=8, K=2: i and i + E/K, mod E."""
+    return [i % 8, (i + 4) % 8]
+
+
+def test_replay_mask_marks_real_tokens_but_each_final_one():
+    assert replay_mask([3, 5, 0], 5).tolist() == [
+        [True, True, False, False, False],
+        [True, True, True, True, False],
+        [False] * 5,
+    ]
+    assert replay_mask([3, 5], 5, replay_final=True).tolist() == [
+        [True, True, True, False, False],
+        [True] * 5,
+    ]
+    # Packed: sequences of 3 and 2 tokens, each padded to 4 (nemo_rl.pack(multiple=4)).
+    packed = pack(
+        {"input_ids": torch.ones(2, 5, dtype=torch.long), "input_lengths": [3, 2]}, multiple=4
+    )
+    lengths = packed["cu_seqlens_unpadded"].diff()
+    mask = replay_mask(lengths, cu_seqlens=packed["cu_seqlens"])
+    assert mask.tolist() == [[True, True, False, False, True, False, False, False]]
+    with pytest.raises(InvalidRoutesError, match=r"input_lengths must be in \[0, 5\]"):
+        replay_mask([6], 5)
+    with pytest.raises(InvalidRoutesError, match="one padded boundary per sequence"):
+        replay_mask([3, 2], cu_seqlens=[0, 2, 8])
+    with pytest.raises(ValueError, match="pass seq_len"):
+        replay_mask([3])
+
+
+def test_padding_and_final_tokens_get_filler_ids_real_tokens_are_kept():
     cfg = config()
     routers = build_stage(cfg, [0, 2, 3])
     feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
-    packed = distinct_routes(2).reshape(1, B * S, 3, 2).clone()
-    packed[0, -4:] = -1  # padding
-    tensors = feed.tensors(packed)
-    assert all(t.shape == (B * S, 2) for t in tensors)
-    pad = tensors[0][-4:]
-    assert (pad.sort(-1).values.diff(dim=-1) > 0).all() and not (pad == 0).all(0).any()
-    with pytest.raises(InvalidRoutesError, match="no route for layer 0"):
-        feed.tensors(packed, fill=False)
+    routes = distinct_routes(2)  # [B=3, S=5, 3, 2]
+    lengths = [5, 3, 4]  # right padding; each sample's final token has no routes
+    for b, n in enumerate(lengths):
+        routes[b, n - 1 :] = -1
+    mask = replay_mask(lengths, S)
+    tensors = feed.tensors(routes, replay_mask=mask)
+    # Filled rows, counted row-major over (batch, position, layer), get fill_missing's ids.
+    filled = [(b, s) for b in range(B) for s in range(S) if s >= lengths[b] - 1]
+    for j, t in enumerate(tensors):
+        got = t.view(S, B, 2)  # seq-major rows: s * B + b
+        for b in range(B):
+            for s in range(S):
+                if s < lengths[b] - 1:
+                    assert got[s, b].tolist() == routes[b, s, j].tolist()
+                else:
+                    i = filled.index((b, s)) * 3 + j  # 3 local MoE layers per token
+                    assert got[s, b].tolist() == filler(i), (b, s, j)
+    feed.close()
+
+
+def test_real_token_without_routes_is_refused_unless_opted_in():
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    routes = distinct_routes(7)
+    routes[:, -1] = -1  # every final token: fine
+    routes[1, 2, 1] = -1  # a real token's layer-2 routes are missing: a gap
+    mask = replay_mask([S] * B, S)
+    refused = r"batch 1, position 2 has no route for layer 2, but replay_mask marks it as a real"
+    with pytest.raises(InvalidRoutesError, match=refused):
+        feed.tensors(routes, replay_mask=mask)
+    with pytest.raises(InvalidRoutesError, match=refused):
+        feed.set(routes, replay_mask=mask)
+    assert feed._rows == []  # nothing was set
+    # Opted in: that row gets filler ids too, in the same row-major count.
+    tensors = feed.tensors(routes, replay_mask=mask, fill_real="filler")
+    # Filled rows in order: (b=0, s=4) x 3 layers, (1, 2, layer 2), (1, 4) x 3, (2, 4) x 3.
+    assert tensors[1].view(S, B, 2)[2, 1].tolist() == filler(3)
+    assert tensors[0].view(S, B, 2)[2, 1].tolist() == routes[1, 2, 0].tolist()
+    assert [t.view(S, B, 2)[4, 2].tolist() for t in tensors] == [filler(7), filler(8), filler(9)]
+    # Without a mask, padding cannot be told from real tokens: any missing row is refused.
+    with pytest.raises(InvalidRoutesError, match=r"batch 0, position 4 .* got no replay_mask"):
+        feed.tensors(routes)
+    assert torch.equal(torch.stack(feed.tensors(routes, fill_real="filler")), torch.stack(tensors))
+    with pytest.raises(ValueError, match=r"'error' or 'filler'.*no per-row native"):
+        feed.tensors(routes, replay_mask=mask, fill_real="native")
+    with pytest.raises(InvalidRoutesError, match=r"replay_mask is \(3, 4\) but the routes"):
+        feed.tensors(routes, replay_mask=mask[:, :4])
+    with pytest.raises(InvalidRoutesError, match="only 0 and 1"):
+        feed.tensors(routes, replay_mask=mask.long() * 2)
+    feed.close()
+
+
+def test_deprecated_fill_keeps_its_old_meaning():
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    routes = distinct_routes(8)
+    routes[0, 1] = -1
+    with pytest.warns(DeprecationWarning, match="fill= is deprecated"):
+        old = feed.tensors(routes, fill=True)
+    assert [t.view(S, B, 2)[1, 0].tolist() for t in old] == [filler(0), filler(1), filler(2)]
+    with (
+        pytest.warns(DeprecationWarning, match="fill= is deprecated"),
+        pytest.raises(InvalidRoutesError, match="batch 0, position 1 has no route for layer 0"),
+    ):
+        feed.set(routes, fill=False)
+    feed.close()
+
+
+def test_packed_cp_sliced_batch_mask_follows_the_routes():
+    # Packed, CP=2: routes and mask sliced the same way; the final tokens are filled.
+    cfg = config()
+    routers = build_stage(cfg, [0, 2, 3])
+    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
+    batch = {"input_ids": torch.ones(2, 6, dtype=torch.long), "input_lengths": [6, 3]}
+    batch["routed_experts"] = distinct_routes(9).reshape(1, 15, 3, 2)[:, :12].reshape(2, 6, 3, 2)
+    batch["routed_experts"][0, 5] = -1
+    batch["routed_experts"][1, 2:] = -1  # final token, then padding
+    packed = pack(batch, multiple=4)  # lengths 6 -> 8, 3 -> 4: T = 12
+    mask = replay_mask(packed["cu_seqlens_unpadded"].diff(), cu_seqlens=packed["cu_seqlens"])
+    cu = packed["cu_seqlens"]
+    for rank in range(2):
+        routes = cp_slice(packed["routed_experts"], 2, rank, cu_seqlens=cu)
+        local_mask = cp_slice(mask, 2, rank, cu_seqlens=cu)
+        tensors = feed.tensors(routes, replay_mask=local_mask)
+        missing = (routes[0] == -1).any(-1)  # [T_local, 3]
+        # Exactly the final tokens and padding lack routes (all layers), as the mask says.
+        assert torch.equal(missing.all(-1), ~local_mask[0])
+        assert torch.equal(missing.any(-1), missing.all(-1))
+        i = 0
+        for t in range(routes.shape[1]):
+            for j in range(3):
+                if missing[t, j]:
+                    assert tensors[j][t].tolist() == filler(i), (rank, t, j)
+                    i += 1
+                else:
+                    assert tensors[j][t].tolist() == routes[0, t, j].tolist()
+        assert i == 3 * int((~local_mask).sum()) > 0
+    gap = packed["routed_experts"].clone()
+    gap[0, 2] = -1  # a real token of sequence 0, CP rank 1 holds it (chunk 1 of 4)
+    local = cp_slice(gap, 2, 1, cu_seqlens=cu)
+    with pytest.raises(InvalidRoutesError, match="batch 0, position 0 has no route for layer 0"):
+        feed.tensors(local, replay_mask=cp_slice(mask, 2, 1, cu_seqlens=cu))
     feed.close()
 
 
@@ -235,8 +362,9 @@ def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():
     cfg, layers = allgather_moe_layers()
     feed = MegatronRouterFeed(LAYOUT, cfg, model=layers)
     routes = distinct_routes(6)
-    routes[2, 3:] = -1  # padding at the end of the last sequence
-    feed.set(routes)
+    routes[2, 3:] = -1  # the final token and padding at the end of the last sequence
+    mask = replay_mask([S, S, 4], S)
+    feed.set(routes, replay_mask=mask)
     received: dict[int, int] = {}
     for e, expert in enumerate(layers[1].experts.local_experts):
         expert.register_forward_hook(
@@ -244,7 +372,7 @@ def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():
         )
     x = torch.randn(S, B, H, requires_grad=True)
     out, _ = layers[1](x)  # global layer 2: routes column 1
-    sent = feed.tensors(routes)[1]
+    sent = feed.tensors(routes, replay_mask=mask)[1]
     assert received == {e: int((sent == e).sum()) for e in range(8)}
     assert torch.equal(sent[: 3 * B], routes[:, :3, 1].transpose(0, 1).reshape(-1, 2))
     out.sum().backward()
