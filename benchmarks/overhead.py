@@ -7,7 +7,12 @@
   including the `cap.routes()` call that aligns and returns the per-sample arrays.
 - replay: one training step (forward + backward, train mode) with and without
   `replay(model, routes)` of the model's own routes (so the experts' work is the same),
-  including building the context (validation of the routes).
+  including building the context (validation of the routes). The first replay block
+  prepares the model for good (a forward on each router that routes natively outside a
+  block); the cost of that on native steps is measured too, against a copy never prepared.
+- replay device bytes/token: what a `replay` block holds on the routers' device for the
+  batch, summed over the actual tensors it keeps, at the Qwen3-30B-A3B routing shape
+  (48 MoE layers, top-8 of 128 experts; a model with that routing and tiny layers).
 
 Runs come in adjacent pairs (plain, with; then with, plain), so drift and other load hit
 both; the overhead is the median per-pair ratio minus one (ratios of medians and of minima
@@ -20,6 +25,8 @@ weight ops) is reported as well ("own code"). Writes benchmarks/results/overhead
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import platform
@@ -30,11 +37,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
 
 from routing_replay import Capture, Replay, capture, replay
+
+replay_module = sys.modules["routing_replay.replay"]  # the package exports a function `replay`
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -46,11 +56,17 @@ def timed(fn) -> float:
 
 
 class LibraryClock:
-    """Accumulates wall time spent inside routing_replay's own code (hooks, setup, routes())."""
+    """Accumulates wall time spent inside routing_replay's own code (hooks, setup, routes()).
 
-    def __init__(self) -> None:
+    `model`: a model prepared for replay, whose decoder hooks are timed too (they are
+    registered functions, so they are wrapped where they are registered).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.seconds = 0.0
-        self._patches: list[tuple[type, str, object]] = []
+        self.model = model
+        self._patches: list[tuple[object, str, object]] = []
+        self._hooks: list[tuple[dict, int, object]] = []
 
     def _timed(self, fn):
         def wrapper(*args, **kwargs):
@@ -69,33 +85,52 @@ class LibraryClock:
         return make
 
     def __enter__(self) -> LibraryClock:
-        for cls, name, wrap in (
+        for owner, name, wrap in (
             (Capture, "__init__", self._timed),
             (Capture, "_begin", self._timed),
             (Capture, "_end", self._timed),
             (Capture, "routes", self._timed),
             (Capture, "_recorder", self._hook_factory),
             (Replay, "__init__", self._timed),
-            (Replay, "_check_inputs", self._timed),
-            (Replay, "_check_all_routed", self._timed),
-            (Replay, "_router_hook", self._hook_factory),
+            (Replay, "__enter__", self._timed),
+            (Replay, "__exit__", self._timed),
+            (replay_module, "_force", self._timed),  # the forced ids, per router call
         ):
-            original = cls.__dict__[name]
-            self._patches.append((cls, name, original))
-            setattr(cls, name, wrap(original))
+            original = owner.__dict__[name]
+            self._patches.append((owner, name, original))
+            setattr(owner, name, wrap(original))
+        # The decoder's checks (batch shape before, every router called after) of a prepared
+        # model. The router forwards' own part is `_force` (the rest is the model's forward).
+        state = self._state()
+        if state is not None:
+            for handle in state.handles:
+                for hooks in (
+                    state.moe.decoder._forward_pre_hooks,
+                    state.moe.decoder._forward_hooks,
+                ):
+                    if handle.id in hooks:
+                        self._hooks.append((hooks, handle.id, hooks[handle.id]))
+                        hooks[handle.id] = self._timed(hooks[handle.id])
         return self
 
+    def _state(self):
+        if self.model is None:
+            return None
+        for module in self.model.modules():
+            state = module.__dict__.get("_routing_replay_state")
+            if state is not None:
+                return state
+        return None
+
     def __exit__(self, *exc) -> None:
-        for cls, name, original in reversed(self._patches):
-            setattr(cls, name, original)
+        for hooks, key, original in reversed(self._hooks):
+            hooks[key] = original
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
 
 
-def alternate(plain, with_lib, repeat: int) -> dict:
-    """Time plain() and with_lib() in adjacent pairs after a warm-up; overhead = median ratio - 1.
-
-    The median of per-pair ratios is robust to load drifting during the run (other processes
-    on a shared machine); medians and minima of each side are reported too.
-    """
+def paired(plain, with_lib, repeat: int) -> tuple[list[float], list[float]]:
+    """Times of plain() and with_lib() in adjacent pairs (alternating order), after a warm-up."""
     plain()
     with_lib()
     a, b = [], []
@@ -104,9 +139,19 @@ def alternate(plain, with_lib, repeat: int) -> dict:
         first, second = timed(pair[0]), timed(pair[1])
         a.append(first if i % 2 == 0 else second)
         b.append(second if i % 2 == 0 else first)
+    return a, b
+
+
+def alternate(plain, with_lib, repeat: int, model=None) -> dict:
+    """Time plain() and with_lib() in adjacent pairs after a warm-up; overhead = median ratio - 1.
+
+    The median of per-pair ratios is robust to load drifting during the run (other processes
+    on a shared machine); medians and minima of each side are reported too.
+    """
+    a, b = paired(plain, with_lib, repeat)
     own = []
     for _ in range(repeat):  # time inside routing_replay's code, as a share of a plain run
-        with LibraryClock() as clock:
+        with LibraryClock(model) as clock:
             total = timed(with_lib)
         own.append(clock.seconds / total)
     return {
@@ -148,24 +193,91 @@ def replay_overhead(model, batch: int, seq: int, repeat: int) -> dict:
     input_ids = torch.randint(3, VOCAB, (batch, seq))
     # Replay the model's own routes, so the experts do the same work with and without replay
     # and the difference is the library's cost alone.
+    unprepared = copy.deepcopy(model).train()  # before any replay: never prepared
     with capture(model) as cap, torch.no_grad():
         model(input_ids=input_ids)
     routes = torch.from_numpy(np.stack(cap.routes()))
     routes[:, -1] = -1  # the last token of each sample: never forwarded at rollout
     model.train()
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    def step_of(m):
+        def step():
+            m.zero_grad(set_to_none=True)
+            m(input_ids=input_ids, labels=input_ids).loss.backward()
+
+        return step
+
+    step = step_of(model)
 
     def step_with_replay():
         with replay(model, routes):
             step()
 
     try:
-        return alternate(step, step_with_replay, repeat)
+        result = alternate(step, step_with_replay, repeat, model=model)
+        # The model is prepared now: its native steps run replay's inactive router forwards.
+        a, b = paired(step_of(unprepared), step, repeat)
+        result["prepared_native_vs_unprepared"] = (
+            statistics.median(y / x for x, y in zip(a, b, strict=True)) - 1
+        )
+        return result
     finally:
         model.eval()
+
+
+def qwen3_30b_a3b_routing() -> torch.nn.Module:
+    """Qwen3-30B-A3B's routing (48 MoE layers, top-8 of 128 experts) on tiny layers."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=16,
+        moe_intermediate_size=4,
+        num_hidden_layers=48,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def held_device_bytes(block) -> int:
+    """Bytes of every tensor a replay block keeps for its batch (its per-device routes)."""
+    return sum(
+        value.numel() * value.element_size()
+        for routes in block._on_device.values()
+        for value in (getattr(routes, f.name) for f in dataclasses.fields(routes))
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def replay_device_bytes(tokens: int) -> dict:
+    """Device bytes per token a replay block holds, inside it and after it, at Qwen3-30B-A3B."""
+    model = qwen3_30b_a3b_routing()
+    layers, top_k, experts = 48, 8, 128
+    g = torch.Generator().manual_seed(0)
+    keys = torch.rand(tokens, layers, experts, generator=g)
+    routes = keys.argsort(dim=-1)[..., :top_k].to(torch.int32)[None]  # as capture returns them
+    block = Replay(model, routes)
+    with block:
+        inside = held_device_bytes(block)
+        dtypes = sorted(
+            {
+                str(getattr(r, f.name).dtype)
+                for r in block._on_device.values()
+                for f in dataclasses.fields(r)
+            }
+        )
+    after = held_device_bytes(block)
+    return {
+        "shape": f"{layers} MoE layers, top-{top_k}, {experts} experts",
+        "tokens": tokens,
+        "bytes_per_token": inside / tokens,
+        "bytes_per_token_after_exit": after / tokens,
+        "dtypes": dtypes,
+    }
 
 
 def main() -> None:
@@ -186,6 +298,7 @@ def main() -> None:
             "capture_vs_generate": capture_overhead(model, prompts, prompt_len, new, repeat),
             "replay_vs_forward_backward": replay_overhead(model, prompts, seq, repeat),
         }
+    memory = replay_device_bytes(tokens=1024)
     print(
         f"{'model':12} {'what':28} {'plain s':>9} {'with s':>9} {'overhead':>9} "
         f"{'of medians':>11} {'of minima':>10} {'own code':>9}"
@@ -197,6 +310,14 @@ def main() -> None:
                 f"{r['overhead']:>+9.2%} {r['overhead_of_medians']:>+11.2%} "
                 f"{r['overhead_of_minima']:>+10.2%} {r['own_code_share']:>9.2%}"
             )
+        prepared = res["replay_vs_forward_backward"].get("prepared_native_vs_unprepared")
+        if prepared is not None:
+            print(f"{name:12} {'native step, prepared model':28} {'':>9} {'':>9} {prepared:>+9.2%}")
+    print(
+        f"replay device bytes/token ({memory['shape']}): {memory['bytes_per_token']:.0f} "
+        f"inside the block ({', '.join(memory['dtypes'])}), "
+        f"{memory['bytes_per_token_after_exit']:.0f} after it"
+    )
     report = {
         "setup": {
             "prompts": prompts,
@@ -212,6 +333,7 @@ def main() -> None:
             "machine": platform.machine(),
         },
         "models": results,
+        "replay_device_memory": memory,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("overhead-quick.json" if args.quick else "overhead.json")

@@ -23,7 +23,7 @@ from routing_replay.errors import (
 )
 from routing_replay.layout import MISSING, RoutingLayout
 from routing_replay.reader import cu_seqlens, to_torch
-from routing_replay.replay import Replay, replay
+from routing_replay.replay import Replay, prepare_replay, replay
 from routing_replay.rollout import Rollout, RolloutWorker, rollout_worker
 from routing_replay.schema import layout_of, routes_schema
 from routing_replay.store import (
@@ -67,6 +67,7 @@ __all__ = [
     "list_stores",
     "load_balancing_loss",
     "node_store",
+    "prepare_replay",
     "read_dataset",
     "release_refs",
     "replay",

@@ -636,34 +636,3 @@ def test_backward_outside_replay_under_checkpointing_warns():
     # The recompute now routes natively; torch usually notices the changed saved tensors too.
     with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
         loss.backward()
-
-
-@pytest.mark.parametrize("style", ["whole", "module.compile", "per-layer"])
-def test_compiled_model_is_refused_before_the_forward(style):
-    # Compiled and run once (a validation pass), then replayed: Dynamo's code never calls
-    # replay's hooks, so the forward would route natively. It must refuse, not pass.
-    torch._dynamo.reset()
-    model = tiny_model("mixtral").eval()
-    input_ids = batch(pad=())[0]
-    if style == "whole":
-        run = torch.compile(model, backend="aot_eager")
-    elif style == "module.compile":
-        model.compile(backend="aot_eager")
-        run = model
-    else:  # torchtitan: each decoder layer compiled on its own
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = torch.compile(layer, backend="aot_eager")
-        run = model
-    with torch.no_grad():
-        run(input_ids=input_ids)
-    routes = random_routes(layout_of(model), (B, S), seed=19)
-    target = run if style == "whole" else model
-    refused = pytest.raises(UnsupportedModelError, match=r"compiled.*not supported yet")
-    with refused, replay(model, routes), torch.no_grad():
-        run(input_ids=input_ids)
-    with pytest.raises(UnsupportedModelError, match="compiled"):
-        replay(target, routes).__enter__()
-    torch._dynamo.reset()
-    eager = tiny_model("mixtral").eval()
-    with replay(eager, routes), torch.no_grad():  # after a reset, a fresh eager model replays
-        eager(input_ids=input_ids)
