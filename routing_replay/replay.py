@@ -238,6 +238,10 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not state.active:
         return
     state.ran_L = [False] * len(state.ran_L)
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not _in_backward():
+        # Counted here, where the caller's grad mode holds: reentrant checkpointing runs
+        # the layers (and so the routers) under no_grad in the forward.
+        state.owner._grad_forwards += 1
     shape = _input_shape(args, kwargs)
     # Against the routes tensor's own sizes, not a tuple of ints: compiled with dynamic
     # shapes, a new batch shape then needs no recompile for this check.
@@ -350,10 +354,8 @@ class Replay:
         return found
 
     def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
-        if _in_backward():  # a checkpoint recompute
+        if _in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
             self._recomputes += 1
-        elif torch.is_grad_enabled():
-            self._grad_forwards += 1
 
 
 def _refuse_unguarded() -> None:

@@ -626,9 +626,12 @@ def test_dense_model_fails_loudly():
         capture(model)
 
 
-def test_backward_outside_replay_under_checkpointing_warns():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_backward_outside_replay_under_checkpointing_warns(reentrant):
+    # Reentrant checkpointing runs the layers under no_grad in the forward: the pass is
+    # counted at the decoder, where the caller's grad mode holds.
     model = tiny_model("olmoe").train()
-    model.activation_checkpointing_enable()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
     input_ids, _ = batch(pad=())
     routes = random_routes(layout_of(model), (B, S), seed=12)
     with pytest.warns(RuntimeWarning, match="inside the `with replay"), replay(model, routes):
