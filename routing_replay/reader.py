@@ -88,13 +88,13 @@ def to_torch(
     lengths = batch.column(NUM_TOKENS).to_numpy()
     if attention_mask is None:
         if input_ids is not None:
-            trained = torch.as_tensor(input_ids).cpu().reshape(-1)
-            if trained.ndim != 1 or len(trained) != int(lengths.sum()):
+            trained = torch.as_tensor(input_ids).cpu()
+            if trained.squeeze(0).shape != (int(lengths.sum()),):
                 raise InvalidRoutesError(
                     f"packed input_ids must be [sum_T={int(lengths.sum())}] or [1, sum_T], got "
-                    f"{tuple(torch.as_tensor(input_ids).shape)}"
+                    f"{tuple(trained.shape)}"
                 )
-            check_tokens(batch, trained.numpy(), np.zeros(len(lengths), np.int64), None)
+            check_tokens(batch, trained.reshape(-1).numpy(), np.zeros(len(lengths)), None)
         packed = layout.decode(stored.reshape(-1, L, K))
         with warnings.catch_warnings():
             # An Arrow buffer that arrived through Ray is read-only; the tensor shares it,
