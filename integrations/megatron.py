@@ -252,6 +252,14 @@ class MegatronRouterFeed:
                 "an id (padding with expert 0 instead of -1?)"
             )
         missing = (local == -1).any(-1)  # [B, S, L_local]
+        partial = missing & ~(local == -1).all(-1)
+        if partial.any():  # filler would replace the recorded ids of that row
+            b, s, j = (int(i) for i in partial.nonzero()[0])
+            raise InvalidRoutesError(
+                f"batch {b}, position {s}, MoE layer {self.layers[j]} holds some but not all "
+                f"of its top-{K} ids: {local[b, s, j].tolist()}; a row is all {K} recorded "
+                "ids or all -1 (re-collect routes recorded with another top_k)"
+            )
         if fill_real == "error":
             refused = missing if replayed is None else missing & replayed[..., None]
             if refused.any():

@@ -453,12 +453,15 @@ def _check_values(
     batch_shape: tuple[int, ...],
     mask_N: Tensor | None = None,
 ) -> tuple[list[bool], list[bool]]:
-    """Range, duplicate and padding checks where the ids are, one host sync; per layer: any/all
-    missing. `mask_N` (flattened attention mask, optional): padding rows must be all -1."""
+    """Range, duplicate, whole-row and padding checks where the ids are, one host sync; per
+    layer: any/all missing. `mask_N` (flattened attention mask, optional): padding rows must
+    be all -1."""
     bad_NLK = (ids_NLK < MISSING) | (ids_NLK >= layout.num_experts)
     dup_NL = _repeats(ids_NLK)
-    missing_NL = (ids_NLK == MISSING).any(dim=-1)
-    checks = [bad_NLK.any()[None], dup_NL.any()[None]]
+    missing_NLK = ids_NLK == MISSING
+    missing_NL = missing_NLK.any(dim=-1)
+    partial_NL = missing_NL & ~missing_NLK.all(dim=-1)  # some of a row's K ids, not all
+    checks = [bad_NLK.any()[None], dup_NL.any()[None], partial_NL.any()[None]]
     if mask_N is not None:
         padded_routed_N = (mask_N == 0) & (ids_NLK != MISSING).flatten(1).any(dim=1)
         checks.append(padded_routed_N.any()[None])
@@ -476,7 +479,16 @@ def _check_values(
             f"routes repeat an expert within one token's top-k at index "
             f"{[*_unravel(n, batch_shape), layer]}: {ids_NLK[n, layer].tolist()}"
         )
-    if mask_N is not None and flags[2]:
+    if flags[2]:
+        n, layer = (int(i) for i in partial_NL.nonzero()[0])
+        raise InvalidRoutesError(
+            f"routes at index {[*_unravel(n, batch_shape), layer]} hold some but not all of "
+            f"a token's top-{layout.top_k} ids: {ids_NLK[n, layer].tolist()} "
+            f"({int(partial_NL.sum())} such rows). A row is all {layout.top_k} recorded ids, "
+            "or all -1 (route natively); a partly -1 row means routes of another top_k were "
+            "padded or truncated: re-collect them with this model's top_k"
+        )
+    if mask_N is not None and flags[3]:
         _raise_padding_with_routes(ids_NLK, mask_N, padded_routed_N, batch_shape)
     num_layers = layout.num_moe_layers
     start = len(checks)

@@ -528,6 +528,7 @@ def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch)
         ("float", InvalidRoutesError, "integer"),
         ("unsigned", InvalidRoutesError, "decode"),
         ("duplicate", InvalidRoutesError, r"repeat an expert .* at index \[0, 1, 1\]"),
+        ("partial", InvalidRoutesError, r"index \[1, 3, 0\] hold some but not all"),
         ("rank", InvalidRoutesError, "input_ids.shape"),
         ("batch_shape", InvalidRoutesError, "batch shape"),
     ],
@@ -551,6 +552,8 @@ def test_bad_routes_raise_before_forward(change, error, words):
         routes = routes.clamp(min=0).to(torch.uint8)
     elif change == "duplicate":
         routes[0, 1, 1, 1] = routes[0, 1, 1, 0]
+    elif change == "partial":  # routes of a smaller top_k padded with -1
+        routes[1, 3, 0, -1] = -1
     elif change == "rank":
         routes = routes[0, 0]
     elif change == "batch_shape":

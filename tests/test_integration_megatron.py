@@ -342,6 +342,11 @@ def test_validation_megatron_lacks():
     twice[0, 3, 2, 1] = twice[0, 3, 2, 0]
     with pytest.raises(InvalidRoutesError, match=r"batch 0, position 3, MoE layer 3 names an"):
         feed.tensors(twice)
+    partial = routes.clone()
+    partial[1, 4, 1, 0] = -1  # even on a row filler ids could take: the recorded id is real
+    no_replay = torch.zeros(partial.shape[:2], dtype=torch.bool)
+    with pytest.raises(InvalidRoutesError, match=r"batch 1, position 4, MoE layer \d+ holds some"):
+        feed.tensors(partial, replay_mask=no_replay)
     feed.set(routes[:, :4])  # fewer rows than the router will see
     with pytest.raises(InvalidRoutesError, match="sees 15 tokens but was fed 12 rows"):
         routers[0](torch.randn(S, B, H))
