@@ -271,11 +271,15 @@ def replay_device_bytes(tokens: int) -> dict:
             }
         )
     after = held_device_bytes(block)
+    # Before 10197fc a block held the ids as int64 plus a [T, L] bool missing mask, for the
+    # whole block and after it: the same tensors in those dtypes.
+    wide = routes.numel() * torch.int64.itemsize + routes[..., 0].numel()
     return {
         "shape": f"{layers} MoE layers, top-{top_k}, {experts} experts",
         "tokens": tokens,
         "bytes_per_token": inside / tokens,
         "bytes_per_token_after_exit": after / tokens,
+        "bytes_per_token_int64_before": wide / tokens,
         "dtypes": dtypes,
     }
 
@@ -316,7 +320,8 @@ def main() -> None:
     print(
         f"replay device bytes/token ({memory['shape']}): {memory['bytes_per_token']:.0f} "
         f"inside the block ({', '.join(memory['dtypes'])}), "
-        f"{memory['bytes_per_token_after_exit']:.0f} after it"
+        f"{memory['bytes_per_token_after_exit']:.0f} after it; int64 ids and mask (before): "
+        f"{memory['bytes_per_token_int64_before']:.0f}, also after it"
     )
     report = {
         "setup": {
