@@ -70,6 +70,21 @@ def demo_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     return model.to(dtype).eval()
 
 
+def demo_tokenizer() -> Any:
+    """A character-level tokenizer for `demo_model`: pad 0, eos 1, bos 2, printable ASCII 3-97."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    vocab = {**specials, **{chr(c): c - 29 for c in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # and back without separators
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
 class RolloutWorker:
     """Hosts an inference model; generates under `capture` and puts routes in its node's store."""
 

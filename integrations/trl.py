@@ -1,0 +1,411 @@
+"""TRL's `GRPOTrainer` with routing replay: change `GRPOTrainer(` to `RoutingReplayGRPOTrainer(`.
+
+What the subclass does, in TRL's own steps (trl 1.16):
+
+- **Rollout** (`_generate`): transformers generation runs under `capture`; each sample's
+  routes (prompt + completion, exactly the tokens TRL trains: cut where TRL cuts at EOS)
+  go into a `RoutingStore` with their token ids, and its `RoutingRef` rides in TRL's
+  inputs dict under `routing_refs`, so TRL's own shuffle and split of the generation
+  batch carry it with its row.
+- **Old-logprob pass** (during generation, when TRL computes `old_per_token_logps`): the
+  policy forwards under `replay`, chunk by chunk as TRL chunks. The reference model, and
+  the PEFT pass with the adapter disabled (or the `ref` adapter), route natively.
+- **Loss** (`compute_loss`, inside `training_step`): each micro-batch's routes are read
+  from the store, aligned with TRL's layout (prompt left padded, completion right padded:
+  the tokens are one run in the middle), checked token by token (`TokenMismatchError`),
+  and the forward *and* backward run inside one `replay` block, so a gradient-checkpoint
+  recompute replays too. Positions TRL masks (padding, and completions it masks with
+  `mask_truncated_completions`) route natively.
+- **Release**: a generation's refs are released right after the last micro-step that uses
+  them (`steps_per_generation x num_iterations` steps), and evaluation refs right after
+  their loss: the store is empty between optimizer steps and nothing grows across steps.
+
+The store defaults to one this trainer owns (per process: TRL's processes each generate
+and train their own rows), sized at the first rollout and grown while empty; pass
+`routing_store=` to use another one (e.g. `node_store(...)` on a Ray node). Not covered:
+TRL's vLLM modes, `use_transformers_continuous_batching`, tools and `rollout_func` (each
+raises `UnsupportedModelError` saying so), and vision inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import uuid
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from trl import GRPOTrainer
+
+from routing_replay.adapters import find_routers
+from routing_replay.agreement import routing_agreement
+from routing_replay.capture import capture
+from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
+from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.reader import to_torch
+from routing_replay.replay import Replay, prepare_replay, replay
+from routing_replay.store import RoutingRef, RoutingStore
+from routing_replay.store.format import DEFAULT_PAGE_TOKENS
+
+REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
+_MM_KEYS = (  # vision inputs of _get_per_token_logps_and_entropies: not replayed here
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+_sample_counter = itertools.count()
+
+
+def trl_routes(
+    batch: Any,
+    refs: Sequence[RoutingRef],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_width: int,
+) -> torch.Tensor:
+    """Routes `[B, P + C, L, K]` for TRL's layout: prompt left padded to P, completion right
+    padded to C = `completion_width`; -1 wherever `attention_mask` is 0.
+
+    `batch` is the refs' Arrow batch (`store.read(refs)`, in the refs' order). Row b's
+    routes fill `[P - prompt_len, P + num_tokens - prompt_len)`, and every token there is
+    compared with the token ids the routes were put with.
+    """
+    B, S = input_ids.shape
+    P = S - completion_width
+    if len(refs) != B or tuple(attention_mask.shape) != (B, S):
+        raise InvalidRoutesError(
+            f"{len(refs)} refs, input_ids {tuple(input_ids.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)}: one ref per row, mask shaped like the ids"
+        )
+    placement = torch.zeros((B, S), dtype=torch.bool)
+    for b, ref in enumerate(refs):
+        if ref.prompt_len is None:
+            raise InvalidRoutesError(
+                f"sample {ref.sample_id!r} was put without prompt_len: TRL's layout needs it"
+            )
+        prompt, completion = ref.prompt_len, ref.num_tokens - ref.prompt_len
+        if prompt > P or completion > completion_width:
+            raise InvalidRoutesError(
+                f"row {b}: sample {ref.sample_id!r} has {prompt} prompt and {completion} "
+                f"completion tokens, but the batch has room for {P} and {completion_width}: "
+                "the refs do not belong to this batch's rows"
+            )
+        placement[b, P - prompt : P + completion] = True
+    routes = to_torch(batch, attention_mask=placement, input_ids=input_ids)
+    routes[~attention_mask.bool().cpu()] = MISSING  # TRL masks them: padding in this forward
+    return routes
+
+
+class RoutingReplayGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose policy forwards replay the experts its rollouts used.
+
+    Same arguments as `GRPOTrainer`, plus `routing_store` (a `RoutingStore` to put rollouts
+    in; default: one this trainer creates, owns and sizes) and `store_capacity_tokens`
+    (the size of that default store; default: twice the first rollout's tokens, grown
+    while empty). Logged per step: `routing/store_samples` (the store's occupancy during the
+    loss) and, with `log_agreement=True` (two more no-grad forwards per micro-batch),
+    `routing/agreement_native` and `routing/agreement_replayed`: the fraction of (token,
+    layer) top-k sets equal to the rollout's, natively and under replay.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        routing_store: RoutingStore | None = None,
+        store_capacity_tokens: int | None = None,
+        log_agreement: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_agreement = log_agreement
+        policy = self._policy(self.model)
+        self.routing_layout: RoutingLayout = find_routers(policy).layout
+        prepare_replay(policy)
+        self._store = routing_store
+        self._own_store = routing_store is None
+        self._capacity = store_capacity_tokens
+        self._rollout_refs: list[RoutingRef] | None = None  # of the generation in flight
+        self._train_refs: list[RoutingRef] = []  # the buffered generation's
+        self._eval_refs: list[RoutingRef] = []
+        self._step_blocks: contextlib.ExitStack | None = None  # open during training_step
+        self._replaying = False
+        self._run = f"trl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    # -- the store ----------------------------------------------------------------------
+
+    @property
+    def routing_store(self) -> RoutingStore | None:
+        """The store rollouts are put in (None before the first rollout of a default store)."""
+        return self._store
+
+    def close_routing_store(self) -> None:
+        """Release what this trainer still holds; close (and, if owned, remove) its store."""
+        self._release(self._train_refs)
+        self._release(self._eval_refs)
+        if self._store is not None and self._own_store:
+            _remove(self._store)
+            self._store = None
+
+    def _store_for(self, lengths: list[int]) -> RoutingStore:
+        """The store; an owned one is created, or grown while it is empty, to fit `lengths`."""
+        store = self._store
+        if not self._own_store:
+            return store
+        page = store.page_tokens if store is not None else DEFAULT_PAGE_TOKENS
+        needed = sum(-(-n // page) * page for n in lengths)
+        if store is not None and (needed <= store.capacity_tokens or store.stats().samples):
+            return store  # fits, or holds samples still in use (never dropped to grow it)
+        if store is not None:
+            _remove(store)
+        name = f"{self._run}-{next(_sample_counter)}"
+        capacity = max(self._capacity or 0, 2 * needed)
+        self._store = RoutingStore.create(name, self.routing_layout, capacity, put_timeout=1.0)
+        weakref.finalize(self, _remove, self._store)
+        return self._store
+
+    def _release(self, refs: list[RoutingRef]) -> None:
+        if refs and self._store is not None:
+            self._store.release(refs)
+        refs.clear()
+
+    # -- rollout --------------------------------------------------------------------------
+
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's generation under `capture`; the samples' routes go into the store."""
+        self._refuse_unsupported()
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self._release(self._train_refs)  # normally released already, after its last step
+        policy = self._policy(self.model)
+        with capture(policy) as cap:
+            result = super()._generate(prompts)
+        prompt_ids, completion_ids = result[0], result[1]
+        refs = self._put_rollout(cap.token_ids(), cap.routes(), prompt_ids, completion_ids)
+        (self._train_refs if mode == "train" else self._eval_refs).extend(refs)
+        self._rollout_refs = refs
+        return result
+
+    def _put_rollout(
+        self,
+        captured_ids: list[np.ndarray | None],
+        captured_routes: list[np.ndarray],
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+    ) -> list[RoutingRef]:
+        if len(captured_routes) != len(prompt_ids):
+            raise RuntimeError(
+                f"capture recorded {len(captured_routes)} samples for {len(prompt_ids)} "
+                "prompts: the model ran other forwards during generation"
+            )
+        trained = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+        store = self._store_for([len(t) for t in trained])
+        refs = []
+        try:
+            for b, (tokens, routes, ids) in enumerate(
+                zip(captured_ids, captured_routes, trained, strict=True)
+            ):
+                n = len(ids)
+                if tokens is None or len(tokens) < n or not np.array_equal(tokens[:n], ids):
+                    raise RuntimeError(
+                        f"rollout row {b}: the tokens generate forwarded do not start with the "
+                        "prompt + completion TRL trains; routes cannot be aligned"
+                    )
+                sample_id = f"{self._run}-s{next(_sample_counter)}"
+                refs.append(
+                    store.put(sample_id, routes[:n], prompt_len=len(prompt_ids[b]), token_ids=ids)
+                )
+        except BaseException:
+            store.release(refs)
+            raise
+        return refs
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's step, with the rows' refs added to its output under `routing_refs`."""
+        self._rollout_refs = None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            if self._rollout_refs is None:
+                raise RuntimeError("generation finished without a rollout to replay")
+            output[REFS_KEY] = self._rollout_refs
+            return output
+        finally:
+            self._rollout_refs = None
+
+    def _refuse_unsupported(self) -> None:
+        for flag, what in (
+            (self.use_vllm, "use_vllm=True (TRL's vLLM modes)"),
+            (self.use_transformers_continuous_batching, "use_transformers_continuous_batching"),
+            (self.rollout_func is not None, "rollout_func"),
+            (bool(self.tools), "tools (the tool-call loop)"),
+        ):
+            if flag:
+                raise UnsupportedModelError(
+                    f"RoutingReplayGRPOTrainer does not capture rollouts made with {what}: "
+                    "use TRL's default transformers generation, or put the routes yourself "
+                    "and carry their refs under inputs['routing_refs']"
+                )
+
+    # -- forwards that replay -----------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's pass; during generation the policy's old-logprob pass replays, per chunk."""
+        refs = self._rollout_refs
+        if refs is None or self._replaying or not self._is_policy_pass(model):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
+            )
+        if args or any(kwargs.get(k) is not None for k in _MM_KEYS):
+            raise UnsupportedModelError("RoutingReplayGRPOTrainer does not replay vision inputs")
+        chunk = batch_size or input_ids.size(0)
+        parts = []
+        for start in range(0, input_ids.size(0), chunk):
+            rows = slice(start, start + chunk)
+            routes = self._routes_for(
+                refs[rows], input_ids[rows], attention_mask[rows], logits_to_keep
+            )
+            block = replay(self._policy(model), routes, attention_mask=attention_mask[rows])
+            with self._replaying_in(block):
+                parts.append(
+                    super()._get_per_token_logps_and_entropies(
+                        model,
+                        input_ids[rows],
+                        attention_mask[rows],
+                        logits_to_keep,
+                        chunk,
+                        **kwargs,
+                    )
+                )
+        logps = torch.cat([p[0] for p in parts])
+        entropies = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+        aux = None if parts[0][2] is None else torch.stack([p[2] for p in parts]).mean()
+        return logps, entropies, aux
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """TRL's loss with the micro-batch's routes replayed (backward too, in training_step)."""
+        refs = inputs.get(REFS_KEY)
+        if refs is None:
+            raise InvalidRoutesError(
+                f"inputs carry no {REFS_KEY!r}: they were not made by this trainer's rollout"
+            )
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        routes = self._routes_for(list(refs), input_ids, mask, inputs["completion_ids"].size(1))
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["routing/store_samples"].append(float(self._store.stats().samples))
+        if self.log_agreement:
+            native, replayed = self._agreement(model, input_ids, mask, routes)
+            metrics["routing/agreement_native"].append(native)
+            metrics["routing/agreement_replayed"].append(replayed)
+        block = replay(self._policy(model), routes, attention_mask=mask)
+        if self._step_blocks is not None:  # training: the block closes after backward
+            self._step_blocks.enter_context(self._replaying_in(block))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with self._replaying_in(block):  # evaluation: no backward
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """TRL's step with forward and backward inside the micro-batch's replay block."""
+        with contextlib.ExitStack() as blocks:
+            self._step_blocks = blocks
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._step_blocks = None
+        if self._step % (self.args.steps_per_generation * self.num_iterations) == 0:
+            self._release(self._train_refs)  # that was the generation's last micro-step
+        return loss
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's evaluation step; its rollout's refs are released after it."""
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self._release(self._eval_refs)
+
+    def _routes_for(
+        self,
+        refs: list[RoutingRef],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_width: int,
+    ) -> torch.Tensor:
+        if self._store is None:
+            raise InvalidRoutesError("no rollout was put yet: the store is empty")
+        batch = self._store.read(refs)
+        return trl_routes(batch, refs, input_ids.cpu(), attention_mask.cpu(), completion_width)
+
+    def _agreement(
+        self, model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, routes: torch.Tensor
+    ) -> tuple[float, float]:
+        """Router agreement with the rollout: the policy's own routing, and under replay."""
+        policy = self._policy(model)
+        keep = mask.bool().cpu()
+        recorded = [routes[b][keep[b]].numpy() for b in range(len(routes))]
+
+        def routed() -> list[np.ndarray]:
+            with capture(policy) as cap, torch.no_grad():
+                policy(input_ids=input_ids, attention_mask=mask, logits_to_keep=1)
+            return cap.routes()
+
+        native = routed()
+        with replay(policy, routes, attention_mask=mask):
+            replayed = routed()
+        return (
+            routing_agreement(recorded, native).router_agreement,
+            routing_agreement(recorded, replayed).router_agreement,
+        )
+
+    @contextlib.contextmanager
+    def _replaying_in(self, block: Replay) -> Iterator[None]:
+        with block:
+            self._replaying = True
+            try:
+                yield
+            finally:
+                self._replaying = False
+
+    def _policy(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def _is_policy_pass(self, model: nn.Module) -> bool:
+        """The policy with its own weights: not the reference model, nor PEFT's ref pass."""
+        if model is self.ref_model or self._policy(model) is not self._policy(self.model):
+            return False
+        policy = self._policy(model)
+        if getattr(policy, "active_adapter", None) == "ref":  # TRL's use_adapter(model, "ref")
+            return False
+        # PEFT's disable_adapter(): every tuner layer's _disable_adapters is set
+        return not any(getattr(m, "_disable_adapters", False) for m in policy.modules())
+
+
+def _remove(store: RoutingStore) -> None:
+    """Unlink and close an owned store (again: a no-op)."""
+    store.unlink()
+    store.close()

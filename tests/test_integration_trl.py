@@ -1,0 +1,396 @@
+"""TRL's real GRPOTrainer.train() with RoutingReplayGRPOTrainer, on CPU, checked at the experts."""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import peft
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig
+
+from integrations.trl import REFS_KEY, RoutingReplayGRPOTrainer, trl_routes
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    RoutingStore,
+    TokenMismatchError,
+    UnsupportedModelError,
+    capture,
+)
+from routing_replay.adapters import find_routers
+from routing_replay.replay import is_prepared
+from routing_replay.rollout import demo_model, demo_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    path = tempfile.mkdtemp(prefix="rr-trl-test-")
+    demo_model(seed=0).save_pretrained(path)
+    demo_tokenizer().save_pretrained(path)
+    return path
+
+
+def prompts(n=8):
+    words = ["sky", "sea", "sun", "moon", "star", "rain", "wind", "snow"]
+    return Dataset.from_dict({"prompt": [f"the {w} is" for w in words][:n] * 4})
+
+
+def reward_len(completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def config(**overrides):
+    base = dict(
+        output_dir=tempfile.mkdtemp(prefix="rr-trl-out-"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        beta=0.04,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return GRPOConfig(**{**base, **overrides})
+
+
+class StoreAfterSteps(TrainerCallback):
+    def __init__(self):
+        self.trainer = None
+        self.after_step: list[int] = []
+        self.after_eval: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after_step.append(self.trainer.routing_store.stats().samples)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.after_eval.append(self.trainer.routing_store.stats().samples)
+
+
+class Spy:
+    """Expert ids each MoE layer's experts module is called with, forward and recompute."""
+
+    def __init__(self, model):
+        self.on = True
+        self.calls: list[tuple[int, torch.Tensor]] = []  # (layer, ids [rows, K]) forward
+        self.native_topk: list[torch.Tensor] = []  # the router's own top-k, per call
+        self._logits: dict[int, torch.Tensor] = {}
+        self.recomputes: list[tuple[int, torch.Tensor]] = []  # the same, during backward
+        self.router_grads: list[float] = []
+        self.handles = []
+        for j, router in enumerate(find_routers(model).routers):
+            experts = _mlp_of(model, router.module).experts
+            self.handles.append(experts.register_forward_pre_hook(self._hook(j)))
+            self.handles.append(router.module.register_forward_hook(self._router(j)))
+            if router.module.weight.requires_grad:  # frozen under PEFT
+                self.handles.append(
+                    router.module.weight.register_hook(
+                        lambda g: self.router_grads.append(float(g.norm()))
+                    )
+                )
+
+    def _hook(self, j):
+        def hook(module, args):
+            if not self.on:
+                return
+            in_backward = torch._C._current_graph_task_id() != -1
+            (self.recomputes if in_backward else self.calls).append((j, args[1].detach().clone()))
+            if not in_backward:
+                K = args[1].shape[-1]
+                self.native_topk.append(self._logits[j].topk(K, dim=-1).indices)
+
+        return hook
+
+    def _router(self, j):
+        def hook(module, args, output):
+            self._logits[j] = output[0].detach()
+
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _mlp_of(model, gate):
+    for module in model.modules():
+        if getattr(module, "gate", None) is gate:
+            return module
+    raise AssertionError("no MoE block holds this router")
+
+
+def adapters_disabled(model):
+    """Whether PEFT's LoRA layers are switched off (its disable_adapter() context)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) and m.disable_adapters for m in model.modules())
+
+
+class Checked(RoutingReplayGRPOTrainer):
+    """Records every policy pass (its refs, ids, mask, expert calls) and a native forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy = self.accelerator.unwrap_model(self.model)
+        self.spy = Spy(self.policy)
+        self.passes: list[dict] = []
+        self.loss_refs = None
+        self.native: list[list[np.ndarray]] = []  # native routes of each loss micro-batch
+        self.native_logps: list[torch.Tensor] = []
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self.loss_refs = list(inputs[REFS_KEY])
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        self.spy.on = False
+        with capture(self.policy) as cap, torch.no_grad():  # what the policy would route
+            logits = self.policy(input_ids=ids, attention_mask=mask).logits
+        self.spy.on = True
+        C = inputs["completion_ids"].size(1)
+        logps = logits[:, -C - 1 : -1].log_softmax(-1)
+        self.native_logps.append(logps.gather(-1, inputs["completion_ids"][..., None])[..., 0])
+        self.native.append(cap.routes())
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, width, *a, **k):
+        is_policy = model is self.model
+        refs = self._rollout_refs if self._rollout_refs is not None else self.loss_refs
+        start = len(self.spy.calls)
+        adapters_off = adapters_disabled(model)
+        out = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, width, *a, **k
+        )
+        if is_policy:
+            self.passes.append(
+                dict(
+                    kind="old" if self._rollout_refs is not None else "loss",
+                    refs=list(refs),
+                    input_ids=input_ids.cpu(),
+                    mask=attention_mask.cpu(),
+                    width=width,
+                    calls=self.spy.calls[start:],
+                    native_topk=self.spy.native_topk[start:],
+                    adapters_off=adapters_off,
+                    logps=out[0].detach(),
+                    recompute_start=len(self.spy.recomputes),
+                )
+            )
+        return out
+
+
+def expected_routes(recorded, refs, input_ids, mask, width):
+    """[B, S, L, K] from what was put, placed as TRL lays rows out, checked token by token."""
+    B, S = input_ids.shape
+    P = S - width
+    _, L, K = next(iter(recorded.values()))[0].shape
+    out = np.full((B, S, L, K), MISSING, dtype=np.int64)
+    for b, ref in enumerate(refs):
+        routes, tokens, prompt_len = recorded[ref.sample_id]
+        cols = np.arange(P - prompt_len, P - prompt_len + len(routes))
+        assert input_ids[b, cols].tolist() == tokens.tolist()  # the row is this sample
+        out[b, cols] = routes
+    out[~mask.bool().numpy()] = MISSING
+    return out
+
+
+def per_layer(pairs, L, shape):
+    """[B, S, K] per layer from a pass's (layer, [rows, K]) calls, chunks in row order."""
+    got = {j: [] for j in range(L)}
+    for j, ids in pairs:
+        got[j].append(ids)
+    return {j: torch.cat(got[j]).reshape(*shape, -1).numpy() for j in range(L)}
+
+
+def assert_forced(p, recorded, L):
+    """Every row with routes reached exactly the recorded experts, at every MoE layer."""
+    want = expected_routes(recorded, p["refs"], p["input_ids"], p["mask"], p["width"])
+    got = per_layer(p["calls"], L, p["input_ids"].shape)
+    for j in range(L):
+        forced = (want[:, :, j] != MISSING).all(-1)
+        assert forced.sum() > 0
+        np.testing.assert_array_equal(got[j][forced], want[:, :, j][forced])
+
+
+def run(checkpoint, monkeypatch, trainer_cls=Checked, **overrides):
+    recorded = {}
+    real_put = RoutingStore.put
+
+    def put(self, sample_id, routes, **kw):
+        recorded[sample_id] = (np.array(routes), np.array(kw["token_ids"]), kw["prompt_len"])
+        return real_put(self, sample_id, routes, **kw)
+
+    monkeypatch.setattr(RoutingStore, "put", put)
+    steps = StoreAfterSteps()
+    eval_dataset = overrides.pop("eval_dataset", None)
+    peft_config = overrides.pop("peft_config", None)
+    trainer = trainer_cls(
+        model=checkpoint,
+        reward_funcs=reward_len,
+        args=config(**overrides),
+        train_dataset=prompts(),
+        eval_dataset=eval_dataset,
+        callbacks=[steps],
+        peft_config=peft_config,
+    )
+    steps.trainer = trainer
+    trainer.train()
+    return trainer, recorded, steps
+
+
+def test_grpo_train_forces_the_rollout_experts_where_they_run(checkpoint, monkeypatch):
+    # 2 micro-batches per optimizer step, each generation trained twice (num_iterations):
+    # the old-logprob pass runs (and replays), and the second iteration's policy has moved.
+    trainer, recorded, steps = run(
+        checkpoint,
+        monkeypatch,
+        max_steps=4,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        gradient_checkpointing=True,
+    )
+    try:
+        kinds = [p["kind"] for p in trainer.passes]
+        assert kinds.count("loss") == 8 and kinds.count("old") == 2, kinds
+        L = trainer.routing_layout.num_moe_layers
+        differing = 0
+        loss_passes = [p for p in trainer.passes if p["kind"] == "loss"]
+        for p in trainer.passes:
+            assert_forced(p, recorded, L)
+        # Natively the moved policy routes other experts on some forced rows, and its
+        # log-probs differ there: without replay the test above would fail.
+        for p, native in zip(loss_passes, trainer.native, strict=True):
+            keep = p["mask"].bool().numpy()
+            want = expected_routes(recorded, p["refs"], p["input_ids"], p["mask"], p["width"])
+            for b, routes in enumerate(native):
+                rec = want[b][keep[b]]
+                rows = (rec != MISSING).all(-1)
+                differing += int((np.sort(rec, -1) != np.sort(routes, -1)).any(-1)[rows].sum())
+        assert differing > 0
+        native_logps = torch.cat(trainer.native_logps)
+        replay_logps = torch.cat([p["logps"] for p in loss_passes])
+        completion = torch.cat([p["mask"][:, -p["width"] :] for p in loss_passes]).bool()
+        assert (native_logps - replay_logps)[completion].abs().max() > 1e-3
+        # Gradient checkpointing recomputed each layer in backward, with the forced ids.
+        ends = [p["recompute_start"] for p in loss_passes[1:]] + [len(trainer.spy.recomputes)]
+        for p, end in zip(loss_passes, ends, strict=True):
+            recomputed = trainer.spy.recomputes[p["recompute_start"] : end]
+            assert sorted(j for j, _ in recomputed) == list(range(L))
+            forward = dict(p["calls"])  # one call per layer: the micro-batch is one chunk
+            for j, ids in recomputed:
+                assert torch.equal(ids, forward[j]), f"layer {j} recomputed other experts"
+        assert trainer.spy.router_grads and min(trainer.spy.router_grads) > 0
+        # A generation's refs are released after its last step (num_iterations=2: two).
+        assert steps.after_step == [8, 0, 8, 0], steps.after_step
+        assert trainer.ref_model is not None and not is_prepared(trainer.ref_model)
+    finally:
+        trainer.spy.remove()
+        trainer.close_routing_store()
+
+
+def test_store_is_empty_after_every_step_and_evaluation(checkpoint, monkeypatch):
+    trainer, recorded, steps = run(
+        checkpoint,
+        monkeypatch,
+        trainer_cls=RoutingReplayGRPOTrainer,
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=4,
+        eval_dataset=prompts(2),
+    )
+    try:
+        assert steps.after_step == [0, 0, 0]
+        assert steps.after_eval == [0, 0, 0]
+        # 4 rows a training step; an evaluation: 8 prompts x num_generations (4)
+        assert len(recorded) == 3 * 4 + 3 * 8 * 4
+    finally:
+        trainer.close_routing_store()
+    assert trainer.routing_store is None
+
+
+def test_rollout_func_is_refused(checkpoint):
+    def rollout_func(prompts, trainer):
+        raise AssertionError("never called")
+
+    trainer = RoutingReplayGRPOTrainer(
+        model=checkpoint,
+        reward_funcs=reward_len,
+        args=config(max_steps=1),
+        train_dataset=prompts(),
+        rollout_func=rollout_func,
+    )
+    with pytest.raises(UnsupportedModelError, match="rollout_func"):
+        trainer.train()
+
+
+def test_trl_routes_checks_each_row_against_its_sample(tmp_path):
+    tokenizer = demo_tokenizer()
+    model = demo_model(seed=0)
+    layout = find_routers(model).layout
+    rows = [("ab", "cde"), ("abcd", "e")]
+    with RoutingStore.create(f"rr-trl-{tmp_path.name}", layout, 4096) as store:
+        refs, width, P = [], 3, 4
+        input_ids = torch.zeros((2, P + width), dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        rng = np.random.default_rng(0)
+        for b, (prompt, completion) in enumerate(rows):
+            p = tokenizer(prompt)["input_ids"]
+            c = tokenizer(completion)["input_ids"]
+            ids = p + c
+            routes = layout.random_routes(rng, len(ids))
+            refs.append(store.put(f"s{b}", routes, prompt_len=len(p), token_ids=ids))
+            input_ids[b, P - len(p) : P + len(c)] = torch.tensor(ids)
+            mask[b, P - len(p) : P + len(c)] = 1
+        batch = store.read(refs)
+        out = trl_routes(batch, refs, input_ids, mask, width)
+        assert out.shape == (2, P + width, layout.num_moe_layers, layout.top_k)
+        first = store.get("s0")
+        np.testing.assert_array_equal(out[0, 2:7].numpy(), layout.decode(first))
+        assert (out[0, :2] == MISSING).all() and (out[1, 5:] == MISSING).all()
+        masked = mask.clone()
+        masked[0, P:] = 0  # TRL's mask_truncated_completions: routes there become -1
+        assert (trl_routes(batch, refs, input_ids, masked, width)[0, P:] == MISSING).all()
+        swapped = input_ids.clone()
+        swapped[1, P] = swapped[1, P] + 1  # a re-tokenised completion
+        with pytest.raises(TokenMismatchError, match=r"sample 's1'.*position 4"):
+            trl_routes(batch, refs, swapped, mask, width)
+        with pytest.raises(InvalidRoutesError, match="room for 4 and 2"):
+            trl_routes(batch, refs, input_ids[:, 1:], mask[:, 1:], width - 1)
+
+
+def test_peft_reference_pass_routes_natively(checkpoint, monkeypatch):
+    # LoRA on attention; beta > 0 without a ref model: TRL's reference log-probs are the
+    # policy with its adapter disabled, which must route natively; the old-logprob pass
+    # (steps_per_generation 4 > 2 micro-batches) and the loss replay.
+    trainer, recorded, _ = run(
+        checkpoint,
+        monkeypatch,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    try:
+        assert trainer.ref_model is None
+        L = trainer.routing_layout.num_moe_layers
+        ref = [p for p in trainer.passes if p["adapters_off"]]
+        policy = [p for p in trainer.passes if not p["adapters_off"]]
+        assert len(ref) == 1 and [p["kind"] for p in policy] == ["old"] + ["loss"] * 4
+        for p in policy:
+            assert_forced(p, recorded, L)
+        shape = ref[0]["input_ids"].shape
+        got = per_layer(ref[0]["calls"], L, shape)
+        layers = [j for j, _ in ref[0]["calls"]]
+        native = per_layer(zip(layers, ref[0]["native_topk"], strict=True), L, shape)
+        for j in range(L):  # the experts got the router's own top-k
+            np.testing.assert_array_equal(np.sort(got[j], -1), np.sort(native[j], -1))
+    finally:
+        trainer.spy.remove()
+        trainer.close_routing_store()
