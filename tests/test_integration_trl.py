@@ -9,6 +9,7 @@ import peft
 import pytest
 import torch
 from datasets import Dataset
+from expert_spy import ExpertSpy
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
@@ -74,58 +75,6 @@ class StoreAfterSteps(TrainerCallback):
         self.after_eval.append(self.trainer.routing_store.stats().samples)
 
 
-class Spy:
-    """Expert ids each MoE layer's experts module is called with, forward and recompute."""
-
-    def __init__(self, model):
-        self.on = True
-        self.calls: list[tuple[int, torch.Tensor]] = []  # (layer, ids [rows, K]) forward
-        self.native_topk: list[torch.Tensor] = []  # the router's own top-k, per call
-        self._logits: dict[int, torch.Tensor] = {}
-        self.recomputes: list[tuple[int, torch.Tensor]] = []  # the same, during backward
-        self.router_grads: list[float] = []
-        self.handles = []
-        for j, router in enumerate(find_routers(model).routers):
-            experts = _mlp_of(model, router.module).experts
-            self.handles.append(experts.register_forward_pre_hook(self._hook(j)))
-            self.handles.append(router.module.register_forward_hook(self._router(j)))
-            if router.module.weight.requires_grad:  # frozen under PEFT
-                self.handles.append(
-                    router.module.weight.register_hook(
-                        lambda g: self.router_grads.append(float(g.norm()))
-                    )
-                )
-
-    def _hook(self, j):
-        def hook(module, args):
-            if not self.on:
-                return
-            in_backward = torch._C._current_graph_task_id() != -1
-            (self.recomputes if in_backward else self.calls).append((j, args[1].detach().clone()))
-            if not in_backward:
-                K = args[1].shape[-1]
-                self.native_topk.append(self._logits[j].topk(K, dim=-1).indices)
-
-        return hook
-
-    def _router(self, j):
-        def hook(module, args, output):
-            self._logits[j] = output[0].detach()
-
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def _mlp_of(model, gate):
-    for module in model.modules():
-        if getattr(module, "gate", None) is gate:
-            return module
-    raise AssertionError("no MoE block holds this router")
-
-
 def adapters_disabled(model):
     """Whether PEFT's LoRA layers are switched off (its disable_adapter() context)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -139,7 +88,7 @@ class Checked(RoutingReplayGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.policy = self.accelerator.unwrap_model(self.model)
-        self.spy = Spy(self.policy)
+        self.spy = ExpertSpy(self.policy)
         self.passes: list[dict] = []
         self.loss_refs = None
         self.native: list[list[np.ndarray]] = []  # native routes of each loss micro-batch

@@ -1,0 +1,224 @@
+"""verl 0.9: routes for `DataProto` batches, kept aligned through verl's own padding,
+remove-padding, dynamic micro-batching and Ulysses sequence parallelism, and replayed in
+its FSDP engine.
+
+A verl rollout batch lays each row out as the prompt left padded to `prompts.shape[1]`,
+then the response right padded (`input_ids = cat(prompts, responses)`, `attention_mask`
+1 on both runs: the tokens are one contiguous run). The rollout side puts each sample's
+routes into its node's store; only the `RoutingRef`s travel, in
+`data.non_tensor_batch["routing_refs"]` (a numpy object array, which verl's `DataProto`
+keeps through `union`, `reorder`, `chunk` and `prepare_dynamic_batch`).
+
+On the trainer worker:
+
+- `attach_routes(data)` reads the refs' routes (same-node ones from shared memory) into
+  `data.batch["routed_experts"]` `[B, S, L, K]`, -1 where missing: verl's own key, so
+  verl's remove-padding (`left_right_2_no_padding`, which indexes it with `unpad_input`'s
+  indices) and micro-batching (`rearrange_micro_batches`, `prepare_dynamic_batch`) carry
+  it with its rows. Every token is checked against the stored token ids.
+- `model_input_routes(micro_batch, ...)` gives the `[1, T_local, L, K]` routes of the
+  packed sequence the model sees on this Ulysses rank, padded and sliced by verl's own
+  `ulysses_pad` / `slice_input_tensor` (and the engine's bucket pad), -1 on the pads.
+- `replaying_engine(FSDPEngineWithLMHead)` returns a subclass whose `forward_step` runs
+  the model under `replay` with those routes, the block kept open through the
+  micro-batch's backward (so gradient-checkpoint recomputes replay too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from routing_replay.errors import InvalidRoutesError
+from routing_replay.layout import MISSING
+from routing_replay.reader import to_torch
+from routing_replay.store import RoutingRef
+
+REFS_KEY = "routing_refs"  # in DataProto.non_tensor_batch
+ROUTES_KEY = "routed_experts"  # verl's own key for routes in DataProto.batch
+Fetch = Callable[[list[RoutingRef]], pa.RecordBatch]
+
+
+def attach_routes(
+    data: Any,
+    *,
+    fetch: Fetch | None = None,
+    refs_key: str = REFS_KEY,
+    key: str = ROUTES_KEY,
+) -> Any:
+    """Read the refs' routes into `data.batch[key]` `[B, S, L, K]`, aligned with input_ids.
+
+    `data` is a verl `DataProto` with `input_ids`, `attention_mask` and `prompts` in its
+    batch and one `RoutingRef` per row in `data.non_tensor_batch[refs_key]`. `fetch` turns
+    refs into an Arrow batch (default `routing_replay.dataset.fetch_batch`; `store.read`
+    in one process). Returns `data`.
+    """
+    batch = data.batch
+    input_ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu()
+    prompt_width = batch["prompts"].shape[1]
+    refs = list(data.non_tensor_batch[refs_key])
+    if len(refs) != len(input_ids) or any(not isinstance(r, RoutingRef) for r in refs):
+        raise InvalidRoutesError(
+            f"non_tensor_batch[{refs_key!r}] must hold one RoutingRef per row "
+            f"({len(input_ids)} rows), got {len(refs)} items"
+        )
+    prompt_tokens = mask[:, :prompt_width].sum(1).tolist()
+    for b, ref in enumerate(refs):
+        if ref.prompt_len is not None and ref.prompt_len != prompt_tokens[b]:
+            raise InvalidRoutesError(
+                f"row {b}: sample {ref.sample_id!r} has a {ref.prompt_len}-token prompt but "
+                f"the row's prompt holds {prompt_tokens[b]} tokens: the ref is not this row's"
+            )
+    if fetch is None:
+        from routing_replay.dataset import fetch_batch as fetch
+    table = fetch(refs)
+    got = table.column("sample_id").to_pylist()
+    if got != [r.sample_id for r in refs]:
+        raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
+    routes = to_torch(table, attention_mask=mask, input_ids=input_ids)
+    batch[key] = routes.to(batch["input_ids"].device)
+    return data
+
+
+def model_input_routes(
+    micro_batch: Any,
+    *,
+    sp_size: int = 1,
+    static_pad: int = 0,
+    fetch: Fetch | None = None,
+    key: str = ROUTES_KEY,
+    refs_key: str = REFS_KEY,
+) -> torch.Tensor:
+    """`[1, T_local, L, K]` routes of the packed (remove-padding) sequence this rank's model
+    sees: the rows' tokens back to back, `static_pad` -1 rows (the engine's bucket pad),
+    then verl's Ulysses pad to a multiple of `sp_size` and this rank's slice.
+
+    `micro_batch` is a verl micro-batch (TensorDict) after `left_right_2_no_padding`
+    (routes a nested tensor) or still padded (its `attention_mask` picks the tokens). With
+    no routes under `key` but refs under `refs_key` (`DataProto.to_tensordict` keeps
+    `non_tensor_batch` as per-row data, which remove-padding and micro-batching carry),
+    the micro-batch's routes are read here (`fetch`), checked token by token.
+    """
+    if key in micro_batch:
+        routes = micro_batch[key]
+        if routes.is_nested:
+            packed_TLK = routes.values()
+        else:
+            packed_TLK = routes[micro_batch["attention_mask"].bool()]
+    else:
+        packed_TLK = _fetch_packed(micro_batch, fetch, refs_key)
+    L, K = packed_TLK.shape[-2:]
+    if static_pad:
+        filler = packed_TLK.new_full((static_pad, L, K), MISSING)
+        packed_TLK = torch.cat([packed_TLK, filler])
+    if sp_size > 1:
+        from verl.utils.ulysses import slice_input_tensor, ulysses_pad
+
+        rows_NT = packed_TLK.reshape(len(packed_TLK), L * K).T  # verl pads and slices dim 1
+        rows_NT, _, _ = ulysses_pad(rows_NT, sp_size=sp_size, pad_value=MISSING)
+        rows_NT = slice_input_tensor(rows_NT, dim=1, padding=False)
+        packed_TLK = rows_NT.T.reshape(-1, L, K)
+    return packed_TLK.unsqueeze(0).contiguous()
+
+
+def _fetch_packed(micro_batch: Any, fetch: Fetch | None, refs_key: str) -> torch.Tensor:
+    """[T, L, K]: the micro-batch's rows' routes back to back, read by their refs."""
+    if refs_key not in micro_batch:
+        raise InvalidRoutesError(
+            f"the micro-batch has neither routes ({ROUTES_KEY!r}) nor refs ({refs_key!r}): "
+            "put the rollout's refs in DataProto.non_tensor_batch, or call attach_routes"
+        )
+    refs = list(micro_batch[refs_key])
+    ids = micro_batch["input_ids"]
+    tokens = ids.values() if ids.is_nested else ids[micro_batch["attention_mask"].bool()]
+    if fetch is None:
+        from routing_replay.dataset import fetch_batch as fetch
+    table = fetch(refs)
+    got = table.column("sample_id").to_pylist()
+    if got != [r.sample_id for r in refs]:
+        raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
+    return to_torch(table, input_ids=tokens.cpu()).to(tokens.device)
+
+
+def replaying_engine(base: type, *, fetch: Fetch | None = None) -> type:
+    """A subclass of verl's FSDP engine class `base` (e.g. `FSDPEngineWithLMHead`) whose
+    micro-batch forwards replay the micro-batch's routes: `routed_experts` (see
+    `attach_routes`), or read by the refs the batch carries (`fetch`, default
+    `routing_replay.dataset.fetch_batch`)."""
+    from routing_replay.replay import replay
+
+    class ReplayingEngine(base):
+        _replay_block: Any = None
+        _routing_replay = True  # marks the class (register_replaying_engine)
+
+        def forward_backward_batch(self, data: Any, loss_function: Any, forward_only=False):
+            try:
+                return super().forward_backward_batch(data, loss_function, forward_only)
+            finally:
+                self._close_replay()  # the last micro-batch's backward has run
+
+        def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool):
+            self._close_replay()  # the previous micro-batch's backward ran in between
+            ids = micro_batch["input_ids"]
+            packed = (
+                ids.values().numel() if ids.is_nested else int(micro_batch["attention_mask"].sum())
+            )
+            sp = self.ulysses_sequence_parallel_size if self.use_ulysses_sp else 1
+            pad = self._get_packed_pad_size(packed)
+            routes = model_input_routes(micro_batch, sp_size=sp, static_pad=pad, fetch=fetch)
+            block = replay(self.module, routes)
+            block.__enter__()
+            self._replay_block = block
+            try:
+                return super().forward_step(micro_batch, loss_function, forward_only)
+            except BaseException:
+                self._close_replay()
+                raise
+
+        def _close_replay(self) -> None:
+            block, self._replay_block = self._replay_block, None
+            if block is not None:
+                block.__exit__(None, None, None)
+
+    ReplayingEngine.__name__ = ReplayingEngine.__qualname__ = f"Replaying{base.__name__}"
+    return ReplayingEngine
+
+
+def register_replaying_engine(
+    *, device: str = "cuda", vendor: str = "nvidia", fetch: Fetch | None = None
+) -> type:
+    """Make verl build the replaying FSDP engine for language models in this process.
+
+    Registers `replaying_engine(FSDPEngineWithLMHead)` in verl's `EngineRegistry` under
+    `(device, vendor)`, which verl looks up before the plain device entry its own engine
+    holds. Run it in every trainer worker process before verl builds its engines (e.g.
+    Ray's `runtime_env={"worker_process_setup_hook": ...}`). Idempotent; returns the class.
+    """
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    registry = EngineRegistry._engines.setdefault("language_model", {})
+    found = [registry.get(b, {}).get((device, vendor)) for b in ("fsdp", "fsdp2")]
+    if all(getattr(c, "_routing_replay", False) for c in found):
+        return found[0]
+    if any(c is not None for c in found):
+        raise RuntimeError(
+            f"verl already has an engine registered for {(device, vendor)}: {found}; "
+            "routing replay's would shadow it"
+        )
+    engine = replaying_engine(FSDPEngineWithLMHead, fetch=fetch)
+    EngineRegistry.register(
+        model_type="language_model", backend=["fsdp", "fsdp2"], device=device, vendor=vendor
+    )(engine)
+    return engine
+
+
+def refs_array(refs: list[RoutingRef]) -> np.ndarray:
+    """The refs as the numpy object array `DataProto.non_tensor_batch` holds."""
+    out = np.empty(len(refs), dtype=object)
+    out[:] = refs
+    return out
