@@ -310,6 +310,7 @@ class VllmRolloutWorker:
         n: int = 1,
         max_new_tokens: int = 16,
         step: int = 0,
+        policy_version: int | None = None,
         first_prompt_index: int = 0,
         seed: int = 0,
         temperature: float = 1.0,
@@ -317,7 +318,9 @@ class VllmRolloutWorker:
     ) -> list[VllmRollout]:
         """Sample `n` completions per prompt; routes go to the store, refs come back.
 
-        Sample ids are `s<step>-p<prompt index>-<j>`, as `RolloutWorker` names them.
+        Each ref carries `policy_version` (default `step`: the version of the weights this
+        worker generates with). Sample ids are `s<step>-p<prompt index>-<j>`, as
+        `RolloutWorker` names them.
         """
         from vllm import SamplingParams
 
@@ -327,12 +330,19 @@ class VllmRolloutWorker:
         inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         store = self.store()
+        version = step if policy_version is None else policy_version
         rollouts = []
         for i, request_output in enumerate(outputs):
             index = first_prompt_index + i
             for j, s in enumerate(samples_of(request_output, self.layout)):
                 sample_id = f"s{step}-p{index}-{j}"
-                ref = store.put(sample_id, s.routes, prompt_len=s.prompt_len, token_ids=s.tokens)
+                ref = store.put(
+                    sample_id,
+                    s.routes,
+                    prompt_len=s.prompt_len,
+                    token_ids=s.tokens,
+                    policy_version=version,
+                )
                 tokens = s.tokens.astype(np.int32) if return_tokens else None
                 rollout = VllmRollout(sample_id, index, s.prompt_len, ref, tokens, s.logprobs)
                 rollouts.append(rollout)

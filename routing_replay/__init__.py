@@ -6,7 +6,13 @@ Data path, top to bottom: layout -> capture -> store -> read -> replay.
 from routing_replay.agreement import Agreement, routing_agreement
 from routing_replay.aux_loss import load_balancing_loss
 from routing_replay.capture import Capture, capture
-from routing_replay.dataset import fetch_batch, read_dataset, release_refs, routes_collate_fn
+from routing_replay.dataset import (
+    fetch_batch,
+    read_dataset,
+    release_refs,
+    routes_collate_fn,
+    split_stale,
+)
 from routing_replay.errors import (
     ConcurrentReleaseError,
     CorruptStoreError,
@@ -76,6 +82,7 @@ __all__ = [
     "routes_schema",
     "routing_agreement",
     "shutdown_node_stores",
+    "split_stale",
     "sweep_stores",
     "to_torch",
 ]

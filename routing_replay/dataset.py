@@ -8,6 +8,10 @@
   tables the store actors return (`ray.data.from_arrow_refs`): a plain datasource cannot
   pin its read tasks to the node that holds the data.
 - `release_refs(refs)`: drop consumed samples from their stores, so memory stays bounded.
+- `split_stale(refs, policy_version=, max_staleness=)`: fresh and stale refs by the policy
+  version each was generated with; `fetch_batch` / `read_dataset` take the same bound,
+  read the fresh ones and release the stale ones (samples carried over from earlier steps,
+  e.g. partial rollouts, never outlive it).
 - `routes_collate_fn(layout)`: for `Dataset.iter_torch_batches`; variable-length lists do
   not go through Ray's default collate. Returns packed `[sum_T, L, K]` plus `cu_seqlens`.
 
@@ -25,6 +29,7 @@ import pyarrow as pa
 import torch
 
 from routing_replay.errors import (
+    InvalidRoutesError,
     LayoutMismatchError,
     RoutingReplayError,
     StoreUnavailableError,
@@ -101,15 +106,59 @@ def _read_local(
     return batch
 
 
+def split_stale(
+    refs: Iterable[RoutingRef], *, policy_version: int, max_staleness: int
+) -> tuple[list[RoutingRef], list[RoutingRef]]:
+    """(fresh, stale): a ref is stale when any of its tokens came from a policy older than
+    `policy_version - max_staleness` (`ref.policy_version`, its oldest). Order is kept."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    fresh, stale = [], []
+    for ref in refs:
+        if ref.policy_version is None:
+            raise InvalidRoutesError(
+                f"sample {ref.sample_id!r} was put without a policy_version, so its staleness "
+                "is unknown: pass policy_version= to put (the rollout workers do with step=)"
+            )
+        (stale if ref.policy_version < policy_version - max_staleness else fresh).append(ref)
+    return fresh, stale
+
+
+def _fresh(
+    refs: list[RoutingRef], policy_version: int | None, max_staleness: int | None, what: str
+) -> list[RoutingRef]:
+    """The refs to read: all, or (with a staleness bound) the fresh ones, the stale released."""
+    if (policy_version is None) != (max_staleness is None):
+        raise ValueError(f"{what}: pass both policy_version and max_staleness, or neither")
+    if policy_version is None:
+        return refs
+    fresh, stale = split_stale(refs, policy_version=policy_version, max_staleness=max_staleness)
+    release_refs(stale)  # beyond the bound they can never be trained on: free their pages
+    if not fresh:
+        raise InvalidRoutesError(
+            f"{what}: all {len(refs)} samples are older than policy version "
+            f"{policy_version} - {max_staleness} (released)"
+        )
+    return fresh
+
+
 def fetch_batch(
-    refs: Sequence[RoutingRef], *, part: Part = "all", release: bool = False, out: Any = None
+    refs: Sequence[RoutingRef],
+    *,
+    part: Part = "all",
+    release: bool = False,
+    out: Any = None,
+    policy_version: int | None = None,
+    max_staleness: int | None = None,
 ) -> pa.RecordBatch:
     """The refs' routes as one Arrow batch, in order: local ones from shm, others via actors.
 
     With `out` (reused memory, as in `RoutingStore.read`) the batch is built there: refs of
     one same-node store are read straight into it, anything else is copied in once built.
+    With `policy_version` and `max_staleness`, samples older than that bound are left out
+    and released from their stores (`split_stale`); align the rows on `sample_id`.
     """
-    refs = list(refs)
+    refs = _fresh(list(refs), policy_version, max_staleness, "fetch_batch")
     if not refs:
         raise ValueError("fetch_batch needs at least one ref")
     here = current_node_id()
@@ -154,6 +203,8 @@ def read_dataset(
     part: Part = "all",
     release: bool = False,
     samples_per_block: int = 256,
+    policy_version: int | None = None,
+    max_staleness: int | None = None,
 ) -> ray.data.Dataset:
     """A `ray.data.Dataset` of the refs' routes (Arrow schema), each sample read on its node.
 
@@ -161,11 +212,13 @@ def read_dataset(
     that node's object store until a consumer pulls them (once). Called in a worker rather
     than the driver, samples on the caller's node are read straight from shm and `ray.put`
     here. Rows are grouped by store (order within a store kept): align on `sample_id`.
-    With `release=True` samples are released from their stores once read.
+    With `release=True` samples are released from their stores once read. With
+    `policy_version` and `max_staleness`, samples older than that bound are left out and
+    released (`split_stale`).
     """
     import ray
 
-    refs = list(refs)
+    refs = _fresh(list(refs), policy_version, max_staleness, "read_dataset")
     if not refs:
         raise ValueError("read_dataset needs at least one ref")
     here = None if _is_driver() else current_node_id()

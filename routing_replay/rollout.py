@@ -116,6 +116,7 @@ class RolloutWorker:
         n: int = 1,
         max_new_tokens: int = 16,
         step: int = 0,
+        policy_version: int | None = None,
         first_prompt_index: int = 0,
         seed: int = 0,
         temperature: float = 1.0,
@@ -123,11 +124,13 @@ class RolloutWorker:
     ) -> list[Rollout]:
         """Sample `n` completions per prompt; routes go to this node's store, refs come back.
 
-        Sample ids are `s<step>-p<prompt index>-<j>`: prompt indices must be unique across
-        the workers of a step (pass `first_prompt_index`), as every worker of a node shares
-        that node's store.
+        Each ref carries `policy_version` (default `step`: the version of the weights this
+        worker generates with). Sample ids are `s<step>-p<prompt index>-<j>`: prompt indices
+        must be unique across the workers of a step (pass `first_prompt_index`), as every
+        worker of a node shares that node's store.
         """
         store = node_store(self.job, self.layout, **self._store_options)
+        version = step if policy_version is None else policy_version
         pad = self.model.config.pad_token_id
         rows = [list(p) for p in prompts for _ in range(n)]
         width = max(len(r) for r in rows)
@@ -152,7 +155,9 @@ class RolloutWorker:
             prompt_index = first_prompt_index + b // n
             sample_id = f"s{step}-p{prompt_index}-{b % n}"
             prompt_len = len(rows[b])
-            ref = store.put(sample_id, routes, prompt_len=prompt_len, token_ids=tokens)
+            ref = store.put(
+                sample_id, routes, prompt_len=prompt_len, token_ids=tokens, policy_version=version
+            )
             kept = np.asarray(tokens, dtype=np.int32) if return_tokens else None
             out.append(Rollout(sample_id, prompt_index, prompt_len, ref, kept))
         return out

@@ -91,9 +91,12 @@ class Writer:
         self.job = job
         self.capacity_tokens = capacity_tokens
 
-    def put(self, ids: list[int], prefix: str = "x", T: int | None = None) -> list:
+    def put(self, ids: list[int], prefix: str = "x", T: int | None = None, version=None) -> list:
         store = node_store(self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32)
-        return [store.put(f"{prefix}{i}", sample_routes(i, T), prompt_len=2) for i in ids]
+        return [
+            store.put(f"{prefix}{i}", sample_routes(i, T), prompt_len=2, policy_version=version)
+            for i in ids
+        ]
 
     def segment(self) -> str:
         return node_store(self.job, LAYOUT).name
@@ -106,6 +109,12 @@ class Reader:
         batch = fetch_batch(refs, release=release, part=part)
         return [r.numpy() for r in _split(batch)]
 
+    def fetch_fresh(self, refs: list, **bound) -> dict:
+        """fetch_batch under a staleness bound: sample id -> routes, in the batch's order."""
+        batch = fetch_batch(refs, release=True, **bound)
+        ids = batch.column("sample_id").to_pylist()
+        return dict(zip(ids, [r.numpy() for r in _split(batch)], strict=True))
+
     def fetch_into(self, refs: list) -> tuple[list, bool]:
         """fetch_batch into a reused buffer: the routes, and whether they are views of it."""
         tokens = sum(r.num_tokens for r in refs)
@@ -115,8 +124,10 @@ class Reader:
             batch
         ).data_ptr() == out.data_ptr()
 
-    def dataset(self, refs: list, release: bool = False, layout: RoutingLayout | None = None):
-        ds = read_dataset(refs, release=release)
+    def dataset(
+        self, refs: list, release: bool = False, layout: RoutingLayout | None = None, **bound
+    ):
+        ds = read_dataset(refs, release=release, **bound)
         out = {}
         for batch in ds.iter_torch_batches(batch_size=7, collate_fn=routes_collate_fn(layout)):
             cu = batch["cu_seqlens"].tolist()
@@ -394,6 +405,45 @@ def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):
     assert end[0] - start[0] <= 4 * MB, (start[0], end[0])
     shutdown_node_stores(job)
     assert shm_usage(job)[1] == {}
+
+
+def test_staleness_bound_drops_and_releases_samples_carried_too_long(cluster):
+    # Async RL: each step both nodes put 4 samples of that step's policy; the trainer takes
+    # node A's at once and carries node B's over (partial rollouts), with at most one
+    # version of staleness. B0 waits two steps: at step 2 it is stale, left out, released.
+    head = cluster[0]
+    job = f"t{uuid.uuid4().hex[:6]}"
+    writers = [ray.remote(Writer).options(**on(n)).remote(job, 4096) for n in cluster]
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    carried, held = {}, []
+    for step in range(3):
+        new = {
+            side: ray.get(w.put.remote(range(4 * step, 4 * step + 4), f"{side}{step}-", 40, step))
+            for side, w in zip("AB", writers, strict=True)
+        }
+        assert {r.policy_version for refs in new.values() for r in refs} == {step}
+        pool = carried.pop(0) + carried.pop(1) + new["A"] if step == 2 else new["A"]
+        carried[step] = new["B"]
+        bound = dict(policy_version=step, max_staleness=1)
+        if step == 1:
+            got = ray.get(reader.dataset.remote(pool, release=True, layout=LAYOUT, **bound))
+        else:
+            got = ray.get(reader.fetch_fresh.remote(pool, **bound))
+        fresh = [r for r in pool if r.policy_version >= step - 1]
+        assert sorted(got) == sorted(r.sample_id for r in fresh)
+        for r in fresh:
+            i = int(r.sample_id.split("-")[1])
+            np.testing.assert_array_equal(got[r.sample_id], sample_routes(i, 40))
+        stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
+        held.append(sum(s["samples"] for s in stats))
+    # Stored after each step: what is carried over and nothing else (B0; B0 and B1; B2:
+    # at step 2 B0 was stale, released with the trained ones).
+    assert held == [4, 8, 4]
+    with pytest.raises(ray.exceptions.RayTaskError, match="all 4 samples are older"):
+        ray.get(reader.fetch_fresh.remote(carried[2], policy_version=9, max_staleness=2))
+    stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
+    assert sum(s["samples"] for s in stats) == 0  # those were released too
+    shutdown_node_stores(job)
 
 
 def test_import_routing_replay_does_not_import_ray():

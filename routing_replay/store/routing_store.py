@@ -17,11 +17,13 @@ liveness of writers is a kernel lease, never a pid.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import numbers
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,7 +85,10 @@ class RoutingRef:
     created later under the same name (0: not checked, for refs made by hand).
     `tokens_digest` is the digest of the token ids the routes were put with (0: put
     without them): a ref is never read for a sample put again under its id with other
-    tokens, and trainers check their tokens against it.
+    tokens, and trainers check their tokens against it. `policy_versions` says which
+    policy version produced which tokens: `(first token, version)` per span, in token
+    order (one span for a one-turn sample; a multi-turn episode may span versions);
+    empty when put without a version.
     """
 
     sample_id: str
@@ -93,6 +98,12 @@ class RoutingRef:
     prompt_len: int | None = None
     store_uid: int = 0
     tokens_digest: int = NO_DIGEST
+    policy_versions: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def policy_version(self) -> int | None:
+        """The oldest policy version among the sample's tokens (None: put without one)."""
+        return min(v for _, v in self.policy_versions) if self.policy_versions else None
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,34 @@ def sample_id_bytes(sample_id: Any) -> bytes:
             "use e.g. 'step12-prompt3-sample5'"
         )
     return raw
+
+
+def policy_spans(value: Any, num_tokens: int, sample_id: str) -> tuple[tuple[int, int], ...]:
+    """`put`'s policy_version as `(first token, version)` spans: an int is one span from 0;
+    a sequence of pairs must start at token 0, rise strictly and stay inside the sample."""
+    if value is None:
+        return ()
+    pairs = [(0, value)] if isinstance(value, numbers.Integral) else list(value)
+
+    def whole(x: Any) -> bool:
+        return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and x >= 0
+
+    if not pairs or not all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and whole(p[0]) and whole(p[1]) for p in pairs
+    ):
+        raise InvalidRoutesError(
+            f"policy_version for sample {sample_id!r} must be an int >= 0 or a sequence of "
+            f"(first token, version) pairs of ints >= 0, got {value!r}"
+        )
+    spans = tuple((int(start), int(version)) for start, version in pairs)
+    starts = [start for start, _ in spans]
+    rising = all(b > a for a, b in itertools.pairwise(starts))
+    if starts[0] != 0 or not rising or starts[-1] >= num_tokens:
+        raise InvalidRoutesError(
+            f"policy_version spans {list(spans)} of sample {sample_id!r} must start at token 0 "
+            f"and rise strictly below its {num_tokens} tokens"
+        )
+    return spans
 
 
 def _prompt_len(value: Any, num_tokens: int, sample_id: str) -> int:
@@ -412,6 +451,7 @@ class RoutingStore:
         *,
         prompt_len: int | None = None,
         token_ids: Any = None,
+        policy_version: int | Sequence[tuple[int, int]] | None = None,
         timeout: float | None = None,
     ) -> RoutingRef:
         """Store one sample's `[T, L, K]` routes (-1 = missing) and return its reference.
@@ -420,7 +460,10 @@ class RoutingStore:
         routes: they let samples with a common prefix share pages, and trainers check
         their batch against them (`to_torch(..., input_ids=)`). Waits up to `timeout`
         (default `put_timeout`) for room, and for the lock, then raises `StoreFullError`
-        (or `StoreBusyError`); on any error nothing is stored.
+        (or `StoreBusyError`); on any error nothing is stored. `policy_version` (the
+        version of the policy that generated the sample, or `(first token, version)` spans
+        for an episode whose turns came from several) rides on the ref, for staleness
+        filters (`routing_replay.dataset.split_stale`).
         """
         raw_id = sample_id_bytes(sample_id)
         checked = self.layout.select_moe(routes)  # ids are checked after the copy, in cache
@@ -428,6 +471,7 @@ class RoutingStore:
         if num_tokens == 0:
             raise InvalidRoutesError(f"sample {sample_id!r} has no routed tokens")
         prompt = _prompt_len(prompt_len, num_tokens, sample_id)
+        versions = policy_spans(policy_version, num_tokens, sample_id)
         P = self.page_tokens
         tokens = None if token_ids is None else self._tokens(token_ids, num_tokens, sample_id)
         keys = [] if tokens is None else self._page_keys(tokens)
@@ -474,9 +518,10 @@ class RoutingStore:
                         self.layout.check_ids(checked[: len(plan) * P])
                     with self._lock.held("put.publish", lock_deadline) as hold:
                         if self._prefix.valid(plan):
-                            return self._publish(
+                            ref = self._publish(
                                 hold, raw_id, plan, resv, keys, num_tokens, prompt, digest
                             )
+                            return dataclasses.replace(ref, policy_versions=versions)
                         self._pages.unreserve(hold, resv)  # a shared page was released: again
                     continue
                 if time.monotonic() >= deadline:
