@@ -1,6 +1,6 @@
 """routing_replay: Rollout Routing Replay for Mixture-of-Experts RL.
 
-Data path, top to bottom: layout -> capture -> store -> read -> replay.
+Data path, top to bottom: layout -> capture -> store (episodes) -> read -> replay.
 """
 
 from routing_replay.agreement import Agreement, routing_agreement
@@ -13,6 +13,7 @@ from routing_replay.dataset import (
     routes_collate_fn,
     split_stale,
 )
+from routing_replay.episode import Episode
 from routing_replay.errors import (
     ConcurrentReleaseError,
     CorruptStoreError,
@@ -49,6 +50,7 @@ __all__ = [
     "ConcurrentReleaseError",
     "CorruptStoreError",
     "DuplicateSampleError",
+    "Episode",
     "InvalidRoutesError",
     "LayoutMismatchError",
     "Replay",

@@ -1,0 +1,127 @@
+"""Episodes: a multi-turn agentic rollout as one training sample in the store.
+
+An episode's tokens are every turn's, concatenated: prompt, completion, tool output, the
+next turn's completion, ... Each `add_turn` gets the whole sequence as the engine saw it at
+the end of that turn and the routes the engine returned for it (-1 where it returned none:
+prefix-cached rows it was not asked for, the last sampled token). The turn is put as the
+episode so far: rows the engine did not return are taken from the stored earlier turn when
+their tokens match, which they must (a history that changed raises `TokenMismatchError`
+naming the episode, turn and position); rows nobody recorded stay missing, never guessed.
+Because the earlier rows are copied, the new sample's full pages equal the earlier turn's
+and the store shares them. `close()` releases the earlier turns and returns the one ref the
+trainer gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from routing_replay.errors import InvalidRoutesError, RoutingReplayError, TokenMismatchError
+from routing_replay.layout import MISSING
+from routing_replay.store import RoutingRef, RoutingStore
+
+
+class Episode:
+    """One multi-turn episode in `store`: `add_turn` per turn, `close` for the trainer's ref.
+
+    Turn samples are named `<episode_id>-t<turn>` (turns count from 1). `prompt_len` of
+    every turn's sample is the first turn's prompt length.
+    """
+
+    def __init__(self, store: RoutingStore, episode_id: str, *, prompt_len: int | None = None):
+        self.store = store
+        self.episode_id = episode_id
+        self.prompt_len = prompt_len
+        self.refs: list[RoutingRef] = []  # one per turn, the last one is the episode so far
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._routes: np.ndarray | None = None  # the last turn's stored routes
+        self._versions: list[tuple[int, int]] = []
+        self._closed = False
+
+    @property
+    def num_turns(self) -> int:
+        """Turns added so far."""
+        return len(self.refs)
+
+    @property
+    def ref(self) -> RoutingRef | None:
+        """The ref of the episode so far (its last turn's sample)."""
+        return self.refs[-1] if self.refs else None
+
+    def add_turn(
+        self, token_ids: Any, routes: Any, *, policy_version: int | None = None
+    ) -> RoutingRef:
+        """Put the episode up to the end of this turn; returns that sample's ref.
+
+        `token_ids` `[T]`: every token so far (earlier turns, tool output, this turn's
+        prompt and completion). `routes` `[T, L, K]` (MoE layers or all layers, -1 where
+        the engine returned none). `policy_version`: the version this turn was generated
+        with (the ref then carries one span per version).
+        """
+        if self._closed:
+            raise RoutingReplayError(f"episode {self.episode_id!r} is closed")
+        turn = self.num_turns + 1
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        layout = self.store.layout
+        given = layout.select_moe(routes)
+        if given.dtype == layout.dtype:  # the stored narrow form: its marker is missing
+            given = layout.decode(given)
+        rows = np.array(given, dtype=np.int64)  # a copy, -1 missing
+        if rows.shape[0] != len(tokens):
+            raise InvalidRoutesError(
+                f"episode {self.episode_id!r} turn {turn}: {len(rows)} rows of routes for "
+                f"{len(tokens)} tokens; pass one row per token (-1 where none was returned)"
+            )
+        before = len(self._tokens)
+        if len(tokens) <= before:
+            raise InvalidRoutesError(
+                f"episode {self.episode_id!r} turn {turn} has {len(tokens)} tokens, no more "
+                f"than the {before} of the turns before it: a turn appends tokens"
+            )
+        self._check_history(tokens, turn)
+        if self._routes is not None:  # earlier rows, where this turn's engine returned none
+            missing = (rows[:before] == MISSING).all(-1).all(-1)
+            rows[:before][missing] = self._routes[missing]
+        versions = list(self._versions)
+        if policy_version is not None and (not versions or versions[-1][1] != policy_version):
+            versions.append((before, int(policy_version)))
+        elif policy_version is None and versions:
+            raise InvalidRoutesError(
+                f"episode {self.episode_id!r} turn {turn}: earlier turns had policy versions, "
+                "this one has none; pass policy_version for every turn or for none"
+            )
+        ref = self.store.put(
+            f"{self.episode_id}-t{turn}",
+            rows,
+            prompt_len=self.prompt_len,
+            token_ids=tokens,
+            policy_version=versions or None,
+        )
+        self.refs.append(ref)
+        self._tokens, self._routes, self._versions = tokens, rows, versions
+        return ref
+
+    def _check_history(self, tokens: np.ndarray, turn: int) -> None:
+        before = self._tokens
+        differ = np.flatnonzero(tokens[: len(before)] != before)
+        if len(differ):
+            pos = int(differ[0])
+            raise TokenMismatchError(
+                f"episode {self.episode_id!r} turn {turn}: token {pos} of the history is "
+                f"{int(tokens[pos])} but turn {turn - 1} stored {int(before[pos])} there "
+                f"({len(differ)} of {len(before)} history tokens differ): the chat template "
+                "re-tokenised the history, so earlier routes no longer align. Build each "
+                "turn's prompt by appending token ids to the previous turn's, not by "
+                "re-rendering the conversation"
+            )
+
+    def close(self) -> RoutingRef:
+        """Release the earlier turns' samples; the last turn's ref is the episode's."""
+        if not self.refs:
+            raise RoutingReplayError(f"episode {self.episode_id!r} has no turns")
+        if not self._closed:
+            self.store.release(self.refs[:-1])
+            self._closed = True
+        return self.refs[-1]

@@ -1,0 +1,109 @@
+"""Multi-turn episodes on a real transformers MoE model: turns captured, one sample stored."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from routing_replay import (
+    MISSING,
+    Episode,
+    InvalidRoutesError,
+    RoutingReplayError,
+    RoutingStore,
+    TokenMismatchError,
+    capture,
+    replay,
+    routing_agreement,
+)
+from routing_replay.adapters import find_routers
+from routing_replay.rollout import demo_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return demo_model(seed=0)
+
+
+def generate(model, tokens, new=5):
+    """One engine turn: greedy continuation of `tokens`, and its routes as captured."""
+    with capture(model) as cap, torch.no_grad():
+        model.generate(
+            input_ids=torch.tensor([tokens]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    (ids,), (routes,) = cap.token_ids(), cap.routes()
+    return ids.tolist(), routes
+
+
+def test_three_turns_with_tool_output_and_prefix_cached_rows(model, name):
+    layout = find_routers(model).layout
+    with RoutingStore.create(name, layout, 4096, page_tokens=8) as store:
+        episode = Episode(store, "ep7", prompt_len=9)
+        tokens1, routes1 = generate(model, list(range(10, 19)))  # 9 prompt + 5 new
+        episode.add_turn(tokens1, routes1, policy_version=0)
+        # Turn 2: a tool's output appended, the engine prefix-caches the history and is
+        # asked for rows from the first token it did not forward (turn 1's last).
+        start = len(tokens1) - 1
+        tokens2, full2 = generate(model, [*tokens1, 40, 41, 42])
+        asked2 = full2.copy()
+        asked2[:start] = MISSING
+        ref2 = episode.add_turn(tokens2, asked2, policy_version=1)
+        shared_after_two = store.stats().dedup_saved_bytes
+        tokens3, full3 = generate(model, [*tokens2, 50, 51])
+        changed = list(tokens3)
+        changed[3] += 1  # the template re-tokenised the history
+        with pytest.raises(TokenMismatchError, match=r"episode 'ep7' turn 3: token 3 of the"):
+            episode.add_turn(changed, full3, policy_version=1)
+        assert store.stats().samples == 2  # nothing put for the refused turn
+        asked3 = full3.copy()
+        asked3[: len(tokens2) - 1] = MISSING
+        episode.add_turn(tokens3, asked3, policy_version=1)
+        final = episode.close()
+        assert final.sample_id == "ep7-t3" and store.stats().samples == 1
+        with pytest.raises(RoutingReplayError, match="is closed"):
+            episode.add_turn([*tokens3, 1], np.vstack([asked3, asked3[-1:]]))
+
+        # The episode is exactly what the engine produced, turn by turn.
+        s1, s2 = len(tokens1) - 1, len(tokens2) - 1
+        want = np.concatenate([routes1[:s1], full2[s1:s2], full3[s2:]])
+        got = layout.decode(store.get(final))
+        np.testing.assert_array_equal(got, want)
+        assert (got[:-1] != MISSING).all() and (got[-1] == MISSING).all()
+        assert final.policy_versions == ((0, 0), (len(tokens1), 1))
+        assert final.prompt_len == 9 and ref2.num_tokens == len(tokens2)
+        assert shared_after_two >= 8 * layout.bytes_per_token  # turn 1's full page shared
+
+        # Replayed in the trainer: every recorded row is the experts' choice.
+        routes = torch.from_numpy(got.astype(np.int64))[None]
+        with replay(model, routes), capture(model) as cap, torch.no_grad():
+            model(input_ids=torch.tensor([tokens3]))
+        agreement = routing_agreement([got], cap.routes(), layout)
+        assert agreement.router_agreement == 1.0
+        assert agreement.num_tokens == len(tokens3) - 1
+
+
+def test_turn_checks(model, name):
+    layout = find_routers(model).layout
+    with RoutingStore.create(name, layout, 4096) as store:
+        episode = Episode(store, "e")
+        tokens, routes = generate(model, [10, 11, 12])
+        with pytest.raises(RoutingReplayError, match="has no turns"):
+            episode.close()
+        with pytest.raises(InvalidRoutesError, match="7 rows of routes for 8 tokens"):
+            episode.add_turn(tokens, routes[:-1])
+        episode.add_turn(tokens, routes)
+        with pytest.raises(InvalidRoutesError, match="no more than the 8 of the turns before"):
+            episode.add_turn(tokens, routes)
+        more, more_routes = generate(model, [*tokens, 20])
+        versioned = Episode(store, "w")
+        versioned.add_turn(tokens, routes, policy_version=0)
+        with pytest.raises(InvalidRoutesError, match="pass policy_version for every turn"):
+            versioned.add_turn(more, more_routes)
+        narrow = layout.encode(more_routes)  # uint8 with the marker, as vLLM hands ids over
+        ref = episode.add_turn(more, narrow)
+        np.testing.assert_array_equal(layout.decode(store.get(ref))[:-1], more_routes[:-1])
