@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, TokenMismatchError
 from routing_replay.layout import MISSING, RoutingLayout
 
 
@@ -80,22 +80,41 @@ def place_rows(
     return out
 
 
-def fill_prefix(store: Any, routes: np.ndarray, prefix: Any, start: int) -> None:
+def fill_prefix(
+    store: Any, routes: np.ndarray, prefix: Any, start: int, tokens: np.ndarray
+) -> None:
     """Copy rows `[0, start)` of an earlier stored sample (the previous turn) into `routes`.
 
     For multi-turn requests that asked for routes from `start` only (SGLang
     `routed_experts_start_len`, vLLM `routed_experts_prompt_start`): the earlier turn's
-    rows fill the gap, so the sample is complete and shares the earlier turn's pages.
-    The earlier turn's tokens must be this sample's first tokens (the caller's contract).
+    rows fill the gap, so the sample is complete and shares the earlier turn's pages. The
+    earlier turn's stored tokens must be this sample's first `start` tokens (else
+    `TokenMismatchError`: the history was re-tokenised, or the wrong prefix was passed).
+    `routing_replay.Episode` does the same for a whole episode.
     """
     if prefix is None or start == 0:
         return
-    earlier = store.get(prefix)
+    name = getattr(prefix, "sample_id", prefix)
+    batch = store.read([prefix])
+    earlier = store.get(prefix)  # signed, -1 missing
     if len(earlier) < start:
-        name = getattr(prefix, "sample_id", prefix)
         raise InvalidRoutesError(
             f"prefix sample {name!r} has {len(earlier)} tokens, fewer than start={start}: "
             "pass the earlier turn whose tokens this request extended"
+        )
+    stored = batch.column("token_ids")[0].as_py()
+    if stored is None:
+        raise InvalidRoutesError(
+            f"prefix sample {name!r} was put without token_ids, so its tokens cannot be "
+            "checked against this turn's: put turns with token_ids"
+        )
+    differ = np.flatnonzero(np.asarray(stored[:start]) != np.asarray(tokens[:start]))
+    if len(differ):
+        pos = int(differ[0])
+        raise TokenMismatchError(
+            f"prefix sample {name!r}: token {pos} is {int(stored[pos])} there but "
+            f"{int(tokens[pos])} in this turn ({len(differ)} of the first {start} differ): "
+            "the history was re-tokenised, or this is not the turn it extends"
         )
     routes[:start] = earlier[:start]
 

@@ -147,7 +147,7 @@ def put_sglang(
     prompt = token_array(prompt_ids, "prompt_ids")
     tokens = np.concatenate([prompt, token_array(output_ids, "output_ids")])
     routes = routes_from_sglang(response, store.layout, len(tokens), start_len)
-    fill_prefix(store, routes, prefix, start_len)
+    fill_prefix(store, routes, prefix, start_len, tokens)
     return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
 
 

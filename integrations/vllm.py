@@ -167,7 +167,7 @@ def put_request_output(
     samples = samples_of(request_output, store.layout, start)
     ids = [sample_ids(j) if callable(sample_ids) else sample_ids[j] for j in range(len(samples))]
     for s in samples:
-        fill_prefix(store, s.routes, prefix, start)
+        fill_prefix(store, s.routes, prefix, start, s.tokens)
     return [
         store.put(i, s.routes, prompt_len=s.prompt_len, token_ids=s.tokens)
         for i, s in zip(ids, samples, strict=True)
@@ -203,7 +203,7 @@ def put_http_choice(
         prompt_len=len(prompt),
         start=start,
     )
-    fill_prefix(store, routes, prefix, start)
+    fill_prefix(store, routes, prefix, start, tokens)
     return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
 
 

@@ -19,7 +19,13 @@ from integrations.vllm import (
     routes_from_vllm,
     samples_of,
 )
-from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout, RoutingStore
+from routing_replay import (
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutingLayout,
+    RoutingStore,
+    TokenMismatchError,
+)
 from routing_replay.shm import segment_path
 
 # Qwen3-MoE-like: 4 layers, layer 1 dense (mlp_only_layers=[1]), top-4 of 16 experts.
@@ -196,9 +202,15 @@ def test_routes_from_vllm_checks_prompt_len():
 def test_multi_turn_prompt_start_takes_rows_from_the_previous_turn(store):
     first = put_request_output(store, grpo_output(n=1), ["t0"])[0]  # 16 tokens
     turn1 = store.get(first)
-    second = grpo_output(n=1, prompt_len=20)  # a prompt extending turn 1 (ids are synthetic)
+    second = grpo_output(n=1, prompt_len=20)  # a prompt extending turn 1: its 16 tokens + 4
+    turn1_tokens = store.read([first]).column("token_ids")[0].as_py()
+    second.prompt_token_ids = [*turn1_tokens, 90, 91, 92, 93]
     full = second.outputs[0].routed_experts
     second.outputs[0].routed_experts = full[15:]  # routed_experts_prompt_start=15
+    drifted = grpo_output(n=1, prompt_len=20)  # the history re-tokenised: ids 30.. again
+    drifted.outputs[0].routed_experts = full[15:]
+    with pytest.raises(TokenMismatchError, match=r"prefix sample 't0': token 10 is 70"):
+        put_request_output(store, drifted, ["t1"], start=15, prefix=first)
     put_request_output(store, second, ["t1"], start=15, prefix=first)
     got = store.get("t1")
     np.testing.assert_array_equal(got[:15], turn1[:15])
