@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +13,12 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.adapters import MoeModel, find_routers
-from routing_replay.errors import UnsupportedModelError
+from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import MISSING, RoutingLayout
 
 _Sample = tuple[np.ndarray | None, np.ndarray]  # (token ids or None, routes [T, L, K])
+_ACTIVE = "_routing_replay_capture"  # on the decoder: (thread, open blocks) recording it
+_ACTIVE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -60,6 +63,24 @@ class Capture:
 
     def __enter__(self) -> Capture:
         decoder = self.moe.decoder
+        with _ACTIVE_LOCK:  # check and mark at once: two threads may enter together
+            thread, blocks = decoder.__dict__.get(_ACTIVE, (threading.get_ident(), 0))
+            if thread != threading.get_ident():
+                raise RoutingReplayError(
+                    "capture: another thread has a capture block active on this model; each "
+                    "block's hooks would record the other's forwards, mixing samples' routes. "
+                    "Capture one model from one thread at a time: serialize generate calls "
+                    "(a Ray actor with max_concurrency=1), or give each thread its own model"
+                )
+            decoder.__dict__[_ACTIVE] = (thread, blocks + 1)  # nested blocks: one thread
+        try:
+            self._install(decoder)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _install(self, decoder: nn.Module) -> None:
         if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
             self._handles.append(
                 self.model.register_forward_pre_hook(self._outer_begin, with_kwargs=True)
@@ -72,12 +93,19 @@ class Capture:
             self._wrap("generate", self._wrap_generate)
             if callable(getattr(self.model, "prepare_inputs_for_generation", None)):
                 self._wrap("prepare_inputs_for_generation", self._wrap_prepare)
-        return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        with _ACTIVE_LOCK:
+            decoder = self.moe.decoder.__dict__
+            if _ACTIVE in decoder:
+                thread, blocks = decoder[_ACTIVE]
+                if blocks > 1:
+                    decoder[_ACTIVE] = (thread, blocks - 1)
+                else:
+                    del decoder[_ACTIVE]
         for name, own in self._own.items():
             if own is not None:
                 setattr(self.model, name, own)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -265,3 +266,36 @@ def test_hand_written_static_cache_loop(monkeypatch, with_mask):
     assert {n for reads in counter.per_forward for n in reads} <= {"__int__"}
     for a, b in zip(static[0] + static[1], dynamic[0] + dynamic[1], strict=True):
         assert np.array_equal(a, b)
+
+
+def test_one_thread_captures_a_model_at_a_time():
+    """Blocks in two threads would each record the other's forwards: refused (the check and
+    the mark are one step); nested blocks in one thread stay allowed (tested elsewhere)."""
+    import threading
+
+    from routing_replay import RoutingReplayError
+    from routing_replay.rollout import demo_model
+
+    model = demo_model()
+    entered, errors, done = threading.Barrier(2), [], []
+
+    def worker():
+        entered.wait()
+        try:
+            with capture(model) as cap:
+                time.sleep(0.3)
+                model(input_ids=torch.tensor([[3, 4, 5]]))
+            done.append(len(cap.routes()))
+        except RoutingReplayError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done == [1] and len(errors) == 1  # one block got in, and saw only its forward
+    assert "another thread has a capture block active" in errors[0]
+    with capture(model) as cap:  # the mark is gone after the blocks
+        model(input_ids=torch.tensor([[3, 4, 5]]))
+    assert len(cap.routes()) == 1

@@ -24,3 +24,16 @@ def test_trl_grpo_example(capsys):
     # the second step of each generation runs on a moved policy: native routing drifts
     assert all(float(r[2].rstrip("%")) < 99.0 for r in rows[1::2])
     assert "samples in the store after each step: [16, 0, 16, 0, 16, 0]" in out
+
+
+def test_agentic_ray_job_example(capsys):
+    import sys
+
+    example = runpy.run_path(str(EXAMPLES / "agentic_ray_job.py"), run_name="agentic_ray_job")
+    figures = example["main"]([])
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all("6 episodes x 3 turns" in s for s in steps)
+    assert all("with 1.0000" in s and "samples stored 6 -> 0" in s for s in steps)
+    assert all(step["stored"]["peak_shared_bytes"] > 0 for step in figures["steps"])
+    sys.modules.pop("ray_job", None)  # the example imported it from examples/
