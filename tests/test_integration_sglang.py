@@ -193,3 +193,36 @@ def test_second_turn_suffix_takes_its_prefix_from_the_first_turn(store):
     with pytest.raises(InvalidRoutesError, match="fewer than start=13"):
         response = sglang_response(engine_rows(6, seed=22), 16, turn2_out)
         put_sglang(store, "ep0-t2", response, turn2_prompt, start_len=13, prefix="ep0-t0")
+
+
+def test_three_turn_episode_from_sglang_payloads(store):
+    """SGLang episodes through routing_replay.Episode: each turn asks for routes from the
+    first token the stored turns do not cover (`routed_experts_start_len`)."""
+    from routing_replay import Episode, TokenMismatchError
+
+    episode = Episode(store, "sg", prompt_len=6)
+    tokens, engine = list(range(10, 16)), {}  # the conversation so far; rows per position
+    for turn, (out, tool) in enumerate([([20, 21, 22], [50, 51]), ([23, 24], [52]), ([25], [])]):
+        start = max(len(episode.tokens) - 1, 0)
+        num = len(tokens) + len(out)
+        rows = engine_rows(num - 1 - start, seed=30 + turn)
+        for i, row in enumerate(moe_only(rows)):
+            engine[start + i] = row  # what the engine returned for that position
+        response = sglang_response(rows, len(tokens), out)
+        routes = routes_from_sglang(response, LAYOUT, num, start_len=start)
+        episode.check_history(tokens)
+        episode.add_turn([*tokens, *out], routes, policy_version=turn)
+        tokens = [*tokens, *out, *tool]
+    ref = episode.close()
+    got = store.get(ref)
+    want = np.stack([engine[t] for t in range(ref.num_tokens - 1)])
+    np.testing.assert_array_equal(got[:-1], want)  # every turn's rows, at their positions
+    assert (got[-1] == -1).all() and len(store) == 1
+    assert ref.policy_versions == ((0, 0), (9, 1), (13, 2))
+    drifted = Episode(store, "sg2")
+    drifted.add_turn(
+        [10, 11, 12],
+        routes_from_sglang(sglang_response(engine_rows(2, seed=40), 2, [12]), LAYOUT, 3),
+    )
+    with pytest.raises(TokenMismatchError, match=r"episode 'sg2' turn 2: token 1 of the"):
+        drifted.check_history([10, 99, 12, 13])

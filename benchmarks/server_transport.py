@@ -1,0 +1,505 @@
+"""Routes from a vLLM server to a trainer: in the HTTP body, as refs over HTTP, or over Ray.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
+        .venv-vllm/bin/python benchmarks/server_transport.py           # ~4 min on 2 CPUs
+    ... benchmarks/server_transport.py --quick                         # smoke run, ~2 min
+
+The same token-id requests (greedy, fixed length, `--concurrency` in flight) go three ways
+to a real vllm-cpu 0.30 engine, a tiny Qwen3-MoE with a realistic routing shape (16 MoE
+layers, top-8 of 64 experts by default; hidden 64) built here:
+
+- http-body: the OpenAI server (`python -m vllm.entrypoints.openai.api_server`, what `vllm
+  serve` runs; vllm-cpu's `vllm` script fails on `importlib.metadata.version("vllm")`) with
+  `--enable-return-routed-experts`: each choice carries `routed_experts` as base64 `.npy`;
+  the trainer decodes them (`integrations.vllm.routes_from_vllm`) into one packed tensor.
+- http-refs: the same server and requests; `integrations.vllm_middleware.RoutesToRefs`
+  (`--middleware`) puts each choice into this node's store and sends a JSON ref instead;
+  the trainer reads the refs (`RoutingStore.read` -> `to_torch`). The server runs with the
+  middleware for both HTTP ways: http-body requests opt out by a header (a pass-through),
+  and the two ways alternate round by round on one engine.
+- ray-store: `integrations.vllm_server.vllm_server` (AsyncLLM in a Ray actor, puts into
+  the node store, replies with a `RoutingRef`); the trainer runs `fetch_batch` -> `to_torch`.
+
+Client time: wall time of a round of requests (JSON parsing included) per generated token,
+then the trainer-side decode/read to a packed `[sum_T, L, K]` tensor (release included);
+medians over rounds. Bytes: HTTP bodies as received (plus request bodies and headers);
+Ray: `len(ray.cloudpickle.dumps(x))` of each reply and of each call's arguments. Every way
+ends with the same routes (checked). Engines run one at a time, with identical engine
+arguments (bf16, eager, no prefix caching: rounds repeat the same prompts). Writes
+benchmarks/results/server_transport.json (or server_transport-quick.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(ROOT))
+
+from integrations.vllm import DEFAULT_ENV, routes_from_vllm  # noqa: E402
+from integrations.vllm_middleware import OPT_OUT, STORE_ENV, ref_from_json  # noqa: E402
+
+for _key, _value in DEFAULT_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from routing_replay import RoutingLayout, RoutingStore, fetch_batch, to_torch  # noqa: E402
+
+# Identical for both servers (the HTTP server gets them as flags).
+ENGINE = {
+    "dtype": "bfloat16",
+    "enforce_eager": True,  # vllm-cpu's compiled model returns all-zero routed experts
+    "enable_prefix_caching": False,
+    "block_size": 32,
+    "max_model_len": 256,
+    "skip_tokenizer_init": True,
+    "enable_return_routed_experts": True,
+    "distributed_executor_backend": "uni",
+}
+WAYS = {
+    "http-body": "vllm serve, routed_experts base64 .npy in the body",
+    "http-refs": "vllm serve + RoutesToRefs middleware, JSON refs",
+    "ray-store": "Ray actor (AsyncLLM) puts into the store, RoutingRef replies",
+}
+
+
+def build_model(path: str, moe_layers: int, experts: int, top_k: int) -> dict[str, Any]:
+    """A seeded tiny Qwen3-MoE, every layer MoE; its shape."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=moe_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention has no kernel for head_dim 16
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # spread routers: the input decides routing
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    model.save_pretrained(path)
+    return {
+        "family": "Qwen3-MoE (random init)",
+        "params": sum(p.numel() for p in model.parameters()),
+        "hidden_size": 64,
+        "num_hidden_layers": moe_layers,
+        "moe_layers": moe_layers,
+        "num_experts": experts,
+        "top_k": top_k,
+        "vocab_size": 256,
+    }
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[3 + (7 * i + 5 * j + i * j) % 250 for j in range(length)] for i in range(n)]
+
+
+def packed(rows: list[np.ndarray], layout: RoutingLayout) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(rows).astype(layout.signed_dtype, copy=False))
+
+
+# -- HTTP --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_http_server(model_dir: str, port: int, store_name: str, log: Path) -> Any:
+    flags = [
+        "--dtype",
+        ENGINE["dtype"],
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--block-size",
+        str(ENGINE["block_size"]),
+        "--max-model-len",
+        str(ENGINE["max_model_len"]),
+        "--skip-tokenizer-init",
+        "--enable-return-routed-experts",
+        "--distributed-executor-backend",
+        ENGINE["distributed_executor_backend"],
+        "--middleware",
+        "integrations.vllm_middleware.RoutesToRefs",
+    ]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", *flags]
+    env = {**os.environ, STORE_ENV: store_name, "PYTHONPATH": str(ROOT)}
+    out = open(log, "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+    proc.log_file = out
+    proc.command = cmd
+    return proc
+
+
+def stop(proc: Any) -> None:
+    """SIGTERM the server's process group (it started it: API server + engine core)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    proc.log_file.close()
+
+
+async def wait_ready(url: str, proc: Any, timeout: float = 300) -> float:
+    import aiohttp
+
+    started = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        while time.perf_counter() - started < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({proc.returncode}); see its log")
+            try:
+                async with session.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return time.perf_counter() - started
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError("vLLM server did not come up")
+
+
+async def http_round(url, model_dir, reqs, new, concurrency, tag, refs: bool) -> dict:
+    """One round over HTTP; replies parsed (JSON) and kept with their byte counts."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    replies: list[Any] = [None] * len(reqs)
+
+    async def one(session, i, prompt):
+        body = {
+            "model": model_dir,
+            "prompt": prompt,
+            "max_tokens": new,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"{tag}-r{i}"}
+        if not refs:
+            headers[OPT_OUT[0].decode()] = OPT_OUT[1].decode()
+        async with sem:
+            t0 = time.perf_counter()
+            async with session.post(f"{url}/v1/completions", data=data, headers=headers) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {raw[:500]!r}")
+                head = sum(len(k) + len(v) + 4 for k, v in r.raw_headers) + 17  # + status line
+            reply = json.loads(raw)
+            latency = time.perf_counter() - t0
+        replies[i] = {"prompt": prompt, "reply": reply, "latency": latency,
+                      "bytes": len(raw), "header_bytes": head, "request_bytes": len(data)}  # fmt: skip
+
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(session, i, p) for i, p in enumerate(reqs)])
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "replies": replies}
+
+
+def http_trainer_side(rnd: dict, layout: RoutingLayout, store: RoutingStore | None) -> dict:
+    """Replies -> one packed routes tensor, as a trainer would (decode, or read the refs)."""
+    t0 = time.perf_counter()
+    choices = [(r["prompt"], r["reply"]["choices"][0]) for r in rnd["replies"]]
+    if store is None:
+        rows = [
+            routes_from_vllm(layout, len(p) + len(c["token_ids"]), c["routed_experts"])
+            for p, c in choices
+        ]
+        routes = packed(rows, layout)
+    else:
+        refs = [ref_from_json(c["routing_ref"]) for _, c in choices]
+        routes = to_torch(store.read(refs)).clone()  # a copy: the refs are released next
+        store.release(refs)
+    decode = time.perf_counter() - t0
+    tokens = sum(len(c["token_ids"]) for _, c in choices)
+    routed = sum(len(c.get("routed_experts") or "") for _, c in choices)
+    ref_bytes = sum(len(json.dumps(c["routing_ref"])) for _, c in choices if "routing_ref" in c)
+    return {
+        "routes": routes,
+        "decode_s": decode,
+        "tokens": tokens,
+        "response_bytes": sum(r["bytes"] for r in rnd["replies"]),
+        "routes_bytes": routed if store is None else ref_bytes,
+        "header_bytes": sum(r["header_bytes"] for r in rnd["replies"]),
+        "request_bytes": sum(r["request_bytes"] for r in rnd["replies"]),
+        "latency_s": statistics.median(r["latency"] for r in rnd["replies"]),
+        "in_body": all("routed_experts" in c for _, c in choices),
+    }
+
+
+# -- Ray -----------------------------------------------------------------------------------
+
+
+async def ray_round(actor, reqs, new, concurrency, tag) -> dict:
+    import ray
+
+    sem = asyncio.Semaphore(concurrency)
+    replies: list[Any] = [None] * len(reqs)
+    params = {"max_tokens": new, "temperature": 0.0, "ignore_eos": True}
+
+    async def one(i, prompt):
+        kwargs = {"episode_id": f"{tag}-r{i}", "turn": 1}
+        async with sem:
+            t0 = time.perf_counter()
+            reply = await actor.generate.remote(prompt, params, **kwargs)
+            latency = time.perf_counter() - t0
+        sent = len(ray.cloudpickle.dumps((prompt, params, kwargs)))
+        got = len(ray.cloudpickle.dumps(reply))
+        replies[i] = {"prompt": prompt, "reply": reply, "latency": latency,
+                      "bytes": got, "request_bytes": sent}  # fmt: skip
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i, p) for i, p in enumerate(reqs)])
+    return {"wall_s": time.perf_counter() - t0, "replies": replies}
+
+
+def ray_trainer_side(rnd: dict) -> dict:
+    t0 = time.perf_counter()
+    refs = [r["reply"]["ref"] for r in rnd["replies"]]
+    routes = to_torch(fetch_batch(refs, release=True))
+    decode = time.perf_counter() - t0
+    return {
+        "routes": routes,
+        "decode_s": decode,
+        "tokens": sum(len(r["reply"]["token_ids"]) for r in rnd["replies"]),
+        "response_bytes": sum(r["bytes"] for r in rnd["replies"]),
+        "routes_bytes": 0,
+        "header_bytes": 0,
+        "request_bytes": sum(r["request_bytes"] for r in rnd["replies"]),
+        "latency_s": statistics.median(r["latency"] for r in rnd["replies"]),
+        "in_body": False,
+    }
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def summarise(rounds: list[dict], n_requests: int) -> dict:
+    med = lambda k: statistics.median(r[k] for r in rounds)  # noqa: E731
+    tokens = rounds[0]["tokens"]
+    wall, decode = med("wall_s"), med("decode_s")
+    total = statistics.median(r["wall_s"] + r["decode_s"] for r in rounds)
+    last = rounds[-1]
+    return {
+        "rounds": len(rounds),
+        "generated_tokens_per_round": tokens,
+        "wall_s": wall,
+        "trainer_decode_s": decode,
+        "total_s": total,
+        "ms_per_token_wall": 1e3 * wall / tokens,
+        "ms_per_token_decode": 1e3 * decode / tokens,
+        "ms_per_token_total": 1e3 * total / tokens,
+        "wall_s_each_round": [r["wall_s"] for r in rounds],
+        "median_request_latency_s": med("latency_s"),
+        "response_bytes_per_request": last["response_bytes"] / n_requests,
+        "routes_bytes_per_request": last["routes_bytes"] / n_requests,
+        "header_bytes_per_request": last["header_bytes"] / n_requests,
+        "request_bytes_per_request": last["request_bytes"] / n_requests,
+        "response_bytes_per_generated_token": last["response_bytes"] / tokens,
+        "routes_in_body": last["in_body"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--moe-layers", type=int, default=16)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.rounds = 16, 2
+    import ray
+    import vllm
+
+    from integrations.vllm_server import vllm_server
+    from routing_replay.store_actor import shutdown_node_stores
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    reqs = prompts(args.requests, args.prompt_len)
+    warm = prompts(args.concurrency, args.prompt_len)
+    work = Path(tempfile.mkdtemp(prefix="rr-server-transport-"))
+    model_dir = str(work / "model")
+    shape = build_model(model_dir, args.moe_layers, args.experts, args.top_k)
+    layout = RoutingLayout.from_hf_config(transformers.AutoConfig.from_pretrained(model_dir))
+    shape["routed_bytes_per_token_uint8"] = layout.bytes_per_token
+    cap = args.requests * (args.prompt_len + args.new_tokens) * 4
+    store_name = f"rr-bench-{uuid.uuid4().hex[:8]}"
+    store = RoutingStore.create(store_name, layout, capacity_tokens=cap, page_tokens=16)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    rounds: dict[str, list[dict]] = {w: [] for w in WAYS}
+    starts: dict[str, float] = {}
+    routes: dict[str, torch.Tensor] = {}
+    proc = start_http_server(model_dir, port, store_name, work / "server.log")
+    try:
+        starts["http"] = asyncio.run(wait_ready(url, proc))
+        for refs in (False, True):  # warm-up (the first forwards are slow)
+            asyncio.run(http_round(url, model_dir, warm, args.new_tokens, args.concurrency,
+                                   f"warm{int(refs)}", refs))  # fmt: skip
+        for k in range(args.rounds):
+            order = (False, True) if k % 2 == 0 else (True, False)  # ABBA against drift
+            for refs in order:
+                way = "http-refs" if refs else "http-body"
+                rnd = asyncio.run(
+                    http_round(url, model_dir, reqs, args.new_tokens, args.concurrency,
+                               f"{way}{k}", refs)  # fmt: skip
+                )
+                side = http_trainer_side(rnd, layout, store if refs else None)
+                side["wall_s"] = rnd["wall_s"]
+                routes[way] = side.pop("routes")
+                rounds[way].append(side)
+                print(f"{way} round {k}: {side['wall_s']:.2f} s", flush=True)
+    except BaseException:
+        print((work / "server.log").read_text()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        stop(proc)
+    job = f"srvbench{uuid.uuid4().hex[:6]}"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        t0 = time.perf_counter()
+        engine = {k: v for k, v in ENGINE.items() if k not in ("skip_tokenizer_init",)}
+        actor = vllm_server(job, model_dir, page_tokens=16, capacity_tokens=cap,
+                            engine_kwargs=engine)  # fmt: skip
+        ray.get(actor.start.remote(), timeout=600)
+        starts["ray"] = time.perf_counter() - t0
+
+        async def run_ray():
+            await ray_round(actor, warm, args.new_tokens, args.concurrency, "warm")
+            out = []
+            for k in range(args.rounds):
+                rnd = await ray_round(actor, reqs, args.new_tokens, args.concurrency, f"ray{k}")
+                out.append(rnd)
+                print(f"ray-store round {k}: {rnd['wall_s']:.2f} s", flush=True)
+            return out
+
+        for rnd in asyncio.run(run_ray()):
+            side = ray_trainer_side(rnd)
+            side["wall_s"] = rnd["wall_s"]
+            routes["ray-store"] = side.pop("routes")
+            rounds["ray-store"].append(side)
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+        shutdown_node_stores(job)
+    finally:
+        ray.shutdown()
+    store.close()
+    store.unlink()
+
+    base = routes["http-body"]
+    same = {w: bool(torch.equal(r, base)) for w, r in routes.items()}
+    rows_equal = {
+        w: float((r == base).all(-1).all(-1).float().mean()) for w, r in routes.items()
+    }
+    results = {w: summarise(rounds[w], args.requests) for w in WAYS}
+    ref = results["http-body"]
+    for w, r in results.items():
+        r["time_per_token_vs_http_body"] = r["ms_per_token_total"] / ref["ms_per_token_total"]
+        r["wall_per_token_vs_http_body"] = r["ms_per_token_wall"] / ref["ms_per_token_wall"]
+        r["response_bytes_vs_http_body"] = (
+            r["response_bytes_per_request"] / ref["response_bytes_per_request"]
+        )
+        r["routes_equal_http_body"] = same[w]
+        r["token_rows_equal_http_body"] = rows_equal[w]
+    print(
+        f"\n{'way':10} {'wall ms/tok':>11} {'decode':>8} {'total':>8} {'vs body':>8} "
+        f"{'resp B/req':>11} {'routes B':>9} {'vs body':>8} {'req B':>6} {'same':>5}"
+    )
+    for w, r in results.items():
+        print(
+            f"{w:10} {r['ms_per_token_wall']:>11.3f} {r['ms_per_token_decode']:>8.4f} "
+            f"{r['ms_per_token_total']:>8.3f} {r['time_per_token_vs_http_body']:>8.3f} "
+            f"{r['response_bytes_per_request']:>11.0f} {r['routes_bytes_per_request']:>9.0f} "
+            f"{r['response_bytes_vs_http_body']:>8.3f} {r['request_bytes_per_request']:>6.0f} "
+            f"{str(same[w]):>5}"
+        )
+    report = {
+        "setup": {
+            "model": shape,
+            "requests_per_round": args.requests,
+            "prompt_tokens": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "concurrency": args.concurrency,
+            "rounds": args.rounds,
+            "sampling": "greedy, ignore_eos, logprobs of the sampled token",
+            "engine": ENGINE,
+            "http_server": "python -m vllm.entrypoints.openai.api_server (vllm serve's server),"
+            " --middleware integrations.vllm_middleware.RoutesToRefs; http-body requests opt "
+            "out by header",
+            "http_client": "aiohttp, one keep-alive connection per slot",
+            "ray_server": "integrations.vllm_server.vllm_server (one actor, num_cpus=1)",
+            "bytes": "HTTP: body bytes as received (headers separate); Ray: "
+            "len(ray.cloudpickle.dumps(reply)) and of (prompt, params, kwargs)",
+            "trainer_side": "to one packed [sum_T, L, K] torch tensor: base64+npy decode and "
+            "routes_from_vllm (http-body); RoutingStore.read + to_torch + release "
+            "(http-refs); fetch_batch(release=True) + to_torch (ray-store)",
+            "server_start_s": starts,
+            "vllm": vllm.__version__,
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "load_average_before_after": [load_before, os.getloadavg()[0]],
+            "benchmark_s": time.perf_counter() - started,
+        },
+        "ways": WAYS,
+        "results": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / ("server_transport-quick.json" if args.quick else "server_transport.json")
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path} ({report['setup']['benchmark_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
