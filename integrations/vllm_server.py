@@ -148,6 +148,11 @@ class VllmServer:
         """
         from vllm import SamplingParams
 
+        if sampling_params.get("n", 1) != 1:
+            raise RoutingReplayError(
+                f"episode {episode_id!r} turn {turn}: n={sampling_params['n']}; an episode "
+                "continues one completion per turn (start one episode per sample)"
+            )
         await self.start()
         episode = self.episodes.get(episode_id)
         if episode is None:
