@@ -1,8 +1,8 @@
 """Routes from a vLLM server to a trainer: in the HTTP body, as refs over HTTP, or over Ray.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\
-        .venv-vllm/bin/python benchmarks/server_transport.py           # ~4 min on 2 CPUs
-    ... benchmarks/server_transport.py --quick                         # smoke run, ~2 min
+        .venv-vllm/bin/python benchmarks/server_transport.py           # ~3 min on 2 CPUs
+    ... benchmarks/server_transport.py --quick                         # 16 requests, 1 round
 
 The same token-id requests (greedy, fixed length, `--concurrency` in flight) go three ways
 to a real vllm-cpu 0.30 engine, a tiny Qwen3-MoE with a realistic routing shape (16 MoE
@@ -24,9 +24,12 @@ Client time: wall time of a round of requests (JSON parsing included) per genera
 then the trainer-side decode/read to a packed `[sum_T, L, K]` tensor (release included);
 medians over rounds. Bytes: HTTP bodies as received (plus request bodies and headers);
 Ray: `len(ray.cloudpickle.dumps(x))` of each reply and of each call's arguments. Every way
-ends with the same routes (checked). Engines run one at a time, with identical engine
-arguments (bf16, eager, no prefix caching: rounds repeat the same prompts). Writes
-benchmarks/results/server_transport.json (or server_transport-quick.json).
+ends with the routes a trainer replays; rows and completions are compared with the last
+http-body round (bf16 routes depend a little on how requests were batched: http-body's own
+round-to-round figure is the noise floor). Engines run one at a time, with identical engine
+arguments (bf16, eager, no prefix caching: rounds repeat the same prompts; one OpenMP
+thread), in phases HTTP, Ray, HTTP, Ray (`--phases`) so that drift shows. Writes
+benchmarks/results/server_transport.json (`--quick` writes nothing unless `--out`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -58,6 +62,10 @@ from integrations.vllm_middleware import OPT_OUT, STORE_ENV, ref_from_json  # no
 
 for _key, _value in DEFAULT_ENV.items():
     os.environ.setdefault(_key, _value)
+# One OpenMP thread per engine: Ray sets OMP_NUM_THREADS=num_cpus (1) for its actor, so the
+# HTTP server's engine gets the same; two spinning OpenMP threads on a 2-core machine also
+# slow down tenfold whenever anything else runs.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -74,6 +82,7 @@ ENGINE = {
     "skip_tokenizer_init": True,
     "enable_return_routed_experts": True,
     "distributed_executor_backend": "uni",
+    "gpu_memory_utilization": 0.3,  # on CPU: the share of RAM that must be free at start
 }
 WAYS = {
     "http-body": "vllm serve, routed_experts base64 .npy in the body",
@@ -152,15 +161,18 @@ def start_http_server(model_dir: str, port: int, store_name: str, log: Path) -> 
         "--enable-return-routed-experts",
         "--distributed-executor-backend",
         ENGINE["distributed_executor_backend"],
+        "--gpu-memory-utilization",
+        str(ENGINE["gpu_memory_utilization"]),
         "--middleware",
         "integrations.vllm_middleware.RoutesToRefs",
     ]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", *flags]
     env = {**os.environ, STORE_ENV: store_name, "PYTHONPATH": str(ROOT)}
-    out = open(log, "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
+    out = open(log, "w")  # noqa: SIM115 (closed in stop())
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+    )
     proc.log_file = out
     proc.command = cmd
     return proc
@@ -227,8 +239,14 @@ async def http_round(url, model_dir, reqs, new, concurrency, tag, refs: bool) ->
                 head = sum(len(k) + len(v) + 4 for k, v in r.raw_headers) + 17  # + status line
             reply = json.loads(raw)
             latency = time.perf_counter() - t0
-        replies[i] = {"prompt": prompt, "reply": reply, "latency": latency,
-                      "bytes": len(raw), "header_bytes": head, "request_bytes": len(data)}  # fmt: skip
+        replies[i] = {
+            "prompt": prompt,
+            "reply": reply,
+            "latency": latency,
+            "bytes": len(raw),
+            "header_bytes": head,
+            "request_bytes": len(data),
+        }
 
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as session:
@@ -250,7 +268,7 @@ def http_trainer_side(rnd: dict, layout: RoutingLayout, store: RoutingStore | No
         routes = packed(rows, layout)
     else:
         refs = [ref_from_json(c["routing_ref"]) for _, c in choices]
-        routes = to_torch(store.read(refs)).clone()  # a copy: the refs are released next
+        routes = to_torch(store.read(refs))  # read copies out of the store: release is safe
         store.release(refs)
     decode = time.perf_counter() - t0
     tokens = sum(len(c["token_ids"]) for _, c in choices)
@@ -266,6 +284,7 @@ def http_trainer_side(rnd: dict, layout: RoutingLayout, store: RoutingStore | No
         "request_bytes": sum(r["request_bytes"] for r in rnd["replies"]),
         "latency_s": statistics.median(r["latency"] for r in rnd["replies"]),
         "in_body": all("routed_experts" in c for _, c in choices),
+        "completions": [c["token_ids"] for _, c in choices],
     }
 
 
@@ -285,14 +304,15 @@ async def ray_round(actor, reqs, new, concurrency, tag) -> dict:
             t0 = time.perf_counter()
             reply = await actor.generate.remote(prompt, params, **kwargs)
             latency = time.perf_counter() - t0
-        sent = len(ray.cloudpickle.dumps((prompt, params, kwargs)))
-        got = len(ray.cloudpickle.dumps(reply))
-        replies[i] = {"prompt": prompt, "reply": reply, "latency": latency,
-                      "bytes": got, "request_bytes": sent}  # fmt: skip
+        replies[i] = {"prompt": prompt, "reply": reply, "latency": latency, "args": kwargs}
 
     t0 = time.perf_counter()
     await asyncio.gather(*[one(i, p) for i, p in enumerate(reqs)])
-    return {"wall_s": time.perf_counter() - t0, "replies": replies}
+    wall = time.perf_counter() - t0
+    for r in replies:  # what crossed Ray, pickled (outside the timed part)
+        r["bytes"] = len(ray.cloudpickle.dumps(r["reply"]))
+        r["request_bytes"] = len(ray.cloudpickle.dumps((r["prompt"], params, r["args"])))
+    return {"wall_s": wall, "replies": replies}
 
 
 def ray_trainer_side(rnd: dict) -> dict:
@@ -310,6 +330,7 @@ def ray_trainer_side(rnd: dict) -> dict:
         "request_bytes": sum(r["request_bytes"] for r in rnd["replies"]),
         "latency_s": statistics.median(r["latency"] for r in rnd["replies"]),
         "in_body": False,
+        "completions": [r["reply"]["token_ids"] for r in rnd["replies"]],
     }
 
 
@@ -332,6 +353,7 @@ def summarise(rounds: list[dict], n_requests: int) -> dict:
         "ms_per_token_decode": 1e3 * decode / tokens,
         "ms_per_token_total": 1e3 * total / tokens,
         "wall_s_each_round": [r["wall_s"] for r in rounds],
+        "phase_of_each_round": [r["phase"] for r in rounds],
         "median_request_latency_s": med("latency_s"),
         "response_bytes_per_request": last["response_bytes"] / n_requests,
         "routes_bytes_per_request": last["routes_bytes"] / n_requests,
@@ -342,6 +364,18 @@ def summarise(rounds: list[dict], n_requests: int) -> dict:
     }
 
 
+def agreement(a: dict, b: dict) -> dict:
+    """Routes and tokens of two rounds: rows equal as sets (vLLM's order within a row is not
+    by score), and completions equal. Rounds differ only by how requests were batched."""
+    same_rows = (a["routes"].sort(-1).values == b["routes"].sort(-1).values).all(-1).all(-1)
+    same_tokens = [x == y for x, y in zip(a["completions"], b["completions"], strict=True)]
+    return {
+        "routes_identical": bool(torch.equal(a["routes"], b["routes"])),
+        "token_rows_equal": float(same_rows.float().mean()),
+        "completions_equal": sum(same_tokens) / len(same_tokens),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -349,13 +383,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="per way and phase")
+    parser.add_argument("--phases", type=int, default=2, help="HTTP, Ray, HTTP, Ray, ...")
     parser.add_argument("--moe-layers", type=int, default=16)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument(
+        "--out", help="JSON path (default results/server_transport.json; none with --quick)"
+    )
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.rounds = 16, 2
+        args.requests, args.rounds, args.phases = 16, 1, 1
     import ray
     import vllm
 
@@ -374,72 +412,83 @@ def main() -> None:
     cap = args.requests * (args.prompt_len + args.new_tokens) * 4
     store_name = f"rr-bench-{uuid.uuid4().hex[:8]}"
     store = RoutingStore.create(store_name, layout, capacity_tokens=cap, page_tokens=16)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     rounds: dict[str, list[dict]] = {w: [] for w in WAYS}
-    starts: dict[str, float] = {}
-    routes: dict[str, torch.Tensor] = {}
-    proc = start_http_server(model_dir, port, store_name, work / "server.log")
-    try:
-        starts["http"] = asyncio.run(wait_ready(url, proc))
-        for refs in (False, True):  # warm-up (the first forwards are slow)
-            asyncio.run(http_round(url, model_dir, warm, args.new_tokens, args.concurrency,
-                                   f"warm{int(refs)}", refs))  # fmt: skip
-        for k in range(args.rounds):
-            order = (False, True) if k % 2 == 0 else (True, False)  # ABBA against drift
-            for refs in order:
-                way = "http-refs" if refs else "http-body"
-                rnd = asyncio.run(
-                    http_round(url, model_dir, reqs, args.new_tokens, args.concurrency,
-                               f"{way}{k}", refs)  # fmt: skip
-                )
-                side = http_trainer_side(rnd, layout, store if refs else None)
-                side["wall_s"] = rnd["wall_s"]
-                routes[way] = side.pop("routes")
-                rounds[way].append(side)
-                print(f"{way} round {k}: {side['wall_s']:.2f} s", flush=True)
-    except BaseException:
-        print((work / "server.log").read_text()[-3000:], file=sys.stderr)
-        raise
-    finally:
-        stop(proc)
-    job = f"srvbench{uuid.uuid4().hex[:6]}"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        t0 = time.perf_counter()
-        engine = {k: v for k, v in ENGINE.items() if k not in ("skip_tokenizer_init",)}
-        actor = vllm_server(job, model_dir, page_tokens=16, capacity_tokens=cap,
-                            engine_kwargs=engine)  # fmt: skip
-        ray.get(actor.start.remote(), timeout=600)
-        starts["ray"] = time.perf_counter() - t0
+    starts: dict[str, list[float]] = {"http": [], "ray": []}
 
-        async def run_ray():
-            await ray_round(actor, warm, args.new_tokens, args.concurrency, "warm")
-            out = []
-            for k in range(args.rounds):
-                rnd = await ray_round(actor, reqs, args.new_tokens, args.concurrency, f"ray{k}")
-                out.append(rnd)
-                print(f"ray-store round {k}: {rnd['wall_s']:.2f} s", flush=True)
-            return out
+    def http_phase(phase: int) -> None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = work / f"server{phase}.log"
+        proc = start_http_server(model_dir, port, store_name, log)
 
-        for rnd in asyncio.run(run_ray()):
-            side = ray_trainer_side(rnd)
+        def http(batch: list[list[int]], tag: str, refs: bool) -> dict:
+            rnd = asyncio.run(
+                http_round(url, model_dir, batch, args.new_tokens, args.concurrency, tag, refs)
+            )
+            side = http_trainer_side(rnd, layout, store if refs else None)
             side["wall_s"] = rnd["wall_s"]
-            routes["ray-store"] = side.pop("routes")
-            rounds["ray-store"].append(side)
-        ray.get(actor.shutdown.remote())
-        ray.kill(actor)
-        shutdown_node_stores(job)
-    finally:
-        ray.shutdown()
-    store.close()
-    store.unlink()
+            return side
 
-    base = routes["http-body"]
-    same = {w: bool(torch.equal(r, base)) for w, r in routes.items()}
-    rows_equal = {
-        w: float((r == base).all(-1).all(-1).float().mean()) for w, r in routes.items()
-    }
+        try:
+            starts["http"].append(asyncio.run(wait_ready(url, proc)))
+            for refs in (False, True):  # warm-up: the first forwards and reads are slow
+                http(warm, f"p{phase}warm{int(refs)}", refs)
+            for k in range(args.rounds):
+                order = (False, True) if k % 2 == 0 else (True, False)  # ABBA against drift
+                for refs in order:
+                    way = "http-refs" if refs else "http-body"
+                    side = http(reqs, f"p{phase}{way}{k}", refs)
+                    side["phase"] = phase
+                    rounds[way].append(side)
+                    print(f"phase {phase} {way} round {k}: {side['wall_s']:.2f} s", flush=True)
+        except BaseException:
+            print(log.read_text()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            stop(proc)
+
+    def ray_phase(phase: int) -> None:
+        job = f"srvbench{uuid.uuid4().hex[:6]}"
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            t0 = time.perf_counter()
+            actor = vllm_server(
+                job, model_dir, page_tokens=16, capacity_tokens=cap, engine_kwargs=ENGINE
+            )
+            ray.get(actor.start.remote(), timeout=600)
+            starts["ray"].append(time.perf_counter() - t0)
+
+            async def run() -> list[dict]:
+                n, c = args.new_tokens, args.concurrency
+                ray_trainer_side(await ray_round(actor, warm, n, c, f"p{phase}w"))
+                return [
+                    await ray_round(actor, reqs, n, c, f"p{phase}r{k}") for k in range(args.rounds)
+                ]
+
+            for k, rnd in enumerate(asyncio.run(run())):
+                side = ray_trainer_side(rnd)
+                side["wall_s"], side["phase"] = rnd["wall_s"], phase
+                rounds["ray-store"].append(side)
+                print(f"phase {phase} ray-store round {k}: {side['wall_s']:.2f} s", flush=True)
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+            shutdown_node_stores(job)
+        finally:
+            ray.shutdown()
+
+    try:
+        for phase in range(args.phases):
+            http_phase(phase)
+            ray_phase(phase)
+    finally:
+        store.close()
+        store.unlink()
+        shutil.rmtree(work, ignore_errors=True)
+
+    base = rounds["http-body"][-1]
+    agree = {w: agreement(rounds[w][-1], base) for w in WAYS}
+    if len(rounds["http-body"]) > 1:  # the noise floor: the same way, another round
+        agree["http-body"] = agreement(rounds["http-body"][-2], base)
     results = {w: summarise(rounds[w], args.requests) for w in WAYS}
     ref = results["http-body"]
     for w, r in results.items():
@@ -448,11 +497,10 @@ def main() -> None:
         r["response_bytes_vs_http_body"] = (
             r["response_bytes_per_request"] / ref["response_bytes_per_request"]
         )
-        r["routes_equal_http_body"] = same[w]
-        r["token_rows_equal_http_body"] = rows_equal[w]
+        r["vs_last_http_body_round"] = agree[w]
     print(
         f"\n{'way':10} {'wall ms/tok':>11} {'decode':>8} {'total':>8} {'vs body':>8} "
-        f"{'resp B/req':>11} {'routes B':>9} {'vs body':>8} {'req B':>6} {'same':>5}"
+        f"{'resp B/req':>11} {'routes B':>9} {'vs body':>8} {'req B':>6} {'rows eq':>8}"
     )
     for w, r in results.items():
         print(
@@ -460,7 +508,7 @@ def main() -> None:
             f"{r['ms_per_token_total']:>8.3f} {r['time_per_token_vs_http_body']:>8.3f} "
             f"{r['response_bytes_per_request']:>11.0f} {r['routes_bytes_per_request']:>9.0f} "
             f"{r['response_bytes_vs_http_body']:>8.3f} {r['request_bytes_per_request']:>6.0f} "
-            f"{str(same[w]):>5}"
+            f"{agree[w]['token_rows_equal']:>8.4f}"
         )
     report = {
         "setup": {
@@ -469,9 +517,11 @@ def main() -> None:
             "prompt_tokens": args.prompt_len,
             "new_tokens": args.new_tokens,
             "concurrency": args.concurrency,
-            "rounds": args.rounds,
+            "rounds_per_way_and_phase": args.rounds,
+            "phases": f"{args.phases} x (HTTP server: body/refs rounds alternating; Ray actor)",
             "sampling": "greedy, ignore_eos, logprobs of the sampled token",
             "engine": ENGINE,
+            "engine_env": {k: os.environ[k] for k in (*DEFAULT_ENV, "OMP_NUM_THREADS")},
             "http_server": "python -m vllm.entrypoints.openai.api_server (vllm serve's server),"
             " --middleware integrations.vllm_middleware.RoutesToRefs; http-body requests opt "
             "out by header",
@@ -482,6 +532,8 @@ def main() -> None:
             "trainer_side": "to one packed [sum_T, L, K] torch tensor: base64+npy decode and "
             "routes_from_vllm (http-body); RoutingStore.read + to_torch + release "
             "(http-refs); fetch_batch(release=True) + to_torch (ray-store)",
+            "agreement": "last round of each way vs the last http-body round (http-body: vs "
+            "its previous round); rounds differ only in how requests were batched (bf16)",
             "server_start_s": starts,
             "vllm": vllm.__version__,
             "ray": ray.__version__,
@@ -495,10 +547,12 @@ def main() -> None:
         "ways": WAYS,
         "results": results,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("server_transport-quick.json" if args.quick else "server_transport.json")
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path} ({report['setup']['benchmark_s']:.0f} s)")
+    path = args.out or (None if args.quick else RESULTS / "server_transport.json")
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+    print(f"benchmark: {report['setup']['benchmark_s']:.0f} s")
 
 
 if __name__ == "__main__":

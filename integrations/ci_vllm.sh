@@ -21,4 +21,5 @@ fi
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/test_integration_vllm.py tests/test_integration_vllm_adapter.py \
-    tests/test_integration_trl_vllm.py tests/test_integration_vllm_server.py "$@"
+    tests/test_integration_trl_vllm.py tests/test_integration_vllm_server.py \
+    tests/test_integration_vllm_middleware.py "$@"

@@ -7,13 +7,14 @@ the class) puts each choice's routes into the node's `RoutingStore`, attached by
 in `$RR_STORE_NAME` (created by the trainer or a node store beforehand), and replaces the
 field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes it one).
 
-- Non-streaming `POST /v1/completions` and `/v1/chat/completions` only; streaming (SSE)
-  responses and other routes pass through unchanged.
+- Non-streaming `POST /v1/completions` only; streaming (SSE) responses and other routes
+  pass through unchanged (vLLM 0.30 also returns routes from `/v1/chat/completions` and
+  `/inference/v1/generate`: not handled yet).
 - It sets `return_token_ids` on the request: a put needs prompt + completion token ids
   (prompt pages are shared across samples of one prompt). `routed_experts_prompt_start`
   is honoured (the skipped rows are stored as missing; no earlier-turn prefix is copied).
 - Sample ids are `<response id>-<choice index>`; vLLM takes the response id from the
-  `X-Request-Id` header (`cmpl-<header>`, `chatcmpl-<header>`), else a random one.
+  `X-Request-Id` header (`cmpl-<header>`), else a random one.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
   A/B runs). The routes are still base64-encoded and JSON-serialised by vLLM before this
   middleware decodes them: only the wire and the client's decode are saved.
@@ -30,7 +31,7 @@ from typing import Any
 from integrations.vllm import put_http_choice
 from routing_replay.store import RoutingRef, RoutingStore
 
-PATHS = ("/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/completions",)
 STORE_ENV = "RR_STORE_NAME"
 OPT_OUT = (b"x-routing-replay", b"body")
 
@@ -127,8 +128,8 @@ class RoutesToRefs:
         for choice in response.get("choices") or []:
             if choice.get("routed_experts") is None:
                 continue  # aborted before a forward, or the server returns none
-            prompt = choice.get("prompt_token_ids") or response.get("prompt_token_ids")
             sample_id = f"{response['id']}-{choice['index']}"
+            prompt = choice.get("prompt_token_ids")
             ref = put_http_choice(self.store(), sample_id, prompt, choice, start=start)
             del choice["routed_experts"]
             choice["routing_ref"] = ref_json(ref)
