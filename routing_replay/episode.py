@@ -4,9 +4,12 @@ An episode's tokens are every turn's, concatenated: prompt, completion, tool out
 next turn's completion, ... Each `add_turn` gets the whole sequence as the engine saw it at
 the end of that turn and the routes the engine returned for it (-1 where it returned none:
 prefix-cached rows it was not asked for, the last sampled token). The turn is put as the
-episode so far: rows the engine did not return are taken from the stored earlier turn when
-their tokens match, which they must (a history that changed raises `TokenMismatchError`
-naming the episode, turn and position); rows nobody recorded stay missing, never guessed.
+episode so far: the history's rows are the stored earlier turn's wherever it has them
+(the routes those tokens were generated and cached with; an engine that recomputed the
+history differently is counted in `conflicts`, not stored), and the history's tokens must
+match (a history that changed raises `TokenMismatchError` naming the episode, turn and
+position); this turn's rows fill the rest; rows nobody recorded stay missing, never
+guessed.
 Because the earlier rows are copied, the new sample's full pages equal the earlier turn's
 and the store shares them. `close()` releases the earlier turns and returns the one ref the
 trainer gets.
@@ -39,6 +42,7 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
+        self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
 
     @property
     def num_turns(self) -> int:
@@ -86,9 +90,13 @@ class Episode:
                 f"than the {before} of the turns before it: a turn appends tokens"
             )
         self.check_history(tokens, turn)
-        if self._routes is not None:  # earlier rows, where this turn's engine returned none
-            missing = (rows[:before] == MISSING).all(-1).all(-1)
-            rows[:before][missing] = self._routes[missing]
+        if self._routes is not None:  # the stored rows of the history win
+            earlier = self._routes
+            recorded = ~(earlier == MISSING).all(-1).all(-1)  # [before]: rows stored
+            returned = ~(rows[:before] == MISSING).all(-1).all(-1)
+            differ = recorded & returned & (rows[:before] != earlier).any(-1).any(-1)
+            self.conflicts += int(differ.sum())
+            rows[:before][recorded] = earlier[recorded]
         versions = list(self._versions)
         if policy_version is not None and (not versions or versions[-1][1] != policy_version):
             versions.append((before, int(policy_version)))

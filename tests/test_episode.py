@@ -107,3 +107,19 @@ def test_turn_checks(model, name):
         narrow = layout.encode(more_routes)  # uint8 with the marker, as vLLM hands ids over
         ref = episode.add_turn(more, narrow)
         np.testing.assert_array_equal(layout.decode(store.get(ref))[:-1], more_routes[:-1])
+
+
+def test_stored_history_rows_win_over_recomputed_ones(model, name):
+    layout = find_routers(model).layout
+    with RoutingStore.create(name, layout, 4096) as store:
+        episode = Episode(store, "h")
+        tokens1, routes1 = generate(model, [10, 11, 12, 13])
+        episode.add_turn(tokens1, routes1)
+        tokens2, full2 = generate(model, [*tokens1, 40])
+        recomputed = full2.copy()
+        recomputed[2, 0] = (routes1[2, 0] + 1) % layout.num_experts  # another expert set
+        ref = episode.add_turn(tokens2, recomputed)
+        got = layout.decode(store.get(ref))
+        np.testing.assert_array_equal(got[: len(tokens1) - 1], routes1[:-1])  # the stored
+        np.testing.assert_array_equal(got[len(tokens1) - 1 :], full2[len(tokens1) - 1 :])
+        assert episode.conflicts >= 1
