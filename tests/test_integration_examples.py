@@ -27,10 +27,16 @@ def test_trl_grpo_example(capsys):
 
 
 def test_agentic_ray_job_example(capsys):
+    import os
     import sys
 
-    example = runpy.run_path(str(EXAMPLES / "agentic_ray_job.py"), run_name="agentic_ray_job")
-    figures = example["main"]([])
+    saved = dict(os.environ)  # ray.init in this process sets RAY_AUTH_MODE=token, which
+    try:  # would leak into later tests' clusters and subprocesses (auth token errors)
+        example = runpy.run_path(str(EXAMPLES / "agentic_ray_job.py"), run_name="agentic")
+        figures = example["main"]([])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     out = capsys.readouterr().out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all("6 episodes x 3 turns" in s for s in steps)
