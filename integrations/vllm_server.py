@@ -24,11 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from integrations.vllm import DEFAULT_ENV, sampled_logprobs, samples_of
+from integrations.vllm import (
+    DEFAULT_ENV,
+    StoreHost,
+    repack_cpu_moe,
+    sampled_logprobs,
+    samples_of,
+)
 from routing_replay.episode import Episode
 from routing_replay.errors import RoutingReplayError
-from routing_replay.layout import RoutingLayout
-from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore
+from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef
 
 # What the server passes to AsyncEngineArgs unless told otherwise (CPU, token ids in).
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
@@ -49,25 +54,11 @@ class WeightSync:
 
     def routing_replay_load_weights(self, weights_path: str) -> int:
         """Load `weights_path`; returns how many CPU MoE layers were repacked."""
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-            UnquantizedFusedMoEMethod,
-            UnquantizedMoeBackend,
-        )
-
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        repacked = 0
-        for module in self.model_runner.get_model().modules():
-            method = getattr(module, "quant_method", None)
-            if (
-                isinstance(method, UnquantizedFusedMoEMethod)
-                and method.unquantized_backend == UnquantizedMoeBackend.CPU
-            ):
-                method.moe_kernel.fused_experts.process_weights_after_loading(module)
-                repacked += 1
-        return repacked
+        return repack_cpu_moe(self.model_runner.get_model())
 
 
-class VllmServer:
+class VllmServer(StoreHost):
     """Ray actor body (`vllm_server(...)`): vLLM's AsyncLLM serving many agent loops.
 
     With `store_name` it attaches that store (one node, tests); otherwise it uses the Ray
@@ -84,19 +75,10 @@ class VllmServer:
         page_tokens: int = DEFAULT_PAGE_TOKENS,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        for key, value in DEFAULT_ENV.items():
-            os.environ.setdefault(key, value)
-        import transformers
-
-        self.job = job
+        self._host(job, model_dir, store_name, capacity_tokens, page_tokens)
         self.model_dir = model_dir
-        self.store_name = store_name
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        self.layout = RoutingLayout.from_hf_config(config)
-        self._store_options = {"capacity_tokens": capacity_tokens, "page_tokens": page_tokens}
         self._engine_kwargs = {**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})}
         self._engine: Any = None
-        self._store: RoutingStore | None = None
         self.episodes: dict[str, Episode] = {}
         self._open: dict[str, str] = {}  # request id -> episode id, requests in flight
         self.policy_version = 0
@@ -119,16 +101,6 @@ class VllmServer:
             "engine_start_s": self.start_s,
             "policy_version": self.policy_version,
         }
-
-    def store(self) -> RoutingStore:
-        """The store turns go to: the named one, or this node's store for `job` (Ray)."""
-        if self.store_name is not None:
-            if self._store is None:
-                self._store = RoutingStore.attach(self.store_name, self.layout)
-            return self._store
-        from routing_replay.store_actor import node_store
-
-        return node_store(self.job, self.layout, **self._store_options)
 
     async def generate(
         self,
