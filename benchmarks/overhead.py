@@ -44,7 +44,7 @@ from tiny_moe import MODELS, VOCAB, build
 
 from routing_replay import Capture, Replay, capture, replay
 
-replay_module = sys.modules["routing_replay.replay"]  # the package exports a function `replay`
+replay_module = sys.modules["routing_replay.model.replay"]
 
 RESULTS = Path(__file__).parent / "results"
 

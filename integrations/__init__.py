@@ -1,20 +1,20 @@
 """Adapters from inference engines and trainer frameworks to routing_replay.
 
 Each submodule imports its engine or framework lazily (vLLM, SGLang, Megatron-core, verl;
-`integrations.trl` subclasses TRL's trainer, so it imports TRL), so importing
+`routing_replay.integrations.trl` subclasses TRL's trainer, so it imports TRL), so importing
 `integrations` or `routing_replay` never pulls one in:
 
-- `integrations.sglang`: SGLang's `meta_info["routed_experts"]` payloads -> store puts.
-- `integrations.vllm`: vLLM `RequestOutput` / `CompletionOutput` / HTTP payloads -> store
+- `sglang`: SGLang's `meta_info["routed_experts"]` payloads -> store puts.
+- `vllm`: vLLM `RequestOutput` / `CompletionOutput` / HTTP payloads -> store
   puts, and a rollout worker hosting a real `vllm.LLM`.
-- `integrations.vllm_server`: an async rollout server (vLLM's `AsyncLLM` in a Ray actor)
+- `vllm_server`: an async rollout server (vLLM's `AsyncLLM` in a Ray actor)
   for multi-turn agentic episodes, with weight updates and policy versions.
-- `integrations.vllm_middleware`: `vllm serve --middleware ...RoutesToRefs` (routes into
+- `vllm_middleware`: `vllm serve --middleware ...RoutesToRefs` (routes into
   the node store named by `$RR_STORE_NAME`, refs in the HTTP body).
-- `integrations.nemo_rl`: routes attached to NeMo-RL-style batches (padding, packing,
+- `nemo_rl`: routes attached to NeMo-RL-style batches (padding, packing,
   context- and sequence-parallel slicing).
-- `integrations.trl`: `RoutingReplayGRPOTrainer`, TRL's GRPOTrainer with routing replay.
-- `integrations.verl`: verl `DataProto` refs, alignment through verl's padding and
+- `trl`: `RoutingReplayGRPOTrainer`, TRL's GRPOTrainer with routing replay.
+- `verl`: verl `DataProto` refs, alignment through verl's padding and
   micro-batching and Ulysses SP, and a replaying FSDP engine.
-- `integrations.megatron`: the feed to Megatron-core's `RouterReplay`.
+- `megatron`: the feed to Megatron-core's `RouterReplay`.
 """

@@ -92,6 +92,11 @@ def fill_prefix(
     earlier turn's stored tokens must be this sample's first `start` tokens (else
     `TokenMismatchError`: the history was re-tokenised, or the wrong prefix was passed).
     `routing_replay.Episode` does the same for a whole episode.
+
+    The earlier turn's last token was never forwarded when it was sampled, so its row is
+    missing there; it is forwarded in this turn, so this turn must ask for routes from
+    `start = len(earlier turn) - 1`. A `start` whose previous row the earlier turn lacks is
+    refused (`InvalidRoutesError`): that token would route natively in training for good.
     """
     if prefix is None or start == 0:
         return
@@ -116,6 +121,15 @@ def fill_prefix(
             f"prefix sample {name!r}: token {pos} is {int(stored[pos])} there but "
             f"{int(tokens[pos])} in this turn ({len(differ)} of the first {start} differ): "
             "the history was re-tokenised, or this is not the turn it extends"
+        )
+    if (earlier[start - 1] == MISSING).all():
+        raise InvalidRoutesError(
+            f"prefix sample {name!r} has no routes at position {start - 1} (token "
+            f"{int(tokens[start - 1])}), and this turn's routes start at {start}: that token "
+            "would route natively in training. A turn's last sampled token is never forwarded "
+            "in that turn but is in the next one, so ask for routes from "
+            f"len(earlier turn) - 1 = {len(earlier) - 1} (routed_experts_start_len / "
+            "routed_experts_prompt_start), or from the first position the earlier turn lacks"
         )
     routes[:start] = earlier[:start]
 

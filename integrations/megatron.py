@@ -11,7 +11,7 @@ batch-major order or too few rows replay silently wrong, and with `moe_router_fu
 replay is skipped without a word.
 
 `MegatronRouterFeed` does the conversion and the checks: routes `[B, S, L, K]` (or packed
-`[1, T, L, K]`, after the CP / SP slicing of `integrations.nemo_rl`) over all MoE layers of
+`[1, T, L, K]`, after the CP / SP slicing of `nemo_rl`) over all MoE layers of
 the model -> this pipeline stage's (or model chunk's) MoE layers (dense layers have no
 router) -> one int64 `[S * B, K]` tensor per router, set on exactly the routers of the
 model it was given (each chunk of a virtual pipeline gets its own feed, set when that
@@ -23,7 +23,7 @@ Rows without routes: `RouterReplay` has no per-row native routing (`REPLAY_FORWA
 the target ids of every row), so every row needs ids. A `replay_mask` (`replay_mask()`
 builds it) says which rows those may be: padding, and each sequence's final token (a
 rollout never forwards it, so it has no routes; no loss term and no other token reads its
-output). Those get filler ids (`integrations.nemo_rl.fill_missing`); a token the mask marks
+output). Those get filler ids (`nemo_rl.fill_missing`); a token the mask marks
 as replayed that has no routes (a prefix-cache gap, an SGLang suffix) is refused, since
 filler experts would change its output and the loss, unless `fill_real="filler"`.
 """
@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 import torch
 
-from integrations.nemo_rl import fill_missing
 from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.integrations.nemo_rl import fill_missing
 from routing_replay.layout import RoutingLayout
 
 
@@ -74,7 +74,7 @@ def replay_mask(
     (unless `replay_final`) a sequence's final one; False for padding and that final token.
 
     Padded batch `[B, S]`: `replay_mask(input_lengths, S)` (right padding, as
-    `integrations.nemo_rl`). Packed `[1, T]`: `replay_mask(lengths, cu_seqlens=cu)` with the
+    `nemo_rl`). Packed `[1, T]`: `replay_mask(lengths, cu_seqlens=cu)` with the
     unpadded lengths (`cu_seqlens_unpadded.diff()`) and the padded boundaries `cu_seqlens`
     that `nemo_rl.pack` returns. Slice it exactly as the routes (`nemo_rl.cp_slice`,
     `sp_slice`, or `routes_for_rank(..., key=)`) and pass it to `MegatronRouterFeed.set`.
@@ -198,7 +198,7 @@ class MegatronRouterFeed:
         - routes given: those ids, wherever the row is;
         - missing where `replay_mask` (`[B, S]`, sliced like the routes; `replay_mask()`) is
           False (padding, each sequence's final token): filler ids from
-          `integrations.nemo_rl.fill_missing`, distinct and spread over every expert;
+          `routing_replay.integrations.nemo_rl.fill_missing`, distinct and spread over every expert;
         - missing where it is True, or anywhere without a mask: `InvalidRoutesError`,
           naming the row, because filler experts would change that token's output. With
           `fill_real="filler"` such rows get filler ids too (the old `fill=True`): only for

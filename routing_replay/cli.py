@@ -8,8 +8,8 @@ import warnings
 from collections.abc import Sequence
 
 from routing_replay.errors import RoutingReplayError
-from routing_replay.shm import SHM_DIR
 from routing_replay.store import RoutingStore, StoreInfo, list_stores, sweep_stores
+from routing_replay.store.segment import SHM_DIR
 from routing_replay.store.sweep import skipped
 
 

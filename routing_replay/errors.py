@@ -1,4 +1,11 @@
-"""Every error routing_replay raises: one class per thing that can go wrong."""
+"""Every error routing_replay raises: one class per thing that can go wrong.
+
+Each name says what was wrong; the message says what to do. Bad arguments are
+`ValueError`s (`InvalidArgumentError`, `InvalidRoutesError`, `LayoutMismatchError`,
+`TokenMismatchError`); a missing or replaced sample is a `KeyError`; a store that cannot be
+reached is an `OSError`. A full store is none of the built-in kinds: an out-of-memory
+handler must never swallow it.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,21 @@ class RoutingReplayError(Exception):
     """Base class of all routing_replay errors."""
 
 
+class InvalidArgumentError(RoutingReplayError, ValueError):
+    """An argument is malformed: a sample id, prompt_len, policy version, part, an option."""
+
+
 class InvalidRoutesError(RoutingReplayError, ValueError):
-    """Routes do not match the layout: shape, layer count, dtype or expert id range."""
+    """Routes are malformed: shape, dtype, an expert id out of range or repeated, a partly
+    missing row, routes on padding, rows misaligned with the tokens."""
 
 
 class LayoutMismatchError(RoutingReplayError, ValueError):
-    """A store, batch or model was built for another routing layout."""
+    """A store, batch, routes tensor or model was built for another routing layout."""
+
+
+class TokenMismatchError(RoutingReplayError, ValueError):
+    """Routes were recorded for other tokens than those trained on."""
 
 
 class SampleNotFoundError(RoutingReplayError, KeyError):
@@ -22,12 +38,16 @@ class SampleNotFoundError(RoutingReplayError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class SampleReplacedError(SampleNotFoundError):
+    """A ref's sample was released and its id put again: the ref names a put that is gone."""
+
+
 class DuplicateSampleError(RoutingReplayError, ValueError):
     """A sample id is already stored; release it first or pick a unique id."""
 
 
-class StoreFullError(RoutingReplayError, MemoryError):
-    """The store had no room before the put timeout ran out."""
+class StoreFullError(RoutingReplayError):
+    """The store had no room (pages or sample slots) before the put timeout ran out."""
 
 
 class StoreUnavailableError(RoutingReplayError, OSError):
@@ -43,12 +63,8 @@ class StoreBusyError(RoutingReplayError, TimeoutError):
 
 
 class ConcurrentReleaseError(RoutingReplayError, RuntimeError):
-    """A sample was released while it was being read."""
+    """A sample was released (or released and put again) while it was being read."""
 
 
 class UnsupportedModelError(RoutingReplayError, TypeError):
     """A model has an MoE layer whose router no replay/capture adapter knows."""
-
-
-class TokenMismatchError(RoutingReplayError, ValueError):
-    """Routes were recorded for other tokens than those trained on (or a ref is stale)."""

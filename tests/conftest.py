@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from routing_replay.shm import segment_path
+from routing_replay.store.segment import segment_path
 
 
 @pytest.fixture

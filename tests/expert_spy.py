@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from routing_replay.adapters import find_routers
+from routing_replay.model.adapters import find_routers
 
 
 def mlp_of(model: torch.nn.Module, router: torch.nn.Module) -> torch.nn.Module:

@@ -45,7 +45,7 @@ def micro_batch(rank: int, mb: int, layout) -> tuple[torch.Tensor, torch.Tensor]
 
 def moe_blocks(model) -> list[torch.nn.Module]:
     """The MoE block (router + experts) of each MoE layer, in layer order."""
-    from routing_replay.adapters import find_routers
+    from routing_replay.model.adapters import find_routers
 
     return [model.get_submodule(r.name.rsplit(".", 1)[0]) for r in find_routers(model).routers]
 

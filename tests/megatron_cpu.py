@@ -85,8 +85,8 @@ def run(rank: int, init: str, results) -> None:
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from integrations.megatron import MegatronRouterFeed
     from routing_replay import RoutingLayout
+    from routing_replay.integrations.megatron import MegatronRouterFeed
 
     # CPU: no Transformer Engine, no CUDA (Megatron's all-gather allocates on the current
     # CUDA device; this process has none).

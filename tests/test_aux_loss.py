@@ -13,7 +13,7 @@ import torch
 from moe_models import tiny_model
 
 from routing_replay import InvalidRoutesError, RoutingLayout, capture, replay
-from routing_replay.aux_loss import load_balancing_loss
+from routing_replay.model.aux_loss import load_balancing_loss
 
 # The families whose transformers model has a load-balancing aux loss.
 AUX_FAMILIES = [

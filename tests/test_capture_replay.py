@@ -24,7 +24,7 @@ from routing_replay import (
     capture,
     replay,
 )
-from routing_replay.adapters import find_routers
+from routing_replay.model.adapters import find_routers
 
 B, S = 2, 6
 
@@ -490,8 +490,8 @@ def test_packed_batch():
 def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch):
     """The CUDA design, checked on CPU: no per-layer transfer in replay or capture."""
     # The package exports functions named like these modules: fetch the modules themselves.
-    capture_mod = importlib.import_module("routing_replay.capture")
-    replay_mod = importlib.import_module("routing_replay.replay")
+    capture_mod = importlib.import_module("routing_replay.model.capture")
+    replay_mod = importlib.import_module("routing_replay.model.replay")
 
     model = tiny_model("qwen3_moe")
     layout = layout_of(model)

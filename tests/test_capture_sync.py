@@ -28,9 +28,9 @@ import transformers
 from moe_models import tiny_model
 
 from routing_replay import capture
-from routing_replay.capture import Capture
+from routing_replay.model.capture import Capture
 
-CAPTURE = sys.modules["routing_replay.capture"]  # the module (`capture` is the function)
+CAPTURE = sys.modules["routing_replay.model.capture"]  # the module (`capture` is the function)
 # Tensor methods that read a value to the host: each one is a device sync on CUDA.
 READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__int__", "__index__", "__float__")
 READS += ("__bool__", "__array__")
@@ -274,9 +274,9 @@ def test_one_thread_captures_a_model_at_a_time():
     import threading
 
     from routing_replay import RoutingReplayError
-    from routing_replay.rollout import demo_model
+    from routing_replay.testing import tiny_moe
 
-    model = demo_model()
+    model = tiny_moe()
     entered, errors, done = threading.Barrier(2), [], []
 
     def worker():

@@ -20,7 +20,7 @@ import torch
 from moe_models import tiny_model
 
 from routing_replay import RoutingLayout, capture, replay
-from routing_replay.capture import Capture
+from routing_replay.model.capture import Capture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

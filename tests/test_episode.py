@@ -17,13 +17,13 @@ from routing_replay import (
     replay,
     routing_agreement,
 )
-from routing_replay.adapters import find_routers
-from routing_replay.rollout import demo_model
+from routing_replay.model.adapters import find_routers
+from routing_replay.testing import tiny_moe
 
 
 @pytest.fixture(scope="module")
 def model():
-    return demo_model(seed=0)
+    return tiny_moe(seed=0)
 
 
 def generate(model, tokens, new=5):

@@ -25,9 +25,9 @@ from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
 from megatron_cpu import B, H, S, allgather_moe_layers, config, cpu_gating  # noqa: E402
 
-from integrations.megatron import MegatronRouterFeed, replay_mask, stage_moe_layers  # noqa: E402
-from integrations.nemo_rl import cp_slice, pack  # noqa: E402
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
+from routing_replay.integrations.megatron import MegatronRouterFeed, replay_mask, stage_moe_layers  # noqa: E402
+from routing_replay.integrations.nemo_rl import cp_slice, pack  # noqa: E402
 
 # 4 layers, layer 1 dense; top-2 of 8 experts (megatron_cpu.config). Hidden 16.
 LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(0, 2, 3))

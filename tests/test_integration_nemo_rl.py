@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from integrations.nemo_rl import (
+from routing_replay import InvalidRoutesError, RoutingLayout, RoutingStore
+from routing_replay.integrations.nemo_rl import (
     attach_routes,
     cp_slice,
     fill_missing,
@@ -18,8 +19,7 @@ from integrations.nemo_rl import (
     routes_for_rank,
     sp_slice,
 )
-from routing_replay import InvalidRoutesError, RoutingLayout, RoutingStore
-from routing_replay.shm import segment_path
+from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=8, moe_layers=(0, 2))
 LENGTHS = [5, 8, 3]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from integrations.sglang import decode_routed_experts, put_sglang, routes_from_sglang
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout, RoutingStore
-from routing_replay.shm import segment_path
+from routing_replay.integrations.sglang import decode_routed_experts, put_sglang, routes_from_sglang
+from routing_replay.store.segment import segment_path
 
 # 4 hidden layers, layer 1 dense (Qwen3-MoE mlp_only_layers style), top-2 of 8 experts.
 LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(0, 2, 3))
@@ -193,6 +193,22 @@ def test_second_turn_suffix_takes_its_prefix_from_the_first_turn(store):
     with pytest.raises(InvalidRoutesError, match="fewer than start=13"):
         response = sglang_response(engine_rows(6, seed=22), 16, turn2_out)
         put_sglang(store, "ep0-t2", response, turn2_prompt, start_len=13, prefix="ep0-t0")
+
+
+def test_a_prefix_start_past_the_earlier_turns_last_row_is_refused(store):
+    # start=len(turn 1), the natural value, would leave turn 1's last token (row 11, never
+    # forwarded in turn 1) without routes for good: refused, naming the rule; nothing stored.
+    turn1_prompt, turn1_out = list(range(10, 18)), [20, 21, 22, 23]  # 12 tokens
+    first = put_sglang(
+        store, "ep1-t0", sglang_response(engine_rows(11, seed=23), 8, turn1_out), turn1_prompt
+    )
+    turn2_prompt = [*turn1_prompt, *turn1_out, 30, 31]  # 14 tokens
+    response = sglang_response(engine_rows(18 - 1 - 12, seed=24), 14, [40, 41, 42, 43])
+    with pytest.raises(
+        InvalidRoutesError, match=r"no routes at position 11 .* from len\(earlier turn\) - 1 = 11"
+    ):
+        put_sglang(store, "ep1-t1", response, turn2_prompt, start_len=12, prefix=first)
+    assert "ep1-t1" not in store and len(store) == 1
 
 
 def test_three_turn_episode_from_sglang_payloads(store):

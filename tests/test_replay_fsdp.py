@@ -24,7 +24,7 @@ from fsdp_ranks import MICRO, WORLD, micro_batch
 from moe_models import tiny_model
 
 from routing_replay import RoutingLayout, capture, replay
-from routing_replay.adapters import find_routers
+from routing_replay.model.adapters import find_routers
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

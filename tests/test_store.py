@@ -17,6 +17,7 @@ import pytest
 
 from routing_replay import (
     DuplicateSampleError,
+    InvalidArgumentError,
     InvalidRoutesError,
     LayoutMismatchError,
     RoutingLayout,
@@ -29,9 +30,9 @@ from routing_replay import (
     cu_seqlens,
     to_torch,
 )
-from routing_replay.shm import segment_path
 from routing_replay.store import token_digest
 from routing_replay.store.lock import interleave
+from routing_replay.store.segment import segment_path
 
 # 6 layers, the first and fourth dense (DeepSeek-style), top-2 of 16 experts.
 LAYOUT = RoutingLayout(num_layers=6, top_k=2, num_experts=16, moe_layers=(1, 2, 4, 5))
@@ -304,7 +305,14 @@ def test_grpo_prefix_sharing_fits_in_35_percent():
             tokens = np.concatenate([prompt_ids, rng.integers(0, 150_000, completion)])
             ref = store.put(f"g{j}", routes, prompt_len=3000, token_ids=tokens, timeout=0)
             assert ref == RoutingRef(
-                f"g{j}", name, store.node_id, 3500, 3000, store.store_uid, token_digest(tokens)
+                f"g{j}",
+                name,
+                store.node_id,
+                3500,
+                3000,
+                store.store_uid,
+                token_digest(tokens),
+                serial=j + 1,
             )
             samples.append(routes)
         for j, routes in enumerate(samples):
@@ -453,10 +461,10 @@ def test_bad_input_is_refused_and_store_unharmed(name):
             store.put("new", np.full((3, 4, 2), 200, dtype=np.uint8))
         with pytest.raises(DuplicateSampleError, match="already in store"):
             store.put("good", good)
-        with pytest.raises(InvalidRoutesError, match="prompt_len"):
+        with pytest.raises(InvalidArgumentError, match="prompt_len"):
             store.put("new", good, prompt_len=len(good) + 1)
         for not_int in (3.7, True, np.float64(2.0), "2"):  # never truncated, never a bool
-            with pytest.raises(InvalidRoutesError, match=r"prompt_len must be an int .* got"):
+            with pytest.raises(InvalidArgumentError, match=r"prompt_len must be an int .* got"):
                 store.put("new", good, prompt_len=not_int)
         store.put("np-int", good, prompt_len=np.int32(2))  # numpy ints are ints
         assert store.read(["np-int"]).column("prompt_len").to_pylist() == [2]
@@ -474,9 +482,9 @@ def test_bad_input_is_refused_and_store_unharmed(name):
         store.put("as-given", twice)
         assert np.array_equal(store.get("as-given"), twice)
         store.release(["as-given"])
-        with pytest.raises(InvalidRoutesError, match="token_ids"):
+        with pytest.raises(InvalidArgumentError, match="token_ids"):
             store.put("new", good, token_ids=np.arange(len(good) - 1))
-        with pytest.raises(InvalidRoutesError, match="sample_id"):
+        with pytest.raises(InvalidArgumentError, match="sample_id"):
             store.put("a/b\n", good)
         with pytest.raises(SampleNotFoundError, match=r"'nope'.*nothing was changed"):
             store.get("nope")
@@ -485,7 +493,7 @@ def test_bad_input_is_refused_and_store_unharmed(name):
         with pytest.raises(SampleNotFoundError, match="cannot release 'nope'"):
             store.release(["good", "nope"])  # all or nothing: 'good' stays
         store.put("noprompt", good)
-        with pytest.raises(InvalidRoutesError, match="part='all'"):
+        with pytest.raises(InvalidArgumentError, match="part='all'"):
             store.get("noprompt", part="prompt")
         store.release(["noprompt"])
         assert store.stats() == before

@@ -26,6 +26,7 @@ import pytest
 from routing_replay import (
     ConcurrentReleaseError,
     DuplicateSampleError,
+    PutRequest,
     RoutingLayout,
     RoutingStore,
     SampleNotFoundError,
@@ -190,6 +191,19 @@ def put_same_id(w: World) -> None:
         w.put_there(w.main_id, w.routes(2))
 
 
+def reput_same_ids(w: World) -> None:
+    """Release every stored sample and put each id again, same tokens, other routes: a
+    re-rollout under an id scheme that repeats (refs made before must not see it)."""
+    for sample_id, routes in list(w.expected.items()):
+        if sample_id == w.main_id:
+            continue
+        w.release_there([sample_id])
+        # Not found: the operation under test released it, and its bookkeeping lags (it
+        # runs after this lock drop); the operation sees the re-put and keeps it.
+        w.expected.pop(sample_id, None)
+        w.put_there(sample_id, w.routes(len(routes) // P))
+
+
 def dead_writer(w: World) -> None:
     """A writer reserves 3 pages and is killed before publishing."""
     assert w.other("die_mid_put", w.store.name, w.new_id(), w.routes(3)) is None
@@ -201,6 +215,7 @@ def reclaim(w: World) -> None:
 
 
 INTERFERENCES = [release_and_reuse, put_twins, put_same_id, dead_writer, reclaim]
+REF_INTERFERENCES = [*INTERFERENCES, reput_same_ids]
 
 
 # Scenarios: a set-up, and the operation under test (returning what it did to the model).
@@ -297,7 +312,85 @@ def reclaim_dead(w: World) -> Callable[[], None]:
     return w.store.reclaim
 
 
+def put_many_shared(w: World) -> Callable[[], None]:
+    """One put of three samples: two share a's first pages and their own third page (a
+    GRPO group whose prompt was put before), one shares nothing. All of them or none."""
+    a = w.routes(3)
+    w.put("a", a)
+    third = w.routes(1)
+    batch = {
+        "g0": np.concatenate([a[: 2 * P], third, w.routes(1)]),
+        "g1": np.concatenate([a[: 2 * P], third, w.routes(1)]),
+        "g2": w.routes(2),
+    }
+    w.main_id = "g1"
+
+    def op() -> None:
+        requests = [PutRequest(i, r, token_ids=TOKENS[: len(r)]) for i, r in batch.items()]
+        try:
+            w.store.put_many(requests, timeout=0.05)
+        except (StoreFullError, DuplicateSampleError) as e:
+            w.log.append(f"main put_many: {type(e).__name__}")
+            stored = [i for i in batch if i in w.store and i not in w.expected]
+            assert not stored, f"a failed put_many left {stored} stored"
+            return
+        for sample_id, routes in batch.items():
+            assert sample_id not in w.expected, f"{sample_id} stored twice"
+            w.expected[sample_id] = routes
+
+    return op
+
+
+def read_by_refs(w: World) -> Callable[[], None]:
+    """Read two samples that share pages through their refs: the routes of those puts, or
+    an error, never the routes of a later put of the same id."""
+    a = w.routes(3)
+    refs = [
+        w.store.put("a", a, token_ids=TOKENS[: 3 * P]),
+        w.store.put(
+            "b", (b := np.concatenate([a[: 2 * P], w.routes(1)])), token_ids=TOKENS[: 3 * P]
+        ),
+    ]
+    w.expected.update(a=a, b=b)
+    put = np.concatenate([a, b])
+
+    def op() -> None:
+        try:
+            batch = w.store.read(refs)
+            single = w.store.get(refs[1])
+        except (ConcurrentReleaseError, SampleNotFoundError) as e:  # (SampleReplacedError too)
+            w.log.append(f"main read: {type(e).__name__}")
+            return
+        assert np.array_equal(to_torch(batch).numpy(), put), "read by refs: another put's routes"
+        assert np.array_equal(single, b), "get by ref: another put's routes"
+
+    return op
+
+
+def release_by_ref(w: World) -> Callable[[], None]:
+    """Release through a ref: that put, or an error; never a later put of the same id."""
+    a = w.routes(3)
+    ref = w.store.put("a", a, token_ids=TOKENS[: 3 * P])
+    w.store.put("c", w.routes(1), token_ids=TOKENS[:P])
+    w.expected.update(a=a, c=w.store.get("c"))
+    w.main_id = "c"  # not "a": the re-put must reach the released id
+
+    def op() -> None:
+        try:
+            w.store.release([ref])
+        except SampleNotFoundError as e:  # released meanwhile, or released and put again
+            w.log.append(f"main release: {type(e).__name__}")
+            return
+        # Released: the put the ref names. A re-put of "a" after it stays (and _check reads
+        # it); had the release taken the re-put instead, _check finds it gone.
+        if w.expected.get("a") is a:
+            del w.expected["a"]
+
+    return op
+
+
 SCENARIOS = [
+    put_many_shared,
     prefix_hit,
     twin_pages,
     no_prefix,
@@ -353,6 +446,16 @@ def test_every_interleaving_reads_back_exactly(name, other, scenario):
     points = _run(name, other, scenario, reclaim, None)  # no interference: list the points
     assert len(points) >= 2 and len(points) % 2 == 0, points
     for interference in INTERFERENCES:
+        for at in range(len(points)):
+            _run(f"{name}-{interference.__name__}-{at}", other, scenario, interference, at)
+
+
+@pytest.mark.parametrize("scenario", [read_by_refs, release_by_ref], ids=lambda s: s.__name__)
+def test_refs_name_one_put_at_every_interleaving(name, other, scenario):
+    # Among the interferences: every id released and put again, same tokens, other routes.
+    points = _run(name, other, scenario, reclaim, None)
+    assert len(points) >= 2 and len(points) % 2 == 0, points
+    for interference in REF_INTERFERENCES:
         for at in range(len(points)):
             _run(f"{name}-{interference.__name__}-{at}", other, scenario, interference, at)
 

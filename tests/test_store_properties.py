@@ -20,8 +20,8 @@ from routing_replay import (
     SampleNotFoundError,
     StoreFullError,
 )
-from routing_replay.shm import segment_path
 from routing_replay.store.lock import interleave
+from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(num_layers=2, top_k=2, num_experts=4)
 PAGE = 4

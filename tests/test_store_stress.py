@@ -28,7 +28,7 @@ from routing_replay import (
     SampleNotFoundError,
     StoreFullError,
 )
-from routing_replay.shm import segment_path
+from routing_replay.store.segment import segment_path
 
 try:
     from routing_replay.store.lock import interleave

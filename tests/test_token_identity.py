@@ -7,21 +7,24 @@ released and put again with other tokens) is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from integrations.nemo_rl import attach_routes
 from routing_replay import (
     CorruptStoreError,
+    InvalidArgumentError,
     InvalidRoutesError,
     RoutingLayout,
     RoutingStore,
+    SampleReplacedError,
     TokenMismatchError,
     to_torch,
 )
+from routing_replay.integrations.nemo_rl import attach_routes
 from routing_replay.store import prefix, token_digest
 
 LAYOUT = RoutingLayout(num_layers=3, moe_layers=(0, 2), num_experts=8, top_k=2)
@@ -104,10 +107,14 @@ def test_a_stale_ref_is_refused_after_its_id_is_put_again(store):
     other = tokens.copy()
     other[2] += 1
     new = store.put("s", routes, token_ids=other)
-    with pytest.raises(TokenMismatchError, match=r"ref 's' .* was released and put again"):
+    with pytest.raises(SampleReplacedError, match=r"'s' through this ref: it names put #1"):
         store.read([old])
-    with pytest.raises(TokenMismatchError):
+    with pytest.raises(SampleReplacedError):
         store.get(old)
+    # A hand-made ref (no serial) is still told apart by its tokens.
+    unchecked = dataclasses.replace(old, serial=0)
+    with pytest.raises(SampleReplacedError, match=r"ref 's' .* was released and put again"):
+        store.read([unchecked])
     assert store.read([new]).column("token_ids").to_pylist() == [other.tolist()]
     # By id (no ref) the current sample is read, as before.
     assert store.read(["s"]).column("token_ids").to_pylist() == [other.tolist()]
@@ -119,7 +126,7 @@ def test_sharing_needs_equal_tokens_even_when_page_keys_collide(store, monkeypat
     other = tokens.copy()
     other[1] += 1  # first page differs by one token, routes equal
     monkeypatch.setattr(prefix, "page_keys", lambda tokens_NP: [7] * len(tokens_NP))
-    monkeypatch.setattr("routing_replay.store.routing_store.page_keys", prefix.page_keys)
+    monkeypatch.setattr("routing_replay.store.put.page_keys", prefix.page_keys)
     store.put("x", routes, token_ids=tokens)
     assert store.stats().pages_used == 2
     store.put("y", routes, token_ids=other)
@@ -144,9 +151,9 @@ def test_bad_token_ids_are_refused_and_nothing_is_stored(store):
     rng = np.random.default_rng(6)
     routes, tokens = _sample(rng, 5)
     bad_range = r"sample 'n': token ids must be in \[0, 2\*\*31\)"
-    with pytest.raises(InvalidRoutesError, match=bad_range):
+    with pytest.raises(InvalidArgumentError, match=bad_range):
         store.put("n", routes, token_ids=np.array([1, 2, -3, 4, 5]))
-    with pytest.raises(InvalidRoutesError, match="one id per routes row"):
+    with pytest.raises(InvalidArgumentError, match="one id per routes row"):
         store.put("n", routes, token_ids=tokens[:4])
     assert len(store) == 0 and store.stats().pages_used == 0
 

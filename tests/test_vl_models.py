@@ -8,7 +8,7 @@ import torch
 from moe_models import IMAGE_TOKEN, VL_CONFIGS, tiny_vl_model
 
 from routing_replay import MISSING, RoutingLayout, capture, replay
-from routing_replay.adapters import find_routers
+from routing_replay.model.adapters import find_routers
 
 # Two samples: text, an image start marker, the image's 4 tokens, (an end marker,) text.
 PROMPTS = {

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from integrations.verl import model_input_routes, refs_array
 from routing_replay import MISSING, RoutingStore
+from routing_replay.integrations.verl import model_input_routes, refs_array
 
 P, R = 6, 5  # prompt and response widths of the batch
 # (prompt tokens, response tokens) per row: full, short, one-token rows
@@ -118,8 +118,8 @@ def sp_rank(rank: int, world: int, port: int, store_name: str, refs, results) ->
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
         from verl.workers.utils.padding import left_right_2_no_padding
 
-        from integrations.verl import attach_routes
-        from routing_replay.rollout import demo_model
+        from routing_replay.integrations.verl import attach_routes
+        from routing_replay.testing import tiny_moe
 
         set_ulysses_sequence_parallel_group(dist.group.WORLD)
         store = RoutingStore.attach(store_name)
@@ -131,7 +131,7 @@ def sp_rank(rank: int, world: int, port: int, store_name: str, refs, results) ->
         out = {}
         for bucket in (None, 8):
             engine = bare_engine(FSDPEngineWithLMHead, sp_size=world, bucket=bucket)
-            engine.module = demo_model()
+            engine.module = tiny_moe()
             inputs, _ = engine.prepare_model_inputs(td)
             packed = td["input_ids"].values().numel()
             local = model_input_routes(

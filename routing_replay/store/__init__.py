@@ -2,6 +2,7 @@
 
 One small object per concept, read in this order:
 
+- `segment`: the shared-memory file, its trusted creation and attachment, its locks;
 - `format`: constants, record types and regions of the segment;
 - `tables`: typed views of one segment and their bounds checks;
 - `lock`: the commit lock, dirty flag and repair (and the test-only interleaving hook);
@@ -9,25 +10,28 @@ One small object per concept, read in this order:
 - `pages`: the page allocator (free stack, generations, reservations, refcounts);
 - `samples`: the sample index (slots, id buckets, checksums, token digests);
 - `prefix`: the prefix index and frozen share plans;
+- `refs`: `RoutingRef` (names one put), `PutRequest`, and the checks of their arguments;
+- `put`: `PutTransaction`, the put protocol (one sample or many, all or none);
+- `read`: `ReadPlan`, the read protocol (locate, copy, check, Arrow);
+- `verify`: every invariant of the tables, checked at once;
 - `routing_store`: `RoutingStore`, the facade;
-- `sweep`: `list_stores`, `sweep_stores`.
+- `sweep`: `list_stores`, `sweep_stores`;
+- `episode`: `Episode`, a multi-turn episode built from puts.
 """
 
+from routing_replay.store.episode import Episode
 from routing_replay.store.format import DEFAULT_PAGE_TOKENS, DEFAULT_PUT_TIMEOUT_S
-from routing_replay.store.routing_store import (
-    Part,
-    RoutingRef,
-    RoutingStore,
-    StoreStats,
-    default_node_id,
-)
+from routing_replay.store.refs import Part, PutRequest, RoutingRef
+from routing_replay.store.routing_store import RoutingStore, StoreStats, default_node_id
 from routing_replay.store.samples import token_digest
 from routing_replay.store.sweep import StoreInfo, list_stores, sweep_stores
 
 __all__ = [
     "DEFAULT_PAGE_TOKENS",
     "DEFAULT_PUT_TIMEOUT_S",
+    "Episode",
     "Part",
+    "PutRequest",
     "RoutingRef",
     "RoutingStore",
     "StoreInfo",

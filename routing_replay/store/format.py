@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 4  # 3: kernel leases, free stacks, sample checksums, store uid; 4: token ids
+VERSION = 5  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -40,6 +40,8 @@ NO_OWNER = 0  # page owner field: 0, or writer lease index + 1
 FREE, PUBLISHED = 0, 1  # slot states
 LEASE_FREE, LEASE_HELD = 0, 1  # lease record states
 NO_DIGEST = 0  # a sample put without token ids
+FIRST_SERIAL = 1  # serials start here
+NO_SERIAL = 0  # on a ref: the put is not checked (made by hand); in a slot: a free slot
 TOKEN_DTYPE = np.dtype("<i4")  # token ids as stored, read and compared
 
 HEADER_DTYPE = np.dtype(
@@ -63,6 +65,9 @@ HEADER_DTYPE = np.dtype(
         ("pages_used", "<i8"),  # pages with refcount > 0
         ("pages_reserved", "<i8"),  # pages reserved by writers, not yet published
         ("pages_referenced", "<i8"),  # sum of the published samples' chain lengths
+        # Serial of the next put. Raising it is the commit point of a publish holding: a
+        # slot whose serial is not below it was published by a holding that never ended.
+        ("next_serial", "<u8"),
         ("node_id", "S128"),
         ("layout", "S2048"),
     ]
@@ -89,6 +94,7 @@ SLOT_DTYPE = np.dtype(
         ("check", "<u4"),  # crc32 of the fields, the chain's pages and generations
         ("spare", "<u4"),
         ("digest", "<u8"),  # token_digest of the sample's token ids; NO_DIGEST: put without
+        ("serial", "<u8"),  # the put's serial: refs name it, a re-put of the id gets another
         ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
     ]
 )

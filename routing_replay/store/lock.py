@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from routing_replay.errors import StoreBusyError
-from routing_replay.shm import Segment
+from routing_replay.store.segment import Segment
 from routing_replay.store.tables import Tables
 
 _hook: Callable[[str], None] | None = None

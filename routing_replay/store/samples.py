@@ -1,14 +1,18 @@
 """The sample index: slots, their id buckets, the free-slot stack, and each sample's checksum.
 
-A published sample is a slot: id, token count, prompt length, its last page and chain
-length, the digest of its token ids, and a crc32 of all of that plus every page of its
-chain *and that page's generation at publish*. A page of a published chain is never
+A published sample is a slot: id, put serial, token count, prompt length, its last page
+and chain length, the digest of its token ids, and a crc32 of all of that plus every page
+of its chain *and that page's generation at publish*. A page of a published chain is never
 reserved again while the sample holds it, so the checksum is the same at every read
 unless the tables were broken: a wrong parent pointer, a page handed to another writer, a
 flipped byte. Readers check it under the lock and raise `CorruptStoreError` rather than
 return another sample's routes.
 
-Setting `state = PUBLISHED` is the commit point of a put, `state = FREE` that of a release.
+A publish holding fills the slots of all its samples, then raises the header's
+`next_serial` past their serials: that is the commit point of a put (of one sample or
+many). A holding cut short (its process killed, or an exception) leaves slots whose serial
+is not below `next_serial`; repair frees them, so a batch is stored whole or not at all.
+Setting `state = FREE` is the commit point of a release.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import zlib
 import numpy as np
 
 from routing_replay.errors import StoreFullError
-from routing_replay.store.format import FREE, NO_PAGE, PUBLISHED, TOKEN_DTYPE
+from routing_replay.store.format import (
+    FIRST_SERIAL,
+    FREE,
+    NO_PAGE,
+    NO_SERIAL,
+    PUBLISHED,
+    TOKEN_DTYPE,
+)
 from routing_replay.store.lock import Hold
 from routing_replay.store.tables import Tables, checked_index, unlink_from_chain
 
@@ -32,6 +43,7 @@ def token_digest(token_ids: np.ndarray) -> int:
 
 def checksum(
     raw_id: bytes,
+    serial: int,
     num_tokens: int,
     prompt_len: int,
     digest: int,
@@ -40,7 +52,8 @@ def checksum(
 ) -> int:
     """crc32 of a sample's fields, chain pages and their generations."""
     fields = np.array([num_tokens, prompt_len, len(chain)], dtype="<i4").tobytes()
-    crc = zlib.crc32(fields + np.array(digest, dtype="<u8").tobytes() + raw_id)
+    words = np.array([digest, serial], dtype="<u8").tobytes()
+    crc = zlib.crc32(fields + words + raw_id)
     crc = zlib.crc32(np.ascontiguousarray(chain, dtype="<i4"), crc)
     return zlib.crc32(np.ascontiguousarray(gens, dtype="<u4"), crc)
 
@@ -74,6 +87,10 @@ class SampleIndex:
         """The token digest of a slot (NO_DIGEST: put without token ids); `chain` checks it."""
         return int(self._t.s_digest[slot])
 
+    def serial(self, slot: int) -> int:
+        """The put serial of a slot; `chain` checks it."""
+        return int(self._t.s_serial[slot])
+
     def chain(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(pages, their generations, num_tokens, prompt_len) of a published slot, every field
         (the digest too) range-checked and the checksum verified (under the lock)."""
@@ -96,24 +113,34 @@ class SampleIndex:
         if p != NO_PAGE:
             raise t.corrupt(f"slot {slot}: its chain's first page has a parent")
         gens = t.p_gen[pages]
-        raw_id = self.sample_id(slot)
-        digest = self.digest(slot)
-        if checksum(raw_id, tokens, prompt_len, digest, pages, gens) != int(t.s_check[slot]):
+        raw_id, digest, serial = self.sample_id(slot), self.digest(slot), self.serial(slot)
+        check = checksum(raw_id, serial, tokens, prompt_len, digest, pages, gens)
+        if check != int(t.s_check[slot]):
             raise t.corrupt(
                 f"sample {raw_id.decode(errors='replace')!r} (slot {slot}) fails its checksum: "
                 "its chain or a page generation changed after it was published"
             )
         return pages, gens, tokens, prompt_len
 
+    def free_count(self) -> int:
+        """Slots on the free-slot stack (under the lock)."""
+        return self._t.counter("free_slots", self._t.max_samples)
+
+    def full_error(self, needed: int) -> StoreFullError:
+        """The error for a put of `needed` samples into too few free slots."""
+        t = self._t
+        return StoreFullError(
+            f"store {t.name!r} holds {t.max_samples - self.free_count()} of its maximum of "
+            f"{t.max_samples} samples and a put needs {needed} more: release consumed "
+            "samples, or create it with a larger max_samples"
+        )
+
     def take_slot(self, hold: Hold) -> int:
         """Pop a free slot (under the lock); StoreFullError if every slot holds a sample."""
         t = self._t
-        top = t.counter("free_slots", t.max_samples)
+        top = self.free_count()
         if top == 0:
-            raise StoreFullError(
-                f"store {t.name!r} holds its maximum of {t.max_samples} samples: release "
-                "consumed samples, or create it with a larger max_samples"
-            )
+            raise self.full_error(1)
         slot = checked_index(t, t.free_slots[top - 1], t.max_samples, "free slot")
         if slot == NO_PAGE or t.s_state[slot] != FREE:
             raise t.corrupt(f"the free-slot stack holds slot {slot}, which is not free")
@@ -125,25 +152,27 @@ class SampleIndex:
         self,
         slot: int,
         raw_id: bytes,
+        serial: int,
         num_tokens: int,
         prompt_len: int,
         digest: int,
         chain: np.ndarray,
         gens: np.ndarray,
     ) -> None:
-        """Fill a taken slot, link it, and commit it (inside a write)."""
+        """Fill a taken slot and link it (inside a write); `commit` makes it stay."""
         t = self._t
+        t.s_serial[slot] = serial
         t.s_num_tokens[slot] = num_tokens
         t.s_prompt_len[slot] = prompt_len
         t.s_digest[slot] = digest
         t.s_last_page[slot] = chain[-1]
         t.s_num_pages[slot] = len(chain)
         t.s_sample_id[slot] = raw_id
-        t.s_check[slot] = checksum(raw_id, num_tokens, prompt_len, digest, chain, gens)
+        t.s_check[slot] = checksum(raw_id, serial, num_tokens, prompt_len, digest, chain, gens)
         b = self._bucket(raw_id)
         t.s_next[slot] = t.sample_heads[b]
         t.sample_heads[b] = slot
-        t.s_state[slot] = PUBLISHED  # the commit point
+        t.s_state[slot] = PUBLISHED  # visible to readers once the holding commits
         t.add("samples", 1)
         t.add("tokens", num_tokens)
         t.add("pages_referenced", len(chain))
@@ -152,6 +181,7 @@ class SampleIndex:
         """Free a published slot (inside a write): the commit point of a release."""
         t = self._t
         t.s_state[slot] = FREE  # the commit point
+        t.s_serial[slot] = NO_SERIAL  # a reader that located it sees the change
         t.add("samples", -1)
         t.add("tokens", -int(t.s_num_tokens[slot]))
         t.add("pages_referenced", -num_pages)
@@ -159,6 +189,26 @@ class SampleIndex:
         top = t.counter("free_slots", t.max_samples - 1)
         t.free_slots[top] = slot
         t.hdr["free_slots"] = top + 1
+
+    def next_serial(self) -> int:
+        """The serial the next put gets (under the lock)."""
+        value = int(self._t.hdr["next_serial"])
+        if value < FIRST_SERIAL:
+            raise self._t.corrupt(f"header next_serial={value} is below {FIRST_SERIAL}")
+        return value
+
+    def commit(self, next_serial: int) -> None:
+        """The commit point of a publish holding: every slot it filled, below `next_serial`,
+        is now a stored sample (inside a write)."""
+        self._t.hdr["next_serial"] = next_serial
+
+    def roll_back_uncommitted(self) -> int:
+        """Repair: free the slots a publish holding filled but never committed (their serial is
+        not below `next_serial`); returns how many. Derived tables are rebuilt after."""
+        t = self._t
+        torn = (t.s_state == PUBLISHED) & (t.s_serial >= np.uint64(self.next_serial()))
+        t.s_state[torn] = FREE
+        return int(torn.sum())
 
     def published(self) -> np.ndarray:
         """Slots whose state is PUBLISHED."""
@@ -174,6 +224,7 @@ class SampleIndex:
             t.sample_heads[b] = s
         free = np.flatnonzero(t.s_state != PUBLISHED)
         t.s_state[free] = FREE
+        t.s_serial[free] = NO_SERIAL
         t.free_slots[: len(free)] = free[::-1]
         t.hdr["free_slots"] = len(free)
         t.hdr["samples"] = len(published)

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 from routing_replay.errors import CorruptStoreError, RoutingReplayError
 from routing_replay.layout import RoutingLayout
-from routing_replay.shm import (
+from routing_replay.store.format import HEADER_DTYPE, OWNER_LEASE, VERSION
+from routing_replay.store.routing_store import RoutingStore, StoreStats
+from routing_replay.store.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,
     is_store_name,
     lease_held,
     untrusted_reason,
 )
-from routing_replay.store.format import HEADER_DTYPE, OWNER_LEASE, VERSION
-from routing_replay.store.routing_store import RoutingStore, StoreStats
 from routing_replay.store.tables import header_info
 
 

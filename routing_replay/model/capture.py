@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.adapters import MoeModel, find_routers
 from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.model.adapters import MoeModel, find_routers
 
 _Sample = tuple[np.ndarray | None, np.ndarray]  # (token ids or None, routes [T, L, K])
 _ACTIVE = "_routing_replay_capture"  # on the decoder: (thread, open blocks) recording it

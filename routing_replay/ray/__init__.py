@@ -1,0 +1,37 @@
+"""The Ray plane: one store actor per (job, node), refs through the driver, reads by node.
+
+Read in this order:
+
+- `actor`: the node store actor (creates, serves and removes a node's store), its names;
+- `client`: `node_store(job, layout)` and this process's cache of attached stores;
+- `dataset`: `fetch_batch`, `read_dataset`, `release_refs`, `split_stale`, the collate fn;
+- `rollout`: `RolloutWorker`, a transformers model generating under `capture`.
+
+Ray is imported inside the functions: `import routing_replay.ray` works without Ray.
+"""
+
+from routing_replay.ray.actor import shutdown_node_stores, store_actor, store_actors
+from routing_replay.ray.client import node_store
+from routing_replay.ray.dataset import (
+    fetch_batch,
+    read_dataset,
+    release_refs,
+    routes_collate_fn,
+    split_stale,
+)
+from routing_replay.ray.rollout import Rollout, RolloutWorker, rollout_worker
+
+__all__ = [
+    "Rollout",
+    "RolloutWorker",
+    "fetch_batch",
+    "node_store",
+    "read_dataset",
+    "release_refs",
+    "rollout_worker",
+    "routes_collate_fn",
+    "shutdown_node_stores",
+    "split_stale",
+    "store_actor",
+    "store_actors",
+]

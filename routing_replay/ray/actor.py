@@ -1,0 +1,306 @@
+"""Node store actors: one Ray actor per (job, node) that owns that node's routing store.
+
+The actor is named `rr-store-<job>-<node id[:12]>` in the `routing_replay` namespace, pinned
+to its node with a hard node-affinity strategy, and *detached*: it is started by whichever
+process first calls `node_store(job, layout)` on the node (a rollout worker, usually), so
+it must not die with that process. It is tied to the Ray job instead: it watches the job
+that started it and unlinks its segment and exits when that job's driver is gone, even if
+the driver died without `shutdown_node_stores(job)`. It creates the node's segment
+`/dev/shm/rr_<job>.<node id[:12]>.<incarnation>` (with `node_id=` Ray's node id, so
+`RoutingRef.node_id` says where a sample lives), serves reads of its samples to other
+nodes as Arrow tables, releases, and unlinks on `shutdown_node_stores(job)`.
+
+A store actor that dies loses its samples: a restarted actor (the next `node_store` call
+on the node starts one) sweeps the dead incarnation's segment and creates a new one under
+a new name, so refs to the lost samples fail with `StoreUnavailableError` instead of
+silently reading another run's data.
+
+Ray is imported inside the functions: `import routing_replay` works without Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from routing_replay.compat.ray import job_table
+from routing_replay.errors import RoutingReplayError, StoreUnavailableError
+from routing_replay.layout import RoutingLayout
+from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore, sweep_stores
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+NAMESPACE = "routing_replay"
+DEFAULT_CAPACITY_TOKENS = 1 << 20
+DEFAULT_JOB_WATCH_S = 5.0
+START_ATTEMPTS = 3
+NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
+JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+
+# -- names ---------------------------------------------------------------------------
+
+
+def _check_job(job: str) -> str:
+    if not isinstance(job, str) or not JOB_PATTERN.match(job):
+        raise ValueError(
+            f"job {job!r} must be 1-64 characters from [A-Za-z0-9_-]: it names the store "
+            "actors and their /dev/shm segments"
+        )
+    return job
+
+
+def actor_name(job: str, node_id: str) -> str:
+    """Name of the store actor of `job` on the Ray node `node_id`."""
+    return f"rr-store-{_check_job(job)}-{node_id[:NODE_PREFIX]}"
+
+
+def _store_prefix(job: str, node_id: str) -> str:
+    return f"{_check_job(job)}.{node_id[:NODE_PREFIX]}."
+
+
+def job_of(ref: RoutingRef) -> str:
+    """The job a ref's store belongs to (store names are `<job>.<node>.<incarnation>`)."""
+    parts = ref.store.split(".")
+    if len(parts) != 3:
+        raise StoreUnavailableError(
+            f"ref {ref.sample_id!r} is in store {ref.store!r}, which no node store actor "
+            "made: read it with RoutingStore.attach on its node"
+        )
+    return parts[0]
+
+
+def current_node_id() -> str:
+    """Ray's id of the node this process runs on (driver, task or actor)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+# -- the actor -------------------------------------------------------------------------
+
+
+class NodeStoreActor:
+    """Owns one node's RoutingStore for one job: creates it, serves reads and releases, unlinks."""
+
+    def __init__(
+        self,
+        job: str,
+        layout_json: str,
+        capacity_tokens: int,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        max_samples: int | None = None,
+        job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
+    ) -> None:
+        import ray
+
+        self.job = _check_job(job)
+        self.node_id = current_node_id()
+        self.swept = sweep_dead_segments(job, self.node_id)
+        name = _store_prefix(job, self.node_id) + uuid.uuid4().hex[:8]
+        self.store = RoutingStore.create(
+            name,
+            RoutingLayout.from_json(layout_json),
+            capacity_tokens,
+            page_tokens=page_tokens,
+            max_samples=max_samples,
+            node_id=self.node_id,
+        )
+        self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
+        self._lock = threading.Lock()
+        self.ray_job_id = ray.get_runtime_context().get_job_id()
+        if job_watch_s:
+            threading.Thread(target=self._watch_job, args=(job_watch_s,), daemon=True).start()
+
+    def _watch_job(self, interval: float) -> None:
+        """Unlink and exit once the Ray job that started this actor is dead."""
+        import ray
+
+        while "store" in self.__dict__:
+            time.sleep(interval)
+            try:
+                table = job_table()
+            except Exception:  # the GCS may be briefly unreachable: try again later
+                continue
+            if table is None:  # a Ray without the job table: live until shut down
+                return
+            if any(j["JobID"] == self.ray_job_id and j["IsDead"] for j in table):
+                self.shutdown()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+    def _live(self) -> RoutingStore:
+        store = self.__dict__.get("store")
+        if store is None:
+            raise StoreUnavailableError(
+                f"the store actor of job {self.job!r} on node {self.node_id[:12]} was shut "
+                "down: its samples are gone"
+            )
+        return store
+
+    def info(self) -> dict[str, Any]:
+        """Store name, node, pid and layout: what `node_store` needs to attach."""
+        store = self._live()
+        return {
+            "store": store.name,
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "layout": store.layout.to_json(),
+            "capacity_tokens": store.capacity_tokens,
+            "page_tokens": store.page_tokens,
+        }
+
+    def read(self, refs: list[RoutingRef | str], part: str = "all") -> pa.Table:
+        """Samples as one Arrow table (one copy out of shm). Reads never release: the
+        caller releases once its whole batch was read (`release`)."""
+        store = self._live()
+        _check_refs_in(refs, store.name, self.node_id)
+        batch = store.read(refs, part=part)  # type: ignore[arg-type]
+        with self._lock:
+            self.counters["read_calls"] += 1
+            self.counters["samples_served"] += batch.num_rows
+            self.counters["bytes_served"] += batch.nbytes
+        return pa.Table.from_batches([batch])
+
+    def read_block(self, refs: list[RoutingRef | str], part: str = "all") -> tuple[pa.Table, int]:
+        """`read`, plus the row count as a second return (call with num_returns=2)."""
+        table = self.read(refs, part)
+        return table, table.num_rows
+
+    def release(self, refs: list[RoutingRef | str]) -> int:
+        """Release samples of this store; returns how many."""
+        store = self._live()
+        _check_refs_in(refs, store.name, self.node_id)
+        store.release(refs)
+        with self._lock:
+            self.counters["released"] += len(refs)
+        return len(refs)
+
+    def stats(self) -> dict[str, Any]:
+        """The store's StoreStats fields plus this actor's read/release counters."""
+        with self._lock:
+            counters = dict(self.counters)
+        store = self._live()
+        return {**vars(store.stats()), **counters, "store": store.name}
+
+    def shutdown(self) -> None:
+        """Unmap and unlink the segment (idempotent); the caller then kills the actor."""
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            with contextlib.suppress(BufferError, OSError):
+                store.close()
+            store.unlink()
+
+    def __ray_shutdown__(self) -> None:
+        """Ray's graceful-exit hook: unlink the segment if `shutdown` was not called."""
+        self.shutdown()
+
+
+def _check_refs_in(refs: list[RoutingRef | str], store: str, node_id: str) -> None:
+    lost = [r for r in refs if isinstance(r, RoutingRef) and r.store != store]
+    if lost:
+        raise lost_error(lost, f"now {store!r}")
+
+
+def lost_error(refs: list[RoutingRef], why: str) -> StoreUnavailableError:
+    """The error for refs whose store is gone (its actor died and was restarted, or stopped)."""
+    shown = ", ".join(repr(r.sample_id) for r in refs[:5])
+    more = f" and {len(refs) - 5} more" if len(refs) > 5 else ""
+    return StoreUnavailableError(
+        f"samples {shown}{more} were stored in {refs[0].store!r} on node {refs[0].node_id[:12]}, "
+        f"which no longer exists ({why}): the node's store actor died or was shut down and "
+        "its samples are lost; roll those samples out again"
+    )
+
+
+# -- starting, finding, stopping ------------------------------------------------------
+
+
+def _actor_class() -> Any:
+    import ray
+
+    global _REMOTE
+    if _REMOTE is None:
+        _REMOTE = ray.remote(NodeStoreActor)
+    return _REMOTE
+
+
+_REMOTE: Any = None
+
+
+def store_actor(
+    job: str,
+    layout: RoutingLayout | None = None,
+    *,
+    node_id: str | None = None,
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    page_tokens: int = DEFAULT_PAGE_TOKENS,
+    max_samples: int | None = None,
+    job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
+) -> ActorHandle:
+    """The store actor of `job` on `node_id` (default: this node); starts it given a layout."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node_id or current_node_id()
+    name = actor_name(job, node_id)
+    if layout is None:
+        try:
+            return ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            raise StoreUnavailableError(
+                f"no store actor for job {job!r} on node {node_id[:12]} ({name!r} in namespace "
+                f"{NAMESPACE!r}): it was shut down, its node died, or nothing was stored there"
+            ) from None
+    return (
+        _actor_class()
+        .options(
+            name=name,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(job, layout.to_json(), capacity_tokens, page_tokens, max_samples, job_watch_s)
+    )
+
+
+def sweep_dead_segments(job: str, node_id: str) -> list[str]:
+    """Unlink this job's segments on this node whose owning process is dead; returns them."""
+    return [info.name for info in sweep_stores(prefix=_store_prefix(job, node_id))]
+
+
+def store_actors(job: str | None = None) -> dict[str, ActorHandle]:
+    """Live store actors (of `job`, or of every job), by actor name."""
+    import ray
+
+    prefix = "rr-store-" if job is None else f"rr-store-{_check_job(job)}-"
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
+            with contextlib.suppress(ValueError):
+                found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+    return found
+
+
+def shutdown_node_stores(job: str, timeout: float = 30.0) -> int:
+    """Unlink every node's segment of `job` and stop its store actors; returns how many."""
+    import ray
+
+    actors = store_actors(job)
+    pending = {name: a.shutdown.remote() for name, a in actors.items()}
+    for name, ref in pending.items():
+        with contextlib.suppress(ray.exceptions.RayError, RoutingReplayError):
+            ray.get(ref, timeout=timeout)
+        ray.kill(actors[name])
+    return len(actors)

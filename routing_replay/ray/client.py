@@ -1,0 +1,93 @@
+"""The client side of node stores: `node_store(job, layout)` and this process's attach cache.
+
+Every process that puts or reads (rollout workers, trainer workers, the driver) maps a
+node's store once and keeps the mapping in `_attached`, by store name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from routing_replay.errors import LayoutMismatchError, StoreUnavailableError
+from routing_replay.layout import RoutingLayout
+from routing_replay.ray.actor import (
+    DEFAULT_CAPACITY_TOKENS,
+    DEFAULT_JOB_WATCH_S,
+    START_ATTEMPTS,
+    store_actor,
+)
+from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingStore
+
+_attached: dict[str, RoutingStore] = {}  # this process's mappings, by store name
+_attached_lock = threading.Lock()
+
+
+def node_store(
+    job: str,
+    layout: RoutingLayout,
+    *,
+    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    page_tokens: int = DEFAULT_PAGE_TOKENS,
+    max_samples: int | None = None,
+    job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
+) -> RoutingStore:
+    """This node's RoutingStore for `job` (attached), starting the node's store actor if needed.
+
+    Call it in any Ray task, actor or driver, once per step rather than once per process: it
+    asks the actor which segment is current, so a writer never keeps putting into the
+    segment of a store actor that died. Capacity arguments apply when the actor starts;
+    so does `job_watch_s`: how often the actor checks that the Ray job that started it is
+    alive (it unlinks and exits when not); None keeps it until `shutdown_node_stores`.
+    """
+    import ray
+
+    options = {
+        "capacity_tokens": capacity_tokens,
+        "page_tokens": page_tokens,
+        "max_samples": max_samples,
+        "job_watch_s": job_watch_s,
+    }
+    for attempt in range(START_ATTEMPTS):
+        # A store actor killed a moment ago may still hold its name: get_if_exists then
+        # hands back the dying actor. Ask again, briefly, before giving up.
+        try:
+            info = ray.get(store_actor(job, layout, **options).info.remote())
+            break
+        except ray.exceptions.RayActorError as e:
+            if attempt == START_ATTEMPTS - 1 or "creation task" in str(e):  # __init__ raised
+                raise StoreUnavailableError(
+                    f"the store actor of job {job!r} on this node failed to start or died: {e}"
+                ) from e
+            time.sleep(0.2 * (attempt + 1))
+    return attached(info["store"], layout)
+
+
+def attached(name: str, layout: RoutingLayout | None = None) -> RoutingStore:
+    """This process's mapping of the live store `name`, attaching (once) if needed."""
+    with _attached_lock:
+        store = _attached.get(name)
+        if store is not None and not _is_live(store):
+            _attached.pop(name)
+            with contextlib.suppress(BufferError, OSError):
+                store.close()
+            store = None
+        if store is None:
+            store = RoutingStore.attach(name, layout)
+            if not _is_live(store):
+                with contextlib.suppress(BufferError, OSError):
+                    store.close()
+                raise StoreUnavailableError(
+                    f"store {name!r}: its owner process is dead (the node's store actor "
+                    "died); its samples are lost"
+                )
+            _attached[name] = store
+    if layout is not None and layout != store.layout:
+        raise LayoutMismatchError(f"store {name!r} holds routes for {store.layout}, not {layout}")
+    return store
+
+
+def _is_live(store: RoutingStore) -> bool:
+    """The mapping is still the file at its path, and the owner (the actor) is alive."""
+    return store.is_current() and store.owner_alive()

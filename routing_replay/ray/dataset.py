@@ -1,0 +1,335 @@
+"""The training side on Ray: refs -> Arrow, each sample read on the node that holds it.
+
+- `fetch_batch(refs)`: inside a trainer worker, one `pa.RecordBatch` in the refs' order.
+  Samples on this worker's node are read straight from shared memory; each other node's
+  samples come from that node's store actor in one call, as an Arrow table through Ray's
+  object store (one network crossing).
+- `read_dataset(refs)`: a `ray.data.Dataset` of the same schema, built from the Arrow
+  tables the store actors return (`ray.data.from_arrow_refs`): a plain datasource cannot
+  pin its read tasks to the node that holds the data.
+- `release_refs(refs)`: drop consumed samples from their stores, so memory stays bounded.
+  `fetch_batch(..., release=True)` and `read_dataset(..., release=True)` release only once
+  every sample of the call was read: a failed read leaves every sample stored.
+- `split_stale(refs, policy_version=, max_staleness=)`: fresh and stale refs by the policy
+  version each was generated with. Reads never drop or release anything on their own:
+  release the stale ones (`release_refs`), read the fresh ones.
+- `routes_collate_fn(layout)`: for `Dataset.iter_torch_batches`; variable-length lists do
+  not go through Ray's default collate. Returns packed `[sum_T, L, K]` plus `cu_seqlens`.
+
+Ray is imported inside the functions: `import routing_replay` works without Ray.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from routing_replay.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    RoutingReplayError,
+    StoreUnavailableError,
+)
+from routing_replay.layout import RoutingLayout
+from routing_replay.ray.actor import current_node_id, job_of, lost_error, store_actor
+from routing_replay.ray.client import attached
+from routing_replay.reader import cu_seqlens, to_torch
+from routing_replay.schema import (
+    LAYOUT_METADATA_KEY,
+    SAMPLE_ID,
+    TOKEN_IDS,
+    copy_into,
+    layout_of,
+    routes_schema,
+)
+from routing_replay.store import Part, RoutingRef
+
+if TYPE_CHECKING:
+    import ray.data
+
+
+def _by_store(refs: Sequence[RoutingRef]) -> dict[str, list[int]]:
+    """Indices of `refs` grouped by store, stores in first-seen order."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, RoutingRef):
+            raise TypeError(f"expected RoutingRef, got {type(ref).__name__}: pass put()'s refs")
+        groups[ref.store].append(i)
+    return groups
+
+
+def _is_driver() -> bool:
+    import ray
+
+    return ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
+
+
+def _actor_for(group: list[RoutingRef]) -> Any:
+    ref = group[0]
+    try:
+        return store_actor(job_of(ref), node_id=ref.node_id)
+    except StoreUnavailableError:
+        raise lost_error(group, "no store actor runs for it") from None
+
+
+def _get(object_refs: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
+    """ray.get, with errors raised by a store actor re-raised as routing_replay errors."""
+    import ray
+
+    out = []
+    for obj, group in zip(object_refs, groups, strict=True):
+        try:
+            out.append(ray.get(obj))
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RoutingReplayError):
+                raise cause from None
+            raise
+        except ray.exceptions.RayActorError as e:
+            raise lost_error(group, f"its store actor died: {type(e).__name__}") from None
+    return out
+
+
+def _read_local(group: list[RoutingRef], part: Part, out: Any = None) -> pa.RecordBatch:
+    try:
+        store = attached(group[0].store)
+    except StoreUnavailableError:
+        raise lost_error(group, "its segment is gone from this node") from None
+    return store.read(group, part=part, out=out)
+
+
+def split_stale(
+    refs: Iterable[RoutingRef], *, policy_version: int, max_staleness: int
+) -> tuple[list[RoutingRef], list[RoutingRef]]:
+    """(fresh, stale): a ref is stale when any of its tokens came from a policy older than
+    `policy_version - max_staleness` (`ref.policy_version`, its oldest). Order is kept."""
+    if max_staleness < 0:
+        raise InvalidArgumentError(f"max_staleness must be >= 0, got {max_staleness}")
+    fresh, stale = [], []
+    for ref in refs:
+        if ref.policy_version is None:
+            raise InvalidArgumentError(
+                f"sample {ref.sample_id!r} was put without a policy_version, so its staleness "
+                "is unknown: pass policy_version= to put (the rollout workers do with step=)"
+            )
+        (stale if ref.policy_version < policy_version - max_staleness else fresh).append(ref)
+    return fresh, stale
+
+
+def _no_staleness_args(what: str, policy_version: Any, max_staleness: Any) -> None:
+    """Reads no longer drop stale samples (they released them, a side effect of a read)."""
+    if policy_version is not None or max_staleness is not None:
+        raise InvalidArgumentError(
+            f"{what} no longer takes policy_version / max_staleness (it released the stale "
+            "samples as a side effect of a read): fresh, stale = split_stale(refs, "
+            "policy_version=..., max_staleness=...); release_refs(stale); then read fresh"
+        )
+
+
+def _refs_list(refs: Sequence[RoutingRef], what: str) -> list[RoutingRef]:
+    refs = list(refs)
+    if not refs:
+        raise InvalidArgumentError(f"{what} needs at least one ref")
+    return refs
+
+
+def fetch_batch(
+    refs: Sequence[RoutingRef],
+    *,
+    part: Part = "all",
+    release: bool = False,
+    out: Any = None,
+    policy_version: None = None,
+    max_staleness: None = None,
+) -> pa.RecordBatch:
+    """The refs' routes as one Arrow batch, in order: local ones from shm, others via actors.
+
+    With `out` (reused memory, as in `RoutingStore.read`) the batch is built there: refs of
+    one same-node store are read straight into it, anything else is copied in once built.
+    With `release=True` the samples are released once *all* of them were read: a read that
+    fails (a lost store, a released sample) raises and leaves every sample stored.
+    """
+    _no_staleness_args("fetch_batch", policy_version, max_staleness)
+    refs = _refs_list(refs, "fetch_batch")
+    here = current_node_id()
+    groups = _by_store(refs)
+    remote = [s for s in groups if refs[groups[s][0]].node_id != here]
+    remote_groups = [[refs[i] for i in groups[s]] for s in remote]
+    # Every remote read is in flight before the local ones run.
+    pending = [_actor_for(g).read.remote(g, part=part) for g in remote_groups]
+    parts: dict[str, pa.RecordBatch] = {}
+    direct = out if len(groups) == 1 and not remote else None  # read straight into `out`
+    try:
+        for store, indices in groups.items():
+            if store not in remote:
+                parts[store] = _read_local([refs[i] for i in indices], part, direct)
+    finally:
+        tables = _get(pending, remote_groups)  # collected (or raised) even if a local read failed
+    for store, table in zip(remote, tables, strict=True):
+        parts[store] = table.combine_chunks().to_batches()[0]
+    ordered = [parts[s] for s in groups]
+    order = np.concatenate([np.asarray(groups[s]) for s in groups])
+    if len(ordered) == 1:
+        batch = ordered[0]
+    else:
+        _check_one_layout(ordered)
+        table = pa.Table.from_batches(ordered)
+        if not np.array_equal(order, np.arange(len(refs))):
+            table = table.take(pa.array(np.argsort(order)))
+        batch = table.combine_chunks().to_batches()[0]
+    if out is not None and direct is None:
+        batch = copy_into(batch, out)
+    if release:
+        release_refs(refs)  # every sample was read: now, and only now, they go
+    return batch
+
+
+def _check_one_layout(batches: list[pa.RecordBatch]) -> None:
+    layouts = {b.schema.metadata[LAYOUT_METADATA_KEY] for b in batches}
+    if len(layouts) > 1:
+        raise LayoutMismatchError(
+            "refs come from stores of different routing layouts (models): read them apart"
+        )
+
+
+def read_dataset(
+    refs: Sequence[RoutingRef],
+    *,
+    part: Part = "all",
+    release: bool = False,
+    samples_per_block: int = 256,
+    policy_version: None = None,
+    max_staleness: None = None,
+) -> ray.data.Dataset:
+    """A `ray.data.Dataset` of the refs' routes (Arrow schema), each sample read on its node.
+
+    Each node's samples are read by that node's store actor into Arrow tables that stay in
+    that node's object store until a consumer pulls them (once). Called in a worker rather
+    than the driver, samples on the caller's node are read straight from shm and `ray.put`
+    here. Rows are grouped by store (order within a store kept): align on `sample_id`.
+    With `release=True` the samples are released from their stores once every one of them
+    was read (the dataset holds copies); a failed read leaves all of them stored.
+    """
+    import ray
+
+    _no_staleness_args("read_dataset", policy_version, max_staleness)
+    refs = _refs_list(refs, "read_dataset")
+    here = None if _is_driver() else current_node_id()
+    blocks, block_groups = [], []
+    local_tables = []
+    for indices in _by_store(refs).values():
+        group = [refs[i] for i in indices]
+        for lo in range(0, len(group), samples_per_block):
+            chunk = group[lo : lo + samples_per_block]
+            if chunk[0].node_id == here:
+                batch = _read_local(chunk, part)
+                local_tables.append(ray.put(pa.Table.from_batches([batch])))
+            else:
+                actor = _actor_for(chunk).read_block.options(num_returns=2)
+                blocks.append(actor.remote(chunk, part=part))
+                block_groups.append(chunk)
+    # Surface a lost store here, not at the first iteration: wait for the small second
+    # return of each read (its row count), not for the table, which stays on its node.
+    _get([m for _, m in blocks], block_groups)
+    if release:
+        release_refs(refs)  # every block was read into the object store
+    return ray.data.from_arrow_refs(local_tables + [b for b, _ in blocks])
+
+
+def release_refs(refs: Iterable[RoutingRef]) -> int:
+    """Release consumed samples from their stores (local ones directly); returns how many."""
+    refs = list(refs)
+    if not refs:
+        return 0
+    here = None if _is_driver() else current_node_id()
+    groups = _by_store(refs)
+    pending, pending_groups = [], []
+    for indices in groups.values():
+        group = [refs[i] for i in indices]
+        if group[0].node_id == here:
+            try:
+                attached(group[0].store).release(group)
+            except StoreUnavailableError:
+                raise lost_error(group, "its segment is gone from this node") from None
+        else:
+            pending.append(_actor_for(group).release.remote(group))
+            pending_groups.append(group)
+    _get(pending, pending_groups)
+    return len(refs)
+
+
+class _RoutesCollate:
+    """Arrow batch -> {"routes": [sum_T, L, K], "cu_seqlens": [B+1], "num_tokens",
+    "sample_ids", "token_ids": [sum_T] (None when a sample was put without them)}."""
+
+    def __init__(self, layout: RoutingLayout | None) -> None:
+        self.layout = layout
+
+    def __call__(self, batch: pa.Table | dict[str, np.ndarray]) -> dict[str, Any]:
+        table = _as_table(batch, self.layout)
+        out: dict[str, Any] = {
+            "routes": to_torch(table),
+            "cu_seqlens": cu_seqlens(table),
+            "num_tokens": torch.from_numpy(table.column("num_tokens").to_numpy().astype(np.int64)),
+            "sample_ids": table.column(SAMPLE_ID).to_pylist(),
+            "token_ids": _packed_tokens(table),
+        }
+        return out
+
+
+def _packed_tokens(table: pa.Table) -> torch.Tensor | None:
+    """The batch's token ids back to back (`[sum_T]`, int32), or None if any sample lacks them."""
+    if TOKEN_IDS not in table.schema.names or table.column(TOKEN_IDS).null_count:
+        return None
+    column = pa.chunked_array(table.column(TOKEN_IDS)).combine_chunks()
+    return torch.from_numpy(column.flatten().to_numpy(False).copy())
+
+
+def _as_table(batch: pa.Table | dict[str, np.ndarray], layout: RoutingLayout | None) -> pa.Table:
+    """A batch from Ray Data as a routes table carrying the layout metadata."""
+    if isinstance(batch, dict):  # a numpy batch: rows of object arrays; slow but correct
+        if layout is None:
+            raise LayoutMismatchError("routes_collate_fn needs the layout for numpy batches")
+        rows = [
+            {
+                "sample_id": str(batch["sample_id"][i]),
+                "num_tokens": int(batch["num_tokens"][i]),
+                "prompt_len": None
+                if batch["prompt_len"][i] is None
+                else int(batch["prompt_len"][i]),
+                "routed_experts": [list(t) for t in batch["routed_experts"][i]],
+                "token_ids": None
+                if batch.get("token_ids") is None or batch["token_ids"][i] is None
+                else [int(t) for t in batch["token_ids"][i]],
+            }
+            for i in range(len(batch["sample_id"]))
+        ]
+        return pa.Table.from_pylist(rows, schema=routes_schema(layout))
+    meta = batch.schema.metadata or {}
+    if LAYOUT_METADATA_KEY in meta:
+        if layout is not None and layout_of(batch) != layout:
+            raise LayoutMismatchError(
+                f"batch holds routes for {layout_of(batch)}, the collate fn expects {layout}"
+            )
+        return batch
+    if layout is None:
+        raise LayoutMismatchError(
+            "this batch lost its layout metadata on the way through Ray Data: pass the "
+            "layout to routes_collate_fn(layout)"
+        )
+    return batch.replace_schema_metadata({**meta, LAYOUT_METADATA_KEY: layout.to_json().encode()})
+
+
+def routes_collate_fn(layout: RoutingLayout | None = None) -> Callable[[Any], dict[str, Any]]:
+    """Collate fn for `Dataset.iter_torch_batches`: packed `[sum_T, L, K]` routes + cu_seqlens."""
+    from ray.data.collate_fn import ArrowBatchCollateFn
+
+    class RoutesCollateFn(_RoutesCollate, ArrowBatchCollateFn):
+        """Ray Data reads it as an Arrow-batch collate fn (no default numpy conversion)."""
+
+    return RoutesCollateFn(layout)

@@ -1,0 +1,423 @@
+"""The put protocol: one `PutTransaction` stores one sample, or many, whole or not at all.
+
+A put, top to bottom:
+
+1. outside the lock, check and convert every sample (`_Sample`) and find which full pages
+   of the batch's samples hold equal tokens and routes (`_batch_twins`): GRPO's n samples
+   of a prompt share their prompt pages within one put;
+2. lock, refuse ids already stored, find each sample's shareable published prefix
+   (`PrefixIndex.candidates`), unlock;
+3. compare those pages' routes without the lock: a frozen `SharePlan` per sample;
+4. lock, extend plans whose first candidate differed (twins), lay out every chain (published
+   pages, pages shared with an earlier sample of the batch, new pages), take this writer's
+   lease and reserve the new pages, unlock;
+5. copy and check the new rows into the reserved pages without the lock;
+6. lock, check every plan is still valid and the pages still ours, publish every sample,
+   then raise `next_serial` past their serials: the one commit point of the batch. Unlock.
+
+A plan found invalid at 6 (a shared page was released meanwhile) starts the put over;
+any error leaves nothing stored and gives the reserved pages back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from routing_replay.errors import (
+    CorruptStoreError,
+    DuplicateSampleError,
+    InvalidArgumentError,
+    InvalidRoutesError,
+    StoreFullError,
+    StoreUnavailableError,
+)
+from routing_replay.store.format import (
+    CHECK_CHUNK_BYTES,
+    MIN_LOCK_WAIT_S,
+    NO_DIGEST,
+    NO_PAGE,
+    TOKEN_DTYPE,
+)
+from routing_replay.store.lock import Hold
+from routing_replay.store.pages import Reservation
+from routing_replay.store.prefix import SharePlan, page_keys, runs, same_bytes
+from routing_replay.store.refs import (
+    PutRequest,
+    RoutingRef,
+    check_distinct,
+    policy_spans,
+    prompt_len_value,
+    sample_id_bytes,
+)
+from routing_replay.store.samples import token_digest
+
+if TYPE_CHECKING:
+    from routing_replay.store.routing_store import RoutingStore
+
+
+NO_PLAN = SharePlan()
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One sample of a put, checked and converted, with its chain once laid out."""
+
+    raw_id: bytes
+    rows: np.ndarray  # [T, L, K] MoE layers, the caller's integer dtype (ids checked at copy)
+    tokens: np.ndarray | None  # int32 [T]
+    keys: list[int]  # one per full page (none without token ids)
+    keyed: np.ndarray  # rows of the full pages in the stored dtype: what sharing compares
+    prompt_len: int
+    digest: int
+    versions: tuple[tuple[int, int], ...]
+    num_pages: int
+    # Laid out under the reserve lock: the sample's published plan, then its chain: the
+    # `shared` pages (published ones, then pages of an earlier sample of the put, "local":
+    # -2 - their index in the put's reservation), then `num_pages - first_new` new pages of
+    # its own, reservation indices `local_base` on.
+    plan: SharePlan = NO_PLAN
+    equal: int = 0  # leading pages of the plan whose routes compared equal
+    shared: list[int] | tuple[()] = ()
+    local_base: int = 0
+
+    @property
+    def first_new(self) -> int:
+        """Chain positions from here on are this sample's own new pages."""
+        return len(self.shared)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.rows)
+
+    def page(self, i: int) -> int:
+        """Chain entry `i` once laid out: a published page, or a local one (-2 - index)."""
+        return (
+            self.shared[i]
+            if i < len(self.shared)
+            else _local(self.local_base + i - len(self.shared))
+        )
+
+
+def sample_id_str(sample: _Sample) -> str:
+    """A sample's id as text, for messages."""
+    return sample.raw_id.decode()
+
+
+def _local(index: int) -> int:
+    """The chain entry of the put's `index`-th reserved page, before it has a page number."""
+    return -2 - index
+
+
+class PutTransaction:
+    """One put of one or more samples into a store: all of them are stored, or none."""
+
+    def __init__(
+        self, store: RoutingStore, requests: Sequence[PutRequest], timeout: float | None
+    ) -> None:
+        self.store = store
+        self.timeout = store.put_timeout if timeout is None else timeout
+        if not requests:
+            raise InvalidArgumentError("put_many needs at least one PutRequest")
+        self.samples = [self._prepare(r) for r in requests]
+        t = store._t
+        if len(self.samples) == 1:
+            self._twin = [[0] * len(self.samples[0].keys)]
+            pages = self.samples[0].num_pages
+        else:
+            check_distinct([s.raw_id for s in self.samples], "put_many")
+            self._batch_twins()
+            pages = sum(  # at most: pages no earlier sample of the put holds too
+                sum(1 for i, twin in enumerate(self._twin[k]) if twin == k)
+                + s.num_pages
+                - len(s.keys)
+                for k, s in enumerate(self.samples)
+            )
+        if pages > t.num_pages or len(self.samples) > t.max_samples:
+            what = (
+                f"sample {sample_id_str(self.samples[0])!r} has {self.samples[0].num_tokens} tokens"
+                if len(self.samples) == 1
+                else f"a put of {len(self.samples)} samples needs up to {pages} pages"
+            )
+            raise StoreFullError(
+                f"{what}, but store {store.name!r} holds at most {store.capacity_tokens} "
+                f"tokens ({t.num_pages} pages of {t.page_tokens}) and {t.max_samples} samples "
+                "even when empty: create it with a larger capacity_tokens (and max_samples), "
+                "or put fewer samples at once"
+            )
+
+    # -- 1. checked samples, and the pages they share among themselves ------------------
+
+    def _prepare(self, request: PutRequest) -> _Sample:
+        if not isinstance(request, PutRequest):
+            raise InvalidArgumentError(
+                f"put_many takes PutRequest objects, got {type(request).__name__}: "
+                "PutRequest(sample_id, routes, prompt_len=, token_ids=, policy_version=)"
+            )
+        store, P = self.store, self.store.page_tokens
+        sample_id = request.sample_id
+        raw_id = sample_id_bytes(sample_id)
+        rows = store.layout.select_moe(request.routes)  # ids are checked at the copy, in cache
+        num_tokens = len(rows)
+        if num_tokens == 0:
+            raise InvalidRoutesError(f"sample {sample_id!r} has no routed tokens")
+        prompt_len = prompt_len_value(request.prompt_len, num_tokens, sample_id)
+        versions = policy_spans(request.policy_version, num_tokens, sample_id)
+        tokens = None
+        if request.token_ids is not None:
+            tokens = _token_ids(request.token_ids, num_tokens, sample_id)
+        full = num_tokens // P * P if tokens is not None else 0
+        keys = page_keys(tokens[:full].reshape(-1, P)) if full else []
+        return _Sample(
+            raw_id=raw_id,
+            rows=rows,
+            tokens=tokens,
+            keys=keys,
+            keyed=store._as_stored(rows[:full]),
+            prompt_len=prompt_len,
+            digest=NO_DIGEST if tokens is None else token_digest(tokens),
+            versions=versions,
+            num_pages=-(-num_tokens // P),
+        )
+
+    def _batch_twins(self) -> None:
+        """For every full page of every sample, the earliest sample of the put whose tokens
+        and routes are equal up to and including that page (itself if none): `_twin[k][i]`.
+
+        Content only, compared once, outside any lock; `_lay_out` shares a page of the
+        earlier sample only where the two chains also agree on the page before it.
+        """
+        P = self.store.page_tokens
+        self._twin: list[list[int]] = []
+        heads: dict[tuple[int, int], list[int]] = {}  # (twin of page i-1, key i) -> samples
+        for k, s in enumerate(self.samples):
+            twins: list[int] = []
+            for i, key in enumerate(s.keys):
+                group = heads.setdefault((twins[-1] if twins else -1, key), [])
+                span = slice(i * P, (i + 1) * P)
+                match = next(
+                    (
+                        j
+                        for j in group
+                        if same_bytes(self.samples[j].tokens[span], s.tokens[span])
+                        and same_bytes(self.samples[j].keyed[span], s.keyed[span])
+                    ),
+                    k,
+                )
+                if match == k:
+                    group.append(k)
+                twins.append(match)
+            self._twin.append(twins)
+
+    # -- 2-6. the protocol -----------------------------------------------------------
+
+    def run(self) -> list[RoutingRef]:
+        """Store every sample and return their refs, in order; on any error, store none."""
+        store = self.store
+        if not store._seg.is_current():
+            raise StoreUnavailableError(
+                f"store {store.name!r} was removed (swept) or re-created since this process "
+                "attached it: attach again (or call node_store again) and put there"
+            )
+        deadline = time.monotonic() + self.timeout
+        lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
+        resv, wait = Reservation(), 0.001
+        store._puts_running.append(None)
+        try:
+            while True:
+                with store._lock.held("put.lookup", lock_deadline):
+                    self._refuse_duplicates()
+                    plans = [store._prefix.candidates(s.keys) for s in self.samples]
+                for s, plan in zip(self.samples, plans, strict=True):
+                    s.plan, s.equal = plan, store._prefix.equal_prefix(plan, s.keyed, s.tokens)
+                with store._lock.held("put.reserve", lock_deadline) as hold:
+                    count = self._lay_out()
+                    lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
+                    ok = store._pages.reserve(hold, count, lease, resv) or (
+                        store._reclaim_dead(hold, 1) > 0
+                        and store._pages.reserve(hold, count, lease, resv)
+                    )
+                if ok:
+                    self._fill(resv.pages)
+                    with store._lock.held("put.publish", lock_deadline) as hold:
+                        if all(store._prefix.valid(s.plan) for s in self.samples):
+                            return self._publish(hold, resv)
+                        store._pages.unreserve(hold, resv)  # a shared page was released: again
+                    continue
+                if time.monotonic() >= deadline:
+                    raise self._full_error(count)
+                time.sleep(wait)
+                wait = min(wait * 2, 0.05)
+        finally:
+            try:
+                if len(resv.pages) and not resv.published:
+                    with store._lock.held("put.unreserve", store._deadline()) as hold:
+                        store._pages.unreserve(hold, resv)
+            finally:
+                store._puts_running.pop()
+
+    def _refuse_duplicates(self) -> None:
+        """Raise if a sample id of the put is stored already (under the lock)."""
+        for s in self.samples:
+            if self.store._samples.find(s.raw_id) != NO_PAGE:
+                raise DuplicateSampleError(
+                    f"sample {s.raw_id.decode()!r} is already in store {self.store.name!r}: "
+                    "release it first, or give every sample a unique id; nothing of this put "
+                    "was stored"
+                )
+
+    def _lay_out(self) -> int:
+        """Each sample's final plan and chain (under the reserve lock); returns how many pages
+        to reserve. Chains hold published pages, then pages of an earlier sample of this put
+        (same content, same page before), then the sample's own new pages."""
+        store, count = self.store, 0
+        for k, s in enumerate(self.samples):
+            if s.equal < len(s.plan):  # same tokens, other routes: an equal twin?
+                s.plan = store._prefix.twins(s.plan.prefix(s.equal), s.keys, s.keyed, s.tokens)
+            shared = list(s.plan.pages)
+            for i in range(len(shared), len(s.keys) if k else 0):
+                earlier = self.samples[self._twin[k][i]]
+                if earlier is s or earlier.page(i) >= NO_PAGE:  # none, or a published page
+                    break
+                if i and earlier.page(i - 1) != shared[i - 1]:  # another page before it
+                    break
+                shared.append(earlier.page(i))
+            s.shared, s.local_base = shared, count
+            count += s.num_pages - len(shared)
+        return count
+
+    def _fill(self, reserved: np.ndarray) -> None:
+        """Copy each sample's new rows (and token ids) into its reserved pages; check ids."""
+        for s in self.samples:
+            new = reserved[s.local_base : s.local_base + s.num_pages - s.first_new]
+            fill_pages(self.store, new, s.rows, s.tokens, s.first_new * self.store.page_tokens)
+            if s.rows.dtype != self.store.layout.dtype:
+                # Rows byte-equal to shared pages were checked when those were filled,
+                # unless a wider input wrapped onto them.
+                self.store.layout.check_ids(s.rows[: s.first_new * self.store.page_tokens])
+
+    def _publish(self, hold: Hold, resv: Reservation) -> list[RoutingRef]:
+        """Commit every sample (under the lock; every plan was just found valid)."""
+        store = self.store
+        t, samples = store._t, store._samples
+        self._refuse_duplicates()  # put meanwhile by another writer
+        if not store._pages.still_mine(resv).all():
+            raise CorruptStoreError(
+                f"store {store.name!r}: pages this writer reserved were given to another writer"
+            )
+        if len(self.samples) > 1 and samples.free_count() < len(self.samples):
+            raise samples.full_error(len(self.samples))  # (one sample: take_slot says so)
+        first = samples.next_serial()
+        hold.write()
+        refs = []
+        for n, s in enumerate(self.samples):
+            new = resv.pages[s.local_base : s.local_base + s.num_pages - s.first_new]
+            shared = [resv.pages[-2 - p] if p < NO_PAGE else p for p in s.shared]
+            chain = np.concatenate([np.array(shared, dtype=np.int64), new]) if shared else new
+            if len(new):
+                before = int(chain[s.first_new - 1]) if s.first_new else NO_PAGE
+                t.p_parent[new] = [before, *new[:-1].tolist()]
+            for i in range(s.first_new, len(s.keys)):
+                store._prefix.link(int(chain[i]), int(t.p_parent[chain[i]]), s.keys[i])
+            store._pages.reference(chain)
+            serial = first + n
+            samples.publish(
+                samples.take_slot(hold),
+                s.raw_id,
+                serial,
+                s.num_tokens,
+                s.prompt_len,
+                s.digest,
+                chain,
+                t.p_gen[chain],
+            )
+            refs.append(
+                RoutingRef(
+                    s.raw_id.decode(),
+                    store.name,
+                    store.node_id,
+                    s.num_tokens,
+                    None if s.prompt_len < 0 else s.prompt_len,
+                    t.store_uid,
+                    s.digest,
+                    s.versions,
+                    serial,
+                )
+            )
+        store._pages.publish(resv)
+        samples.commit(first + len(self.samples))  # the commit point of the whole put
+        return refs
+
+    def _full_error(self, needed_pages: int) -> StoreFullError:
+        s = self.store.stats()
+        what = (
+            f"sample {sample_id_str(self.samples[0])!r}"
+            if len(self.samples) == 1
+            else f"a put of {len(self.samples)} samples"
+        )
+        return StoreFullError(
+            f"store {self.store.name!r} is full: {s.pages_used + s.pages_pending} of "
+            f"{s.pages_total} pages ({s.page_tokens} tokens each, {s.capacity_tokens} "
+            f"tokens, {s.segment_bytes / 2**20:.1f} MiB) are in use by {s.samples} samples; "
+            f"{what} needs {needed_pages} more pages and none were released within "
+            f"{self.timeout:.1f}s; nothing of it was stored. Release consumed samples with "
+            "store.release(refs), or create the store with a larger capacity_tokens"
+        )
+
+
+def _token_ids(token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
+    """Checked token ids as stored (int32)."""
+    if hasattr(token_ids, "detach"):  # a torch tensor, maybe on a device
+        token_ids = token_ids.detach().cpu().numpy()
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or len(tokens) != num_tokens or tokens.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"sample {sample_id!r}: token_ids must be a 1-D integer array with one id per "
+            f"routes row ({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
+        )
+    if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
+        raise InvalidArgumentError(
+            f"sample {sample_id!r}: token ids must be in [0, 2**31), got "
+            f"[{tokens.min()}, {tokens.max()}]"
+        )
+    return np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)
+
+
+def fill_pages(
+    store: RoutingStore,
+    new: np.ndarray,
+    rows: np.ndarray,
+    tokens: np.ndarray | None,
+    first_row: int,
+) -> None:
+    """Copy rows `first_row:` (and their tokens) into the pages `new` and range-check their
+    ids chunk by chunk, right after each copy while it is in cache.
+
+    Repeated ids within a top-k are not scanned for here: that scan costs 10-17x the copy
+    in numpy (benchmarks/store.py), and is done exactly where routes come from an engine
+    (`integrations`) and where they are used (`replay`, the Megatron feed)."""
+    layout, t = store.layout, store._t
+    P, shape = store.page_tokens, rows.shape[1:]
+    flat = t.data.reshape(-1)
+    page_values = t.data.shape[1]
+    step = max(1, CHECK_CHUNK_BYTES // max(1, rows[:1].nbytes))
+    page_tokens = t.tokens.reshape(-1)
+    try:
+        for i, first, count in runs(new.tolist()):
+            part = rows[first_row + i * P : first_row + (i + count) * P]
+            if tokens is not None:
+                page_tokens[first * P : first * P + len(part)] = tokens[
+                    first_row + i * P : first_row + i * P + len(part)
+                ]
+            start = first * page_values
+            out = flat[start : start + len(part) * page_values // P].reshape(len(part), *shape)
+            for a in range(0, len(part), step):
+                layout.convert(part[a : a + step], out[a : a + step])
+                layout.check_ids(part[a : a + step])
+    except InvalidRoutesError:
+        layout.check_ids(rows)  # the same error, positions in the whole sample
+        raise

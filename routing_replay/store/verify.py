@@ -1,0 +1,72 @@
+"""`verify`: every invariant of a store's shared tables, checked at once (tests, `ls --verify`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from routing_replay.store.format import FIRST_SERIAL, NO_SERIAL, PUBLISHED
+
+if TYPE_CHECKING:
+    from routing_replay.store.routing_store import RoutingStore
+
+
+def verify(store: RoutingStore) -> None:
+    """Check every invariant of `store`'s tables; raise CorruptStoreError on the first break.
+
+    Every published sample passes its checksum, is findable by id, and holds a committed
+    serial, each once; refcounts equal the references of published chains; a page is
+    referenced, reserved by a writer (a dead one's until reclaimed), or on the free stack
+    (exactly once); shareable pages are findable in their bucket and free pages carry no
+    key; free slots are on the free-slot stack; the header counters agree.
+    """
+    t, samples, prefix = store._t, store._samples, store._prefix
+    with store._lock.held("verify", store._deadline()):
+        published = samples.published()
+        chains = []
+        for s in published.tolist():
+            chains.append(samples.chain(s)[0])
+            if samples.find(samples.sample_id(s)) != s:
+                raise t.corrupt(f"slot {s} is not findable by its sample id")
+        serials = t.s_serial[published]
+        next_serial = samples.next_serial()
+        if len(serials) and (serials.min() < FIRST_SERIAL or serials.max() >= next_serial):
+            raise t.corrupt(f"a published serial lies outside [{FIRST_SERIAL}, {next_serial})")
+        if len(np.unique(serials)) != len(serials):
+            raise t.corrupt("two published samples hold the same put serial")
+        if (t.s_serial[t.s_state != PUBLISHED] != NO_SERIAL).any():
+            raise t.corrupt("a free slot still holds a put serial")
+        flat = np.concatenate(chains) if chains else np.empty(0, dtype=np.int64)
+        referenced = np.bincount(flat, minlength=t.num_pages)
+        if not np.array_equal(referenced, t.p_refcount):
+            bad = np.flatnonzero(referenced != t.p_refcount)[:5].tolist()
+            raise t.corrupt(f"refcounts disagree with the chains at pages {bad}")
+        reserved = t.p_owner != 0
+        if (reserved & (referenced > 0)).any():
+            raise t.corrupt("a page is both published and reserved")
+        owners = np.unique(t.p_owner[reserved])
+        if len(owners) and not (owners[0] > 0 and owners[-1] <= t.max_writers):
+            raise t.corrupt(f"pages are reserved by writer leases {owners.tolist()}")
+        top = t.counter("free_pages", t.num_pages)
+        expected = np.flatnonzero((referenced == 0) & ~reserved)
+        if not np.array_equal(np.sort(t.free_pages[:top]), expected):
+            raise t.corrupt("the free-page stack is not exactly the free pages")
+        for p in np.flatnonzero((t.p_key != 0) & (referenced > 0)).tolist():
+            if not prefix.findable(p):
+                raise t.corrupt(f"shareable page {p} is not in its bucket")
+        if (t.p_key[referenced == 0] != 0).any():
+            raise t.corrupt("a free page still carries a sharing key")
+        top = t.counter("free_slots", t.max_samples)
+        if not np.array_equal(np.sort(t.free_slots[:top]), np.flatnonzero(t.s_state == 0)):
+            raise t.corrupt("the free-slot stack is not exactly the free slots")
+        counters = {
+            "samples": len(published),
+            "tokens": int(t.s_num_tokens[published].astype(np.int64).sum()),
+            "pages_used": int((referenced > 0).sum()),
+            "pages_reserved": int(reserved.sum()),
+            "pages_referenced": len(flat),
+        }
+        for field, value in counters.items():
+            if int(t.hdr[field]) != value:
+                raise t.corrupt(f"header {field}={int(t.hdr[field])}, the tables say {value}")
