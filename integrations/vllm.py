@@ -181,11 +181,12 @@ def put_request_output(
     *,
     start: int = 0,
     prefix: str | RoutingRef | None = None,
+    timeout: float | None = None,
 ) -> list[RoutingRef]:
     """Put every completion of a `vllm.RequestOutput` into `store`, all or none; one ref per
-    completion (see `request_output_puts`)."""
+    completion (see `request_output_puts`). `timeout` as in `RoutingStore.put_many`."""
     requests = request_output_puts(store, request_output, sample_ids, start=start, prefix=prefix)
-    return store.put_many(requests)
+    return store.put_many(requests, timeout=timeout)
 
 
 def http_choice_put(

@@ -22,12 +22,17 @@ transformers = pytest.importorskip("transformers")
 from routing_replay import (  # noqa: E402
     RoutingLayout,
     RoutingStore,
+    StoreFullError,
     capture,
     replay,
     routing_agreement,
     to_torch,
 )
-from routing_replay.integrations.vllm import DEFAULT_ENV, VllmRolloutWorker  # noqa: E402
+from routing_replay.integrations.vllm import (  # noqa: E402
+    DEFAULT_ENV,
+    VllmRolloutWorker,
+    put_request_output,
+)
 
 for _key, _value in DEFAULT_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -167,7 +172,30 @@ def test_in_process_rollout_store_replay(model_dir):
         worker.store().close()
         batch = store.read([r.ref for r in rollouts])
         figures.update(replay_check(model_dir, [r.tokens for r in rollouts], batch))
+        all_or_nothing(worker, layout)
     results({"in_process": figures})
+
+
+def all_or_nothing(worker: VllmRolloutWorker, layout: RoutingLayout) -> None:
+    """A real request with three completions into room for two: refused, the store as it was."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=3, max_tokens=12, min_tokens=12, seed=1)
+    (output,) = worker.llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    name = f"test-vllm-small-{uuid.uuid4().hex[:8]}"
+    # 44 tokens a completion: 2 shared prompt pages + 1 own each; 3 completions need 5 pages,
+    # 2 of them 4: the store holds 6, 2 taken.
+    with RoutingStore.create(name, layout, capacity_tokens=6 * PAGE, page_tokens=PAGE) as small:
+        kept = small.put("kept", np.zeros((2 * PAGE, 3, 4), dtype=np.int64) + np.arange(4))
+        with pytest.raises(StoreFullError, match="a put of 3 samples needs 5 more pages"):
+            put_request_output(small, output, lambda j: f"req-{j}", timeout=0.1)
+        assert len(small) == 1 and small.stats().pages_used == 2
+        assert all(f"req-{j}" not in small for j in range(3))
+        np.testing.assert_array_equal(small.get(kept)[0, 0], np.arange(4))
+        output.outputs = output.outputs[:2]
+        refs = put_request_output(small, output, lambda j: f"req-{j}")
+        assert [r.sample_id for r in refs] == ["req-0", "req-1"]
+        assert small.stats().pages_used == 2 + 2 + 2
 
 
 def test_ray_rollout_worker_store_replay(model_dir):

@@ -24,7 +24,12 @@ pytest.importorskip("transformers")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from routing_replay import RoutingLayout, StoreUnavailableError, to_torch  # noqa: E402
+from routing_replay import (  # noqa: E402
+    RoutingLayout,
+    SampleNotFoundError,
+    StoreUnavailableError,
+    to_torch,
+)
 from routing_replay.ray.actor import (  # noqa: E402
     shutdown_node_stores,
     store_actor,
@@ -61,7 +66,7 @@ def cluster():
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     assert len(nodes) == 2
     yield nodes
-    for job in {name.split("-")[2] for name in store_actors()}:
+    for job in {name.split(".")[1] for name in store_actors()}:
         shutdown_node_stores(job)
     ray.shutdown()
     c.shutdown()
@@ -161,7 +166,7 @@ def _split(batch):
 def served(job: str) -> dict[str, int]:
     """samples_served per node id prefix."""
     stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
-    return {s["store"].split(".")[1]: s["samples_served"] for s in stats}
+    return {s["store"].split(".")[2]: s["samples_served"] for s in stats}
 
 
 class CheckedRolloutWorker(RolloutWorker):
@@ -322,6 +327,109 @@ def test_store_actor_killed_and_restarted(cluster):
     assert shutdown_node_stores(job) == 1
 
 
+def test_fetch_and_release_with_a_lost_ref_loses_no_sample(cluster):
+    # Four good samples in one node's store and one already released in the other's: the
+    # read fails, and each good sample is still stored and reads back exactly, whichever
+    # store is local to the reader and in either order of the refs.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    good = ray.get(ray.remote(Writer).options(**on(other)).remote(job).put.remote([1, 2, 3, 4]))
+    lost = ray.get(ray.remote(Writer).options(**on(head)).remote(job).put.remote([9], "l"))
+    readers = [ray.remote(Reader).options(**on(n)).remote() for n in (head, other)]
+    ray.get(readers[0].release.remote(lost))
+    for reader in readers:
+        for refs in ([*good, *lost], [*lost, *good]):
+            with pytest.raises(SampleNotFoundError, match="'l9'"):
+                ray.get(reader.fetch.remote(refs, release=True))
+            with pytest.raises(SampleNotFoundError, match="'l9'"):
+                ray.get(reader.dataset.remote(refs, release=True, layout=LAYOUT))
+            for i, routes in zip((1, 2, 3, 4), ray.get(reader.fetch.remote(good)), strict=True):
+                np.testing.assert_array_equal(routes, sample_routes(i))
+    assert ray.get(readers[1].fetch.remote(good, release=True))  # all read: now released
+    stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
+    assert sum(s["samples"] for s in stats) == 0
+    shutdown_node_stores(job)
+
+
+def deleted_mappings(maps: str, prefix: str) -> list[str]:
+    """Lines of a /proc/<pid>/maps text that map a removed segment of `prefix`."""
+    return [line for line in maps.splitlines() if f"rr_{prefix}" in line and "(deleted)" in line]
+
+
+class MappingWriter(Writer):
+    def maps(self) -> str:
+        with open("/proc/self/maps") as f:
+            return f.read()
+
+
+def test_a_restarted_store_leaves_no_dead_mapping(cluster):
+    # The driver and a worker process both map the head node's store; its actor is killed
+    # and, at the next use, started again with a new segment (the dead one is swept). The
+    # next call of each process unmaps the dead segment: its memory comes back.
+    head = ray.get_runtime_context().get_node_id()  # the driver's node
+    job = f"t{uuid.uuid4().hex[:6]}"
+    writer = ray.remote(MappingWriter).options(**on(head)).remote(job)
+    old = ray.get(writer.put.remote([1, 2]))
+    node_store(job, LAYOUT).get(old[0])  # the driver maps it too
+    ray.kill(store_actor(job, node_id=head))
+    new = ray.get(writer.put.remote([3]))  # a new actor, a new segment
+    assert new[0].store != old[0].store and not os.path.exists(segment_path(old[0].store))
+    with open(f"/proc/{os.getpid()}/maps") as f:  # the driver has not called since
+        assert deleted_mappings(f.read(), old[0].store)
+    store = node_store(job, LAYOUT)
+    np.testing.assert_array_equal(store.get(new[0]), sample_routes(3))
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        assert deleted_mappings(f.read(), job) == []
+    assert deleted_mappings(ray.get(writer.maps.remote()), job) == []
+    shutdown_node_stores(job)
+
+
+JOB_DRIVER = """
+import sys, time, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from routing_replay import RoutingLayout
+from routing_replay.ray import node_store
+address, job, node = sys.argv[1:4]
+ray.init(address=address, log_to_driver=False)
+layout = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
+put = ray.remote(lambda: node_store(job, layout, job_watch_s=0.5).put("a0", [[[0, 1]] * 3] * 5))
+ref = ray.get(put.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, False)).remote())
+print(ref.store, flush=True)
+sys.stdin.readline()  # until the test says: then exit without shutdown_node_stores
+"""
+
+
+def test_two_ray_jobs_with_one_job_name_keep_apart(cluster):
+    # A second experiment (another Ray job) under the same job name gets its own store, and
+    # the first one ending removes its own store only.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    address = ray.get_runtime_context().gcs_address
+    first = subprocess.Popen(
+        [sys.executable, "-c", JOB_DRIVER, address, job, other],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        theirs = first.stdout.readline().strip()
+        assert theirs.startswith(f"{job}.") and os.path.exists(segment_path(theirs))
+        writer = ray.remote(Writer).options(**on(other)).remote(job)
+        mine = ray.get(writer.put.remote([1, 2]))
+        assert mine[0].store != theirs
+        assert len(store_actors(job)) == 1 and len(store_actors(job, every_ray_job=True)) == 2
+    finally:
+        first.communicate("exit\n", timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and os.path.exists(segment_path(theirs)):
+        time.sleep(0.5)
+    assert not os.path.exists(segment_path(theirs))  # the first job's store ended with it
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    for i, routes in zip((1, 2), ray.get(reader.fetch.remote(mine, release=True)), strict=True):
+        np.testing.assert_array_equal(routes, sample_routes(i))
+    assert shutdown_node_stores(job) == 1
+
+
 class BigWriter(Writer):
     """Asks for a store larger than /dev/shm."""
 
@@ -342,7 +450,8 @@ def test_store_actor_that_cannot_start_raises_clearly_and_can_retry(cluster):
 DRIVER = """
 import sys, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from routing_replay import RoutingLayout, node_store
+from routing_replay import RoutingLayout
+from routing_replay.ray import node_store
 address, job, node = sys.argv[1:4]
 ray.init(address=address, log_to_driver=False)
 layout = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
@@ -363,12 +472,14 @@ def test_store_actor_ends_with_the_job_that_started_it(cluster):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     name = proc.stdout.strip().splitlines()[-1]
-    assert name.startswith(f"{job}.{cluster[1][:12]}.")
+    assert name.startswith(f"{job}.") and f".{cluster[1][:12]}." in name
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (store_actors(job) or os.path.exists(segment_path(name))):
+    while time.monotonic() < deadline and (
+        store_actors(job, every_ray_job=True) or os.path.exists(segment_path(name))
+    ):
         time.sleep(0.5)
     assert not os.path.exists(segment_path(name))
-    assert store_actors(job) == {}
+    assert store_actors(job, every_ray_job=True) == {}
 
 
 def shm_usage(job: str) -> tuple[int, dict[str, int]]:

@@ -30,6 +30,7 @@ from routing_replay import (
     list_stores,
     sweep_stores,
 )
+from routing_replay.store import sweep as sweep_module
 from routing_replay.store.segment import segment_path
 
 SOAK = 10 if os.environ.get("ROUTING_REPLAY_SOAK") else 1
@@ -439,3 +440,33 @@ def test_sweep_never_touches_a_live_store_and_cli(name):
         assert not os.path.exists(segment_path(dead))
         assert os.path.exists(segment_path(name))
         assert np.array_equal(live.get("s"), content("s"))
+
+
+def test_sweep_removes_only_the_file_it_judged(name, monkeypatch):
+    # A dead store is judged stale; before sweep unlinks it, its name is swept by someone
+    # else and created again by a live owner: the new store must stay.
+    code = (
+        "from routing_replay import RoutingStore, RoutingLayout\n"
+        f"RoutingStore.create({name!r}, RoutingLayout(4, 2, 8), capacity_tokens=100)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)  # exits, no unlink
+    real_list = sweep_module.list_stores
+    created = []
+
+    def judged_then_recreated(prefix: str = "") -> list:
+        infos = real_list(prefix)
+        assert [i.name for i in infos if i.name == name and not i.owner_alive] == [name]
+        os.unlink(segment_path(name))
+        created.append(RoutingStore.create(name, LAYOUT, capacity_tokens=100))
+        created[0].put("s", content("s"))
+        return infos
+
+    monkeypatch.setattr(sweep_module, "list_stores", judged_then_recreated)
+    try:
+        assert name not in [s.name for s in sweep_stores(prefix=name)]
+        assert os.path.exists(segment_path(name)) and created[0].is_current()
+        with RoutingStore.attach(name) as again:
+            assert np.array_equal(again.get("s"), content("s"))
+    finally:
+        created[0].close()
+        created[0].unlink()

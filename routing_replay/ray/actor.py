@@ -1,14 +1,17 @@
-"""Node store actors: one Ray actor per (job, node) that owns that node's routing store.
+"""Node store actors: one Ray actor per (job, Ray job, node) that owns that node's store.
 
-The actor is named `rr-store-<job>-<node id[:12]>` in the `routing_replay` namespace, pinned
-to its node with a hard node-affinity strategy, and *detached*: it is started by whichever
-process first calls `node_store(job, layout)` on the node (a rollout worker, usually), so
-it must not die with that process. It is tied to the Ray job instead: it watches the job
-that started it and unlinks its segment and exits when that job's driver is gone, even if
-the driver died without `shutdown_node_stores(job)`. It creates the node's segment
-`/dev/shm/rr_<job>.<node id[:12]>.<incarnation>` (with `node_id=` Ray's node id, so
-`RoutingRef.node_id` says where a sample lives), serves reads of its samples to other
-nodes as Arrow tables, releases, and unlinks on `shutdown_node_stores(job)`.
+`job` is the caller's name for its run; the Ray job id is added to every name, so two Ray
+jobs that pass the same `job` (two experiments on one cluster, a resubmitted script) never
+share a store, and neither removes the other's. The actor is named
+`rr-store.<job>.<Ray job id>.<node id[:12]>` in the `routing_replay` namespace, pinned to
+its node with a hard node-affinity strategy, and *detached*: it is started by whichever
+process of the Ray job first calls `node_store(job, layout)` on the node (a rollout worker,
+usually), so it must not die with that process. It is tied to its Ray job instead: it
+watches it and unlinks its segment and exits when the job's driver is gone, even if the
+driver died without `shutdown_node_stores(job)`. It creates the node's segment
+`/dev/shm/rr_<job>.<Ray job id>.<node id[:12]>.<incarnation>` (with `node_id=` Ray's node
+id, so `RoutingRef.node_id` says where a sample lives), serves reads of its samples to
+other nodes as Arrow tables, releases, and unlinks on `shutdown_node_stores(job)`.
 
 A store actor that dies loses its samples: a restarted actor (the next `node_store` call
 on the node starts one) sweeps the dead incarnation's segment and creates a new one under
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from routing_replay.compat.ray import job_table
-from routing_replay.errors import RoutingReplayError, StoreUnavailableError
+from routing_replay.errors import InvalidArgumentError, RoutingReplayError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore, sweep_stores
 
@@ -51,31 +54,38 @@ JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 def _check_job(job: str) -> str:
     if not isinstance(job, str) or not JOB_PATTERN.match(job):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"job {job!r} must be 1-64 characters from [A-Za-z0-9_-]: it names the store "
             "actors and their /dev/shm segments"
         )
     return job
 
 
-def actor_name(job: str, node_id: str) -> str:
-    """Name of the store actor of `job` on the Ray node `node_id`."""
-    return f"rr-store-{_check_job(job)}-{node_id[:NODE_PREFIX]}"
+def current_ray_job() -> str:
+    """The hex id of the Ray job this process works for (driver, task or actor)."""
+    import ray
+
+    return ray.get_runtime_context().get_job_id()
 
 
-def _store_prefix(job: str, node_id: str) -> str:
-    return f"{_check_job(job)}.{node_id[:NODE_PREFIX]}."
+def actor_name(job: str, ray_job: str, node_id: str) -> str:
+    """Name of the store actor of `job` in Ray job `ray_job` on the Ray node `node_id`."""
+    return f"rr-store.{_check_job(job)}.{ray_job}.{node_id[:NODE_PREFIX]}"
 
 
-def job_of(ref: RoutingRef) -> str:
-    """The job a ref's store belongs to (store names are `<job>.<node>.<incarnation>`)."""
+def _store_prefix(job: str, ray_job: str, node_id: str) -> str:
+    return f"{_check_job(job)}.{ray_job}.{node_id[:NODE_PREFIX]}."
+
+
+def job_of(ref: RoutingRef) -> tuple[str, str]:
+    """(job, Ray job id) of a ref's store (named `<job>.<Ray job>.<node>.<incarnation>`)."""
     parts = ref.store.split(".")
-    if len(parts) != 3:
+    if len(parts) != 4:
         raise StoreUnavailableError(
             f"ref {ref.sample_id!r} is in store {ref.store!r}, which no node store actor "
             "made: read it with RoutingStore.attach on its node"
         )
-    return parts[0]
+    return parts[0], parts[1]
 
 
 def current_node_id() -> str:
@@ -100,12 +110,12 @@ class NodeStoreActor:
         max_samples: int | None = None,
         job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
     ) -> None:
-        import ray
 
         self.job = _check_job(job)
         self.node_id = current_node_id()
-        self.swept = sweep_dead_segments(job, self.node_id)
-        name = _store_prefix(job, self.node_id) + uuid.uuid4().hex[:8]
+        self.ray_job_id = current_ray_job()
+        self.swept = sweep_dead_segments(job, self.ray_job_id, self.node_id)
+        name = _store_prefix(job, self.ray_job_id, self.node_id) + uuid.uuid4().hex[:8]
         self.store = RoutingStore.create(
             name,
             RoutingLayout.from_json(layout_json),
@@ -116,7 +126,6 @@ class NodeStoreActor:
         )
         self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
         self._lock = threading.Lock()
-        self.ray_job_id = ray.get_runtime_context().get_job_id()
         if job_watch_s:
             threading.Thread(target=self._watch_job, args=(job_watch_s,), daemon=True).start()
 
@@ -241,24 +250,28 @@ def store_actor(
     layout: RoutingLayout | None = None,
     *,
     node_id: str | None = None,
+    ray_job: str | None = None,
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
     page_tokens: int = DEFAULT_PAGE_TOKENS,
     max_samples: int | None = None,
     job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
 ) -> ActorHandle:
-    """The store actor of `job` on `node_id` (default: this node); starts it given a layout."""
+    """The store actor of `job` on `node_id` (default: this node) of Ray job `ray_job`
+    (default: this process's); starts it given a layout."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or current_node_id()
-    name = actor_name(job, node_id)
+    ray_job = ray_job or current_ray_job()
+    name = actor_name(job, ray_job, node_id)
     if layout is None:
         try:
             return ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             raise StoreUnavailableError(
-                f"no store actor for job {job!r} on node {node_id[:12]} ({name!r} in namespace "
-                f"{NAMESPACE!r}): it was shut down, its node died, or nothing was stored there"
+                f"no store actor for job {job!r} (Ray job {ray_job}) on node {node_id[:12]} "
+                f"({name!r} in namespace {NAMESPACE!r}): it was shut down, its node or Ray "
+                "job died, or nothing was stored there"
             ) from None
     return (
         _actor_class()
@@ -275,26 +288,35 @@ def store_actor(
     )
 
 
-def sweep_dead_segments(job: str, node_id: str) -> list[str]:
+def sweep_dead_segments(job: str, ray_job: str, node_id: str) -> list[str]:
     """Unlink this job's segments on this node whose owning process is dead; returns them."""
-    return [info.name for info in sweep_stores(prefix=_store_prefix(job, node_id))]
+    return [info.name for info in sweep_stores(prefix=_store_prefix(job, ray_job, node_id))]
 
 
-def store_actors(job: str | None = None) -> dict[str, ActorHandle]:
-    """Live store actors (of `job`, or of every job), by actor name."""
+def store_actors(job: str | None = None, *, every_ray_job: bool = False) -> dict[str, ActorHandle]:
+    """Live store actors of `job` (or of every job) in this Ray job (or in every one), by name."""
     import ray
 
-    prefix = "rr-store-" if job is None else f"rr-store-{_check_job(job)}-"
+    ray_job = None if every_ray_job else current_ray_job()
     found = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
-            with contextlib.suppress(ValueError):
-                found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+        parts = entry["name"].split(".")
+        if (
+            entry["namespace"] != NAMESPACE
+            or len(parts) != 4
+            or parts[0] != "rr-store"
+            or (job is not None and parts[1] != _check_job(job))
+            or (ray_job is not None and parts[2] != ray_job)
+        ):
+            continue
+        with contextlib.suppress(ValueError):
+            found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
     return found
 
 
 def shutdown_node_stores(job: str, timeout: float = 30.0) -> int:
-    """Unlink every node's segment of `job` and stop its store actors; returns how many."""
+    """Unlink every node's segment of `job` in this Ray job and stop its store actors;
+    returns how many."""
     import ray
 
     actors = store_actors(job)

@@ -1,12 +1,14 @@
 """The client side of node stores: `node_store(job, layout)` and this process's attach cache.
 
 Every process that puts or reads (rollout workers, trainer workers, the driver) maps a
-node's store once and keeps the mapping in `_attached`, by store name.
+node's store once and keeps the mapping in `_attached`, by store name. A store whose
+incarnation is gone (its actor died or was shut down, its segment swept) is unmapped at the
+next `node_store` / read / release of this process, so its /dev/shm memory comes back
+instead of staying mapped, deleted, for the life of the process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -21,6 +23,7 @@ from routing_replay.ray.actor import (
 from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingStore
 
 _attached: dict[str, RoutingStore] = {}  # this process's mappings, by store name
+_closing: list[RoutingStore] = []  # dead stores whose close must wait for a view to go
 _attached_lock = threading.Lock()
 
 
@@ -65,19 +68,15 @@ def node_store(
 
 
 def attached(name: str, layout: RoutingLayout | None = None) -> RoutingStore:
-    """This process's mapping of the live store `name`, attaching (once) if needed."""
+    """This process's mapping of the live store `name`, attaching (once) if needed; every
+    mapping of a store that is gone is closed on the way."""
     with _attached_lock:
+        _close_dead()
         store = _attached.get(name)
-        if store is not None and not _is_live(store):
-            _attached.pop(name)
-            with contextlib.suppress(BufferError, OSError):
-                store.close()
-            store = None
         if store is None:
             store = RoutingStore.attach(name, layout)
             if not _is_live(store):
-                with contextlib.suppress(BufferError, OSError):
-                    store.close()
+                _close([store])
                 raise StoreUnavailableError(
                     f"store {name!r}: its owner process is dead (the node's store actor "
                     "died); its samples are lost"
@@ -86,6 +85,29 @@ def attached(name: str, layout: RoutingLayout | None = None) -> RoutingStore:
     if layout is not None and layout != store.layout:
         raise LayoutMismatchError(f"store {name!r} holds routes for {store.layout}, not {layout}")
     return store
+
+
+def _close_dead() -> None:
+    """Unmap every cached store whose incarnation is gone (under `_attached_lock`)."""
+    for name, store in list(_attached.items()):
+        if not _is_live(store):
+            del _attached[name]
+            _closing.append(store)
+    _closing[:] = _close(_closing)
+
+
+def _close(stores: list[RoutingStore]) -> list[RoutingStore]:
+    """Close each store; those still viewed (by an operation of another thread) are
+    returned, to be closed at a later call."""
+    busy = []
+    for store in stores:
+        try:
+            store.close()
+        except BufferError:
+            busy.append(store)
+        except OSError:
+            pass  # closed half-way already: nothing left to give back
+    return busy
 
 
 def _is_live(store: RoutingStore) -> bool:

@@ -72,7 +72,8 @@ def _is_driver() -> bool:
 def _actor_for(group: list[RoutingRef]) -> Any:
     ref = group[0]
     try:
-        return store_actor(job_of(ref), node_id=ref.node_id)
+        job, ray_job = job_of(ref)
+        return store_actor(job, node_id=ref.node_id, ray_job=ray_job)
     except StoreUnavailableError:
         raise lost_error(group, "no store actor runs for it") from None
 

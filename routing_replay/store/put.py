@@ -363,7 +363,8 @@ class PutTransaction:
             f"store {self.store.name!r} is full: {s.pages_used + s.pages_pending} of "
             f"{s.pages_total} pages ({s.page_tokens} tokens each, {s.capacity_tokens} "
             f"tokens, {s.segment_bytes / 2**20:.1f} MiB) are in use by {s.samples} samples; "
-            f"{what} needs {needed_pages} more pages and none were released within "
+            f"{what} needs {needed_pages} more page{'s' if needed_pages != 1 else ''} and none "
+            f"were released within "
             f"{self.timeout:.1f}s; nothing of it was stored. Release consumed samples with "
             "store.release(refs), or create the store with a larger capacity_tokens"
         )

@@ -44,13 +44,20 @@ class StoreInfo:
     owner_uid: int = -1
     problem: str | None = None  # why it cannot be used or judged (another user's, ...)
     corrupt: bool = False  # this user's store, but its header or tables are broken
+    inode: tuple[int, int] = (0, 0)  # (device, inode) of the file judged: sweep removes only it
 
 
 def _read_info(path: str) -> StoreInfo:
     name = os.path.basename(path)[len(SEGMENT_PREFIX) :]
     st = os.stat(path, follow_symlinks=False)
     age = time.time() - st.st_mtime
-    base = {"name": name, "path": path, "size_bytes": st.st_size, "age_s": age}
+    base = {
+        "name": name,
+        "path": path,
+        "size_bytes": st.st_size,
+        "age_s": age,
+        "inode": (st.st_dev, st.st_ino),
+    }
     problem = untrusted_reason(st)
     if problem is None and not is_store_name(name):
         problem = "its name is not a store name: it is not opened"
@@ -142,9 +149,32 @@ def sweep_stores(
             warnings.warn(f"routing-replay sweep skipped {info.path}: {info.problem}", stacklevel=2)
     stale = [info for info in infos if is_stale(info, min_age_s)]
     if not dry_run:
-        for info in stale:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.stat(info.path, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                    os.unlink(info.path)
+        stale = [info for info in stale if _unlink_judged(info)]
     return stale
+
+
+def _unlink_judged(info: StoreInfo) -> bool:
+    """Unlink `info.path` only if it is still the very file judged stale (same inode, this
+    user's, owner lease still free): a store created again under the name meanwhile stays."""
+    try:
+        fd = os.open(info.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone (unlinked by another sweeper or its owner), or not ours
+    try:
+        st = os.fstat(fd)
+        if (
+            (st.st_dev, st.st_ino) != info.inode
+            or not stat.S_ISREG(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or lease_held(fd, OWNER_LEASE)
+        ):
+            return False
+        now = os.stat(info.path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != info.inode:
+            return False
+        os.unlink(info.path)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
