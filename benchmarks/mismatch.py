@@ -79,7 +79,7 @@ def train_forward(model, sequences_BT, mask_BT, routes_BTLK=None):
         if routes_BTLK is None:
             logits = model(input_ids=sequences_BT, attention_mask=mask_BT).logits
         else:
-            with replay(model, routes_BTLK):
+            with replay(model, routes_BTLK, layout=cap.layout):
                 logits = model(input_ids=sequences_BT, attention_mask=mask_BT).logits
     return logits.float(), cap.routes()
 

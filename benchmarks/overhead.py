@@ -42,7 +42,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
 
-from routing_replay import Capture, Replay, capture, replay
+from routing_replay import capture, replay, with_layout
+from routing_replay.model.capture import Capture
+from routing_replay.model.replay import Replay
 
 replay_module = sys.modules["routing_replay.model.replay"]
 
@@ -196,7 +198,7 @@ def replay_overhead(model, batch: int, seq: int, repeat: int) -> dict:
     unprepared = copy.deepcopy(model).train()  # before any replay: never prepared
     with capture(model) as cap, torch.no_grad():
         model(input_ids=input_ids)
-    routes = torch.from_numpy(np.stack(cap.routes()))
+    routes = with_layout(torch.from_numpy(np.stack(cap.routes())), cap.layout)
     routes[:, -1] = -1  # the last token of each sample: never forwarded at rollout
     model.train()
 

@@ -1,10 +1,12 @@
-"""Shared edge logic: engine rows (`num_tokens - 1`, maybe a suffix) -> store-ready routes."""
+"""What the integrations share: engine rows (`num_tokens - 1`, maybe a suffix) -> store-ready
+routes, prefix rows of an earlier turn, and filler ids for rows an engine must be given."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import torch
 
 from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, TokenMismatchError
 from routing_replay.layout import MISSING, RoutingLayout
@@ -143,3 +145,27 @@ def token_array(token_ids: Any, name: str) -> np.ndarray:
             f"dtype {arr.dtype}"
         )
     return arr.astype(np.int64, copy=False)
+
+
+def fill_missing(
+    routes: torch.Tensor, num_experts: int, *, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes with every missing (token, layer) row given real ids, and the filled mask.
+
+    The i-th filled row (counting from `offset`) gets expert `(i + j * (E // K)) % E` in
+    slot j: distinct within the row, the K ids E/K apart (evenly over the expert-parallel
+    ranks when EP divides K), the start cycling from row to row so that over rows every
+    expert, and every EP rank, gets the same share: padding never piles onto expert 0.
+    Returns (routes as int64, filled mask `[..., L]`).
+    """
+    top_k = routes.shape[-1]
+    if num_experts < top_k:
+        raise InvalidRoutesError(f"top_k={top_k} exceeds num_experts={num_experts}")
+    out = routes.to(torch.int64)
+    filled = (out == MISSING).any(-1)
+    if filled.any():
+        n = filled.sum()
+        row = torch.arange(int(n), dtype=torch.int64).unsqueeze(1) + offset
+        slot = torch.arange(top_k, dtype=torch.int64) * (num_experts // top_k)
+        out[filled] = (row + slot) % num_experts
+    return out, filled

@@ -23,7 +23,7 @@ Rows without routes: `RouterReplay` has no per-row native routing (`REPLAY_FORWA
 the target ids of every row), so every row needs ids. A `replay_mask` (`replay_mask()`
 builds it) says which rows those may be: padding, and each sequence's final token (a
 rollout never forwards it, so it has no routes; no loss term and no other token reads its
-output). Those get filler ids (`nemo_rl.fill_missing`); a token the mask marks
+output). Those get filler ids (`_rows.fill_missing`); a token the mask marks
 as replayed that has no routes (a prefix-cache gap, an SGLang suffix) is refused, since
 filler experts would change its output and the loss, unless `fill_real="filler"`.
 """
@@ -36,9 +36,15 @@ from typing import Any, Literal
 
 import torch
 
-from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
-from routing_replay.integrations.nemo_rl import fill_missing
-from routing_replay.layout import RoutingLayout
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutesTensor,
+    RoutingLayout,
+)
+from routing_replay.integrations._rows import fill_missing
+from routing_replay.validate import check_integer, check_rows
 
 
 def _replay_module() -> Any:
@@ -198,7 +204,8 @@ class MegatronRouterFeed:
         - routes given: those ids, wherever the row is;
         - missing where `replay_mask` (`[B, S]`, sliced like the routes; `replay_mask()`) is
           False (padding, each sequence's final token): filler ids from
-          `routing_replay.integrations.nemo_rl.fill_missing`, distinct and spread over every expert;
+          `routing_replay.integrations.nemo_rl.fill_missing`, distinct and spread over every
+          expert;
         - missing where it is True, or anywhere without a mask: `InvalidRoutesError`,
           naming the row, because filler experts would change that token's output. With
           `fill_real="filler"` such rows get filler ids too (the old `fill=True`): only for
@@ -222,9 +229,13 @@ class MegatronRouterFeed:
                 "RouterReplay has no per-row native routing)"
             )
         routes = torch.as_tensor(routes)
+        if isinstance(routes, RoutesTensor) and routes.layout not in (None, self.layout):
+            raise LayoutMismatchError(
+                f"the routes were recorded under {routes.layout}, but this feed replays "
+                f"{self.layout}: feed the routes of the model the feed was built for"
+            )
         L, K = self.layout.num_moe_layers, self.layout.top_k
-        if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
-            raise InvalidRoutesError(f"routes must hold integer expert ids, got {routes.dtype}")
+        check_integer(routes)
         if routes.ndim != 4 or routes.shape[2:] != (L, K):
             raise InvalidRoutesError(
                 f"routes must be [batch, seq, {L} MoE layers, top_k={K}] (packed: [1, T, L, K]), "
@@ -232,34 +243,17 @@ class MegatronRouterFeed:
                 "the feed picks this stage's"
             )
         replayed = self._replay_rows(replay_mask, tuple(routes.shape[:2]))
-        ids = routes.long()
-        bad = (ids < -1) | (ids >= self.layout.num_experts)
-        if bad.any():
-            b, s, j, k = (int(i) for i in bad.nonzero()[0])
-            raise InvalidRoutesError(
-                f"expert id {int(ids[b, s, j, k])} at batch {b}, position {s}, MoE layer "
-                f"{self.layout.moe_layers[j]}: ids must be in [0, {self.layout.num_experts}) "
-                "or -1 for missing"
-            )
+        ids = routes.as_subclass(torch.Tensor).long()
         local = ids[:, :, self._columns]  # [B, S, L_local, K]
-        sorted_ = local.sort(dim=-1).values
-        repeat = ((sorted_[..., 1:] == sorted_[..., :-1]) & (sorted_[..., 1:] != -1)).any(-1)
-        if repeat.any():  # Megatron would send the token to that expert twice
-            b, s, j = (int(i) for i in repeat.nonzero()[0])
-            raise InvalidRoutesError(
-                f"batch {b}, position {s}, MoE layer {self.layers[j]} names an expert twice "
-                f"in its top-{K}: {local[b, s, j].tolist()}; a router's top-k never repeats "
-                "an id (padding with expert 0 instead of -1?)"
-            )
-        missing = (local == -1).any(-1)  # [B, S, L_local]
-        partial = missing & ~(local == -1).all(-1)
-        if partial.any():  # filler would replace the recorded ids of that row
-            b, s, j = (int(i) for i in partial.nonzero()[0])
-            raise InvalidRoutesError(
-                f"batch {b}, position {s}, MoE layer {self.layers[j]} holds some but not all "
-                f"of its top-{K} ids: {local[b, s, j].tolist()}; a row is all {K} recorded "
-                "ids or all -1 (re-collect routes recorded with another top_k)"
-            )
+        S = local.shape[1]
+
+        def where(n: int, j: int) -> str:
+            return f"batch {n // S}, position {n % S}, MoE layer {self.layers[j]}"
+
+        # Out of range, repeated (Megatron would send a token to one expert twice), partly
+        # missing (filler would replace a row's recorded ids): refused, row named.
+        check_rows(local.reshape(-1, *local.shape[2:]), self.layout.num_experts, where)
+        missing = (local == MISSING).any(-1)  # [B, S, L_local]
         if fill_real == "error":
             refused = missing if replayed is None else missing & replayed[..., None]
             if refused.any():

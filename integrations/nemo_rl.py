@@ -27,11 +27,17 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from routing_replay.errors import InvalidRoutesError
-from routing_replay.layout import MISSING
-from routing_replay.reader import to_torch
-from routing_replay.schema import NUM_TOKENS, layout_of
-from routing_replay.store import RoutingRef
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    RoutesTensor,
+    RoutingRef,
+    layout_of,
+    to_torch,
+    with_layout,
+)
+from routing_replay.integrations._rows import fill_missing as fill_missing  # (public here too)
+from routing_replay.schema import NUM_TOKENS
 
 ROUTES_KEY = "routed_experts"
 REFS_KEY = "routing_refs"
@@ -83,7 +89,7 @@ def attach_routes(
     fetched = to_torch(table, attention_mask=mask, input_ids=input_ids[torch.tensor(rows)])
     out = torch.full((B, S, layout.num_moe_layers, layout.top_k), MISSING, dtype=fetched.dtype)
     out[torch.tensor(rows)] = fetched
-    batch[key] = out
+    batch[key] = with_layout(out, layout)  # replay checks it against the model's routers
     return batch
 
 
@@ -141,6 +147,8 @@ def pack(
     out_routes = None
     if routes is not None:
         out_routes = torch.full((1, total, *routes.shape[2:]), MISSING, dtype=routes.dtype)
+        if isinstance(routes, RoutesTensor) and routes.layout is not None:
+            out_routes = with_layout(out_routes, routes.layout)
     for b, n in enumerate(lengths.tolist()):
         start = int(cu[b])
         ids[0, start : start + n] = input_ids[b, :n]
@@ -209,30 +217,6 @@ def sp_slice(x: torch.Tensor, tp_size: int, tp_rank: int, *, seq_dim: int = 1) -
             "of tp_size (and of 2*cp_size*tp_size with context parallelism)"
         )
     return x.narrow(seq_dim, tp_rank * (S // tp_size), S // tp_size)
-
-
-def fill_missing(
-    routes: torch.Tensor, num_experts: int, *, offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routes with every missing (token, layer) row given real ids, and the filled mask.
-
-    The i-th filled row (counting from `offset`) gets expert `(i + j * (E // K)) % E` in
-    slot j: distinct within the row, the K ids E/K apart (evenly over the expert-parallel
-    ranks when EP divides K), the start cycling from row to row so that over rows every
-    expert, and every EP rank, gets the same share: padding never piles onto expert 0.
-    Returns (routes as int64, filled mask `[..., L]`).
-    """
-    top_k = routes.shape[-1]
-    if num_experts < top_k:
-        raise InvalidRoutesError(f"top_k={top_k} exceeds num_experts={num_experts}")
-    out = routes.to(torch.int64)
-    filled = (out == MISSING).any(-1)
-    if filled.any():
-        n = filled.sum()
-        row = torch.arange(int(n), dtype=torch.int64).unsqueeze(1) + offset
-        slot = torch.arange(top_k, dtype=torch.int64) * (num_experts // top_k)
-        out[filled] = (row + slot) % num_experts
-    return out, filled
 
 
 def routes_for_rank(

@@ -33,13 +33,18 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from routing_replay.errors import InvalidRoutesError
-from routing_replay.layout import MISSING
-from routing_replay.reader import to_torch
-from routing_replay.store import RoutingRef
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    RoutingLayout,
+    RoutingRef,
+    to_torch,
+    with_layout,
+)
 
 REFS_KEY = "routing_refs"  # in DataProto.non_tensor_batch
 ROUTES_KEY = "routed_experts"  # verl's own key for routes in DataProto.batch
+LAYOUT_KEY = "routing_replay_layout"  # in DataProto.meta_info: the attached routes' layout
 Fetch = Callable[[list[RoutingRef]], pa.RecordBatch]
 
 
@@ -80,7 +85,10 @@ def attach_routes(
     if got != [r.sample_id for r in refs]:
         raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
     routes = to_torch(table, attention_mask=mask, input_ids=input_ids)
-    batch[key] = routes.to(batch["input_ids"].device)
+    # verl's batch holds plain tensors; the layout rides in meta_info, which verl hands to
+    # every micro-batch (`DataProto.to_tensordict`), for the replaying engine to check.
+    batch[key] = routes.as_subclass(torch.Tensor).to(batch["input_ids"].device)
+    data.meta_info[LAYOUT_KEY] = routes.layout.to_json()
     return data
 
 
@@ -95,7 +103,8 @@ def model_input_routes(
 ) -> torch.Tensor:
     """`[1, T_local, L, K]` routes of the packed (remove-padding) sequence this rank's model
     sees: the rows' tokens back to back, `static_pad` -1 rows (the engine's bucket pad),
-    then verl's Ulysses pad to a multiple of `sp_size` and this rank's slice.
+    then verl's Ulysses pad to a multiple of `sp_size` and this rank's slice; a
+    `RoutesTensor` of the rollout's layout (for `replay` to check).
 
     `micro_batch` is a verl micro-batch (TensorDict) after `left_right_2_no_padding`
     (routes a nested tensor) or still padded (its `attention_mask` picks the tokens). With
@@ -109,8 +118,13 @@ def model_input_routes(
             packed_TLK = routes.values()
         else:
             packed_TLK = routes[micro_batch["attention_mask"].bool()]
+        from verl.utils import tensordict_utils
+
+        layout = tensordict_utils.get(micro_batch, LAYOUT_KEY)  # attach_routes: in meta_info
+        if layout is not None:
+            packed_TLK = with_layout(packed_TLK, RoutingLayout.from_json(layout))
     else:
-        packed_TLK = _fetch_packed(micro_batch, fetch, refs_key)
+        packed_TLK = _fetch_packed(micro_batch, fetch, refs_key)  # carries the batch's layout
     L, K = packed_TLK.shape[-2:]
     if static_pad:
         filler = packed_TLK.new_full((static_pad, L, K), MISSING)

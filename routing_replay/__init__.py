@@ -35,6 +35,7 @@ from routing_replay.model.aux_loss import load_balancing_loss
 from routing_replay.model.capture import capture
 from routing_replay.model.replay import prepare_replay, replay
 from routing_replay.reader import cu_seqlens, to_torch
+from routing_replay.routes import UNCHECKED, RoutesTensor, with_layout
 from routing_replay.schema import layout_of, routes_schema
 from routing_replay.store import (
     Episode,
@@ -49,6 +50,7 @@ from routing_replay.store import (
 
 __all__ = [
     "MISSING",
+    "UNCHECKED",
     "Agreement",
     "ConcurrentReleaseError",
     "CorruptStoreError",
@@ -58,6 +60,7 @@ __all__ = [
     "InvalidRoutesError",
     "LayoutMismatchError",
     "PutRequest",
+    "RoutesTensor",
     "RoutingLayout",
     "RoutingRef",
     "RoutingReplayError",
@@ -83,6 +86,7 @@ __all__ = [
     "routing_agreement",
     "sweep_stores",
     "to_torch",
+    "with_layout",
 ]
 __version__ = "0.1.0"
 

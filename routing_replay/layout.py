@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from routing_replay.errors import InvalidRoutesError
+from routing_replay.validate import MISSING, not_integer, out_of_range, repeated
 
-# Marker for "no routing recorded here" in every signed view of routes (put input, get
-# output, torch tensors, replay input). In storage it becomes `layout.missing`.
-MISSING = -1
+# MISSING (-1) marks "no routing recorded here" in every signed view of routes (put input,
+# get output, torch tensors, replay input). In storage it becomes `layout.missing`.
 # `mlp_layer_types` entries of layers that route (DeepSeek-V4's hash layers pick experts by
 # token id, but still pick them per token, and engines report them like any other).
 MOE_MLP_TYPES = ("sparse", "moe", "hash_moe")
@@ -106,9 +106,7 @@ class RoutingLayout:
         """Check dtype and shape of `[T, L, K]` routes and drop dense layers (ids unchecked)."""
         arr = np.asarray(routes)
         if arr.dtype.kind not in "iu":
-            raise InvalidRoutesError(
-                f"routes must be an integer array, got dtype {arr.dtype}; cast expert ids to int"
-            )
+            raise not_integer(arr.dtype)
         if arr.ndim != 3 or arr.shape[2] != self.top_k:
             raise InvalidRoutesError(
                 f"routes must have shape [num_tokens, num_layers, top_k={self.top_k}] with "
@@ -133,11 +131,9 @@ class RoutingLayout:
                 bad = ((arr < 0) | (arr >= self.num_experts)) & (arr != MISSING)
             if bad.any():
                 token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
-                raise InvalidRoutesError(
-                    f"expert id {int(arr[token, layer, slot])} at token {token}, MoE layer "
-                    f"{layer}, slot {slot} is out of range: ids must be in "
-                    f"[0, {self.num_experts}) or -1 for missing ({int(bad.sum())} bad ids in all)"
-                )
+                where = f"token {token}, MoE layer {layer}, slot {slot}"
+                value = int(arr[token, layer, slot])
+                raise out_of_range(value, where, self.num_experts, int(bad.sum()))
 
     def check_distinct(self, arr: np.ndarray) -> None:
         """Raise if a token names one expert twice among a layer's top-k ids (missing aside).
@@ -169,12 +165,7 @@ class RoutingLayout:
             real = ids[ids != missing]
             if len(np.unique(real)) < len(real):
                 token, layer = divmod(n, self.num_moe_layers)
-                raise InvalidRoutesError(
-                    f"token {token}, MoE layer {layer} names an expert twice in its top-"
-                    f"{K}: {ids.astype(np.int64).tolist()}. Engines never repeat an id; the "
-                    "routes were padded (pad with -1, never with expert 0) or cast to a "
-                    "dtype too narrow for the expert count"
-                )
+                raise repeated(f"token {token}, MoE layer {layer}", ids.astype(np.int64), K)
 
     def _in_range(self, arr: np.ndarray) -> bool:
         """Fast path: two reductions, no temporaries; False means "look closer"."""

@@ -1,13 +1,19 @@
 """From Arrow routes batches to torch tensors: packed `[sum_T, L, K]` or padded `[B, S, L, K]`.
 
+What `to_torch` returns is a `RoutesTensor`: it carries the batch's layout, and `replay`
+checks it against the model's routers.
+
 Copies: `RoutingStore.read` gathers a batch's pages out of shared memory into one Arrow
 buffer, or into memory the caller reuses (`out=`) (the one copy of a local read; needed
 because a sample's pages are not contiguous, and a view would outlive the mapping). Arrow
--> numpy -> torch is zero-copy, also for a table of batches read into consecutive slices
-of one buffer (other multi-batch tables are concatenated, one copy): the packed
-tensor *is* the Arrow buffer, reinterpreted as `layout.signed_dtype` (int8 up to 128
-experts: the stored marker 255 reads as -1). Padding is a second copy, into the padded
-tensor; a layout whose ids need a wider signed type (129-255 experts) widens in that pass.
+-> numpy -> torch is zero-copy for a batch in this process's own memory, also for a table
+of batches read into consecutive slices of one buffer (other multi-batch tables are
+concatenated, one copy): the packed tensor *is* the Arrow buffer, reinterpreted as
+`layout.signed_dtype` (int8 up to 128 experts: the stored marker 255 reads as -1). A batch
+in memory this process does not own (read-only Arrow buffers: Ray's object store, an IPC
+file) is copied (1-2 bytes a token), so writing to the tensor never changes what other
+readers see. Padding is a copy, into the padded tensor; a layout whose ids need a wider
+signed type (129-255 experts) widens in that pass.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.routes import RoutesTensor, with_layout
 from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, SAMPLE_ID, TOKEN_IDS, layout_of
 
 
@@ -67,16 +74,18 @@ def to_torch(
     batch: pa.RecordBatch | pa.Table,
     attention_mask: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Routes of a batch, -1 where missing: packed `[sum_T, L, K]`, or padded `[B, S, L, K]`.
+) -> RoutesTensor:
+    """Routes of a batch, -1 where missing: packed `[sum_T, L, K]`, or padded `[B, S, L, K]`,
+    as a `RoutesTensor` that carries the batch's layout to `replay`.
 
     The dtype is `layout.signed_dtype` (torch.int8 up to 128 experts, int16 beyond): ids
     are small, and replay widens them on the device. Without `attention_mask` the samples
-    are packed back to back (see `cu_seqlens`) with no copy (the tensor shares the Arrow
-    buffer: treat it as read-only); for replay on a packed
-    `[1, sum_T]` batch, `unsqueeze(0)` it. With the `[B, S]` mask of a padded batch (left
-    or right padding), sample b's routes fill row b's unmasked positions, which must be
-    one contiguous run of exactly `num_tokens[b]` positions.
+    are packed back to back (see `cu_seqlens`), with no copy when the batch is in this
+    process's memory (the tensor shares its buffer), copied when it is not (a batch from
+    Ray's object store); for replay on a packed `[1, sum_T]` batch, `unsqueeze(0)` it.
+    With the `[B, S]` mask of a padded batch (left or right padding), sample b's routes
+    fill row b's unmasked positions, which must be one contiguous run of exactly
+    `num_tokens[b]` positions.
 
     With `input_ids` (`[B, S]` padded, `[sum_T]` or `[1, sum_T]` packed), every token is
     compared with the token ids the routes were put with: `TokenMismatchError` names the
@@ -96,11 +105,15 @@ def to_torch(
                 )
             check_tokens(batch, trained.reshape(-1).numpy(), np.zeros(len(lengths)), None)
         packed = layout.decode(stored.reshape(-1, L, K))
+        if packed.flags.writeable:
+            return with_layout(torch.from_numpy(packed), layout)
+        if not _own_memory(batch):  # Ray's object store, a file: never alias it
+            return with_layout(torch.from_numpy(packed.copy()), layout)
         with warnings.catch_warnings():
-            # An Arrow buffer that arrived through Ray is read-only; the tensor shares it,
-            # so it must not be written to (replay only reads routes).
+            # Back-to-back batches of one `out` buffer, viewed as one span: numpy calls the
+            # span read-only, but it is this process's writable memory, aliased by nothing.
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            return torch.from_numpy(packed)
+            return with_layout(torch.from_numpy(packed), layout)
     mask = torch.as_tensor(attention_mask).bool().cpu()
     if mask.ndim != 2 or mask.shape[0] != len(lengths):
         raise InvalidRoutesError(
@@ -133,7 +146,15 @@ def to_torch(
     for b, (n, start) in enumerate(zip(lengths.tolist(), starts.tolist(), strict=True)):
         layout.decode(stored[row : row + n].reshape(n, L, K), out=out_np[b, start : start + n])
         row += n
-    return torch.from_numpy(out_np)
+    return with_layout(torch.from_numpy(out_np), layout)
+
+
+def _own_memory(batch: pa.RecordBatch | pa.Table) -> bool:
+    """Whether every routes buffer of the batch is writable memory of this process (a read
+    of this process, or the `out` it was read into): Arrow says "mutable"."""
+    column = batch.column(ROUTED_EXPERTS)
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    return all(c.flatten().flatten().buffers()[1].is_mutable for c in chunks if len(c))
 
 
 def check_tokens(

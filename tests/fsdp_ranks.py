@@ -117,7 +117,7 @@ def _run_case(rank: int, case: dict) -> dict:
         input_ids, routes = micro_batch(rank, mb, layout)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always", RuntimeWarning)
-            with replay(model, routes):
+            with replay(model, routes, layout=layout):
                 loss = model(input_ids=input_ids, labels=input_ids).loss
                 if case["backward"] == "inside":
                     (loss / MICRO).backward()

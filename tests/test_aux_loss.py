@@ -110,7 +110,7 @@ def test_replaying_captured_routes_equals_the_built_in_aux_loss(family):
     routes = torch.full((B, S, *cap.routes()[0].shape[1:]), -1)
     for b, r in enumerate(cap.routes()):
         routes[b, S - len(r) :] = torch.from_numpy(r)
-    with replay(model, routes):
+    with replay(model, routes, layout=cap.layout):
         out = model(input_ids=IDS, attention_mask=MASK, output_router_logits=True)
     ours = load_balancing_loss(
         out.router_logits, routes, num_experts=E, top_k=K, attention_mask=MASK
@@ -125,7 +125,7 @@ def test_forced_routes_are_counted_the_built_in_loss_counts_native(family):
     layout = RoutingLayout.from_hf_config(model.config)
     routes = forced_routes(E, K, layout.num_moe_layers, seed=3)
     routes[0, :2] = -1  # padding
-    with replay(model, routes, attention_mask=MASK):
+    with replay(model, routes, attention_mask=MASK, layout=layout):
         out = model(input_ids=IDS, attention_mask=MASK, output_router_logits=True)
     counted = routes[:, :, logit_columns(model)]
     ours = load_balancing_loss(
@@ -153,7 +153,7 @@ def test_gradient_reaches_every_router_weight():
 
     def grads(loss_fn):
         model.zero_grad(set_to_none=True)
-        with replay(model, routes):
+        with replay(model, routes, layout=layout):
             out = model(input_ids=IDS, attention_mask=MASK, output_router_logits=True)
         loss_fn(out).backward()
         return [w.grad.clone() for w in routers]

@@ -25,6 +25,7 @@ from routing_replay import (
     replay,
 )
 from routing_replay.model.adapters import find_routers
+from routing_replay.routes import with_layout
 
 B, S = 2, 6
 
@@ -160,7 +161,9 @@ def random_routes(layout, shape, seed, missing=0.0):
     ids = np.argsort(keys, axis=-1)[..., : layout.top_k].astype(np.int32)
     drop = rng.random((n, layout.num_moe_layers)) < missing
     ids[drop] = MISSING
-    return torch.from_numpy(ids.reshape(*shape, layout.num_moe_layers, layout.top_k))
+    return with_layout(
+        torch.from_numpy(ids.reshape(*shape, layout.num_moe_layers, layout.top_k)), layout
+    )
 
 
 def batch(seed=0, b=B, s=S, pad=(2, 0)):
@@ -177,7 +180,7 @@ def left_pad(routes, s, layout):
     out = np.full((len(routes), s, layout.num_moe_layers, layout.top_k), MISSING, np.int32)
     for b, r in enumerate(routes):
         out[b, s - len(r) :] = r
-    return torch.from_numpy(out)
+    return with_layout(torch.from_numpy(out), layout)
 
 
 # -- replay: forced ids and the family's weights, at the experts -----------------------------
@@ -219,7 +222,7 @@ def test_all_missing_routes_natively(family, model):
     routes = torch.full((B, S, layout.num_moe_layers, layout.top_k), MISSING)
     with torch.no_grad():
         native = model(input_ids=input_ids, attention_mask=mask).logits
-        with replay(model, routes):
+        with replay(model, routes, layout=layout):
             replayed = model(input_ids=input_ids, attention_mask=mask).logits
     assert torch.equal(native, replayed)
 
@@ -446,7 +449,7 @@ def test_routes_over_all_layers_are_accepted():
     with torch.no_grad():
         with replay(model, routes):
             moe_only = model(input_ids=input_ids, attention_mask=mask).logits
-        with replay(model, all_layers):
+        with replay(model, all_layers, layout=layout):
             every_layer = model(input_ids=input_ids, attention_mask=mask).logits
     assert torch.equal(moe_only, every_layer)
 
@@ -491,14 +494,14 @@ def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch)
     """The CUDA design, checked on CPU: no per-layer transfer in replay or capture."""
     # The package exports functions named like these modules: fetch the modules themselves.
     capture_mod = importlib.import_module("routing_replay.model.capture")
-    replay_mod = importlib.import_module("routing_replay.model.replay")
+    staging = importlib.import_module("routing_replay.model.staging")
 
     model = tiny_model("qwen3_moe")
     layout = layout_of(model)
     input_ids, mask = batch()
     made = []
-    real = replay_mod._DeviceRoutes
-    monkeypatch.setattr(replay_mod, "_DeviceRoutes", lambda **kw: made.append(1) or real(**kw))
+    real = staging.DeviceRoutes
+    monkeypatch.setattr(staging, "DeviceRoutes", lambda **kw: made.append(1) or real(**kw))
     with replay(model, random_routes(layout, (B, S), seed=9)), torch.no_grad():
         model(input_ids=input_ids, attention_mask=mask)
         model(input_ids=input_ids, attention_mask=mask)
@@ -523,12 +526,12 @@ def test_one_copy_of_routes_per_batch_and_one_host_copy_per_forward(monkeypatch)
     [
         ("layers", LayoutMismatchError, "MoE layers only"),
         ("top_k", LayoutMismatchError, "top_k"),
-        ("too_big", InvalidRoutesError, r"at index \[1, 2, 0, 0\] is out of range"),
+        ("too_big", InvalidRoutesError, r"at index \[1, 2, 0\], slot 0 is out of range"),
         ("negative", InvalidRoutesError, "out of range"),
         ("float", InvalidRoutesError, "integer"),
         ("unsigned", InvalidRoutesError, "decode"),
-        ("duplicate", InvalidRoutesError, r"repeat an expert .* at index \[0, 1, 1\]"),
-        ("partial", InvalidRoutesError, r"index \[1, 3, 0\] hold some but not all"),
+        ("duplicate", InvalidRoutesError, r"index \[0, 1, 1\] names an expert twice"),
+        ("partial", InvalidRoutesError, r"index \[1, 3, 0\] holds some but not all"),
         ("rank", InvalidRoutesError, "input_ids.shape"),
         ("batch_shape", InvalidRoutesError, "batch shape"),
     ],

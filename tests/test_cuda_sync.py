@@ -146,7 +146,7 @@ def test_replay_hooks_do_not_sync_and_copy_routes_once(family):
     routes = routes % layout.num_experts
     routes[0, :2] = -1
     hidden = torch.randn(10, model.config.hidden_size, device="cuda")
-    rep = replay(model, routes)  # validated on the host, before anything runs
+    rep = replay(model, routes, layout=layout)  # validated on the host, before anything runs
     with rep, torch.no_grad():
         with no_sync():
             for router in (r.module for r in rep.moe.routers):

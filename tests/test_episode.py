@@ -80,7 +80,7 @@ def test_three_turns_with_tool_output_and_prefix_cached_rows(model, name):
 
         # Replayed in the trainer: every recorded row is the experts' choice.
         routes = torch.from_numpy(got.astype(np.int64))[None]
-        with replay(model, routes), capture(model) as cap, torch.no_grad():
+        with replay(model, routes, layout=layout), capture(model) as cap, torch.no_grad():
             model(input_ids=torch.tensor([tokens3]))
         agreement = routing_agreement([got], cap.routes(), layout)
         assert agreement.router_agreement == 1.0

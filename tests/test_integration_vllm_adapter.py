@@ -175,7 +175,7 @@ def bad_cases():
     yield "one row too many", one(routed_experts=np.concatenate([rows, rows[:1]])), "16 rows"
     yield "wrong layer count", one(routed_experts=rows[:, :2]), "2 layers"
     yield "wrong top-k", one(routed_experts=rows[:, :, :2]), "top_k=4"
-    yield "float ids", one(routed_experts=rows.astype(np.float32)), "integer array"
+    yield "float ids", one(routed_experts=rows.astype(np.float32)), "integer expert ids"
     yield "id out of range", one(routed_experts=out_of_range), "expert id 200"
     yield "all-zero routes", one(routed_experts=zeros), "twice"
     yield "dense layer routed", one(routed_experts=dense), "layer 1 routes"

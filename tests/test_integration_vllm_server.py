@@ -151,7 +151,7 @@ def test_concurrent_multi_turn_episodes_are_the_engines_routes(server):
         with torch.no_grad():
             with capture(trainer) as nat:
                 trainer(input_ids=ids)
-            with replay(trainer, routes), capture(trainer) as used:
+            with replay(trainer, routes, layout=layout), capture(trainer) as used:
                 trainer(input_ids=ids)
         recorded.append(got)
         native.extend(nat.routes())

@@ -150,6 +150,18 @@ class Reader:
                 out[sid] = batch["routes"][cu[b] : cu[b + 1]].numpy().copy()
         return out
 
+    def two_epochs_writing(self, refs: list) -> tuple[list, list]:
+        """Iterate a dataset twice, overwriting every routes tensor of the first epoch."""
+        ds = read_dataset(refs)
+        epochs = []
+        for _ in range(2):
+            seen = []
+            for batch in ds.iter_torch_batches(batch_size=3, collate_fn=routes_collate_fn(LAYOUT)):
+                seen.append(batch["routes"].clone().numpy())
+                batch["routes"].fill_(7)  # a trainer editing its routes in place
+            epochs.append(np.concatenate(seen))
+        return epochs
+
     def release(self, refs: list) -> int:
         return release_refs(refs)
 
@@ -348,6 +360,19 @@ def test_fetch_and_release_with_a_lost_ref_loses_no_sample(cluster):
     assert ray.get(readers[1].fetch.remote(good, release=True))  # all read: now released
     stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
     assert sum(s["samples"] for s in stats) == 0
+    shutdown_node_stores(job)
+
+
+def test_routes_tensors_never_write_into_the_object_store(cluster):
+    # Ray Data keeps a dataset's blocks in the object store; a trainer that edits its routes
+    # tensor in place must not change what the next epoch (or another reader) reads.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    refs = ray.get(ray.remote(Writer).options(**on(other)).remote(job).put.remote([1, 2, 3, 4]))
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    first, second = ray.get(reader.two_epochs_writing.remote(refs))
+    np.testing.assert_array_equal(first, second)
+    assert (first != 7).any()
     shutdown_node_stores(job)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -136,3 +137,26 @@ def test_read_into_reused_memory(store):
     with pytest.raises(ValueError, match="contiguous=False"):
         store.read(["s0"], out=np.zeros((10, 20), dtype=np.uint8)[:, ::2])
     assert torch.equal(to_torch(store.read(["s1"])).long(), torch.from_numpy(samples[1]))
+
+
+def test_a_tensor_never_writes_into_memory_it_does_not_own(store):
+    # A batch that arrived read-only (an IPC stream, Ray's object store) is copied by
+    # to_torch: writing to the tensor changes neither the batch nor what others read, and
+    # torch warns of nothing. A batch this process read itself is viewed, no copy.
+    refs = [store.put(f"s{i}", _routes(6, i)) for i in range(3)]
+    local = store.read(refs)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, local.schema) as writer:
+        writer.write_batch(local)
+    received = pa.ipc.open_stream(pa.py_buffer(sink.getvalue().to_pybytes())).read_next_batch()
+    assert not received.column("routed_experts").flatten().flatten().buffers()[1].is_mutable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "The given NumPy array is not writable" would raise
+        tensor = to_torch(received)
+    before = received.column("routed_experts").to_pylist()
+    tensor.fill_(3)
+    assert received.column("routed_experts").to_pylist() == before
+    assert to_torch(received).tolist() != tensor.tolist()
+    own = to_torch(local)  # this process's own read: a view of its buffer
+    values = local.column("routed_experts").flatten().flatten()
+    assert own.data_ptr() == values.buffers()[1].address + values.offset

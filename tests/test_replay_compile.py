@@ -31,9 +31,11 @@ from routing_replay import (
     replay,
 )
 from routing_replay.model.adapters import find_routers
+from routing_replay.routes import with_layout
 
 # The package exports a function named like the module: fetch the module itself.
 replay_mod = importlib.import_module("routing_replay.model.replay")
+staging = importlib.import_module("routing_replay.model.staging")
 prepare_replay, is_prepared = replay_mod.prepare_replay, replay_mod.is_prepared
 
 B, S = 2, 6
@@ -70,7 +72,9 @@ def random_routes(layout, shape, seed, missing=0.0):
     keys = rng.random((n, layout.num_moe_layers, layout.num_experts))
     ids = np.argsort(keys, axis=-1)[..., : layout.top_k].astype(np.int32)
     ids[rng.random((n, layout.num_moe_layers)) < missing] = MISSING
-    return torch.from_numpy(ids.reshape(*shape, layout.num_moe_layers, layout.top_k))
+    return with_layout(
+        torch.from_numpy(ids.reshape(*shape, layout.num_moe_layers, layout.top_k)), layout
+    )
 
 
 def input_ids(seed=0):
@@ -442,7 +446,7 @@ def test_device_copy_is_narrow_widened_per_layer_and_freed_on_exit():
     assert not state.active and state.layer_routes is None and state.owner is None
     with block, torch.no_grad():  # a block entered again copies its routes again
         model(input_ids=input_ids())
-    assert [replay_mod._id_dtype(e) for e in (8, 256, 257, 2**15, 2**15 + 1)] == [
+    assert [staging.id_dtype(e) for e in (8, 256, 257, 2**15, 2**15 + 1)] == [
         torch.uint8,
         torch.uint8,
         torch.int16,
@@ -526,7 +530,7 @@ def test_routes_at_padding_positions_are_refused(case):
         replay(model, routes, attention_mask=mask)
     assert str(raised.value) == message + SUFFIX
     with pytest.raises(InvalidRoutesError, match=re.escape(message)):
-        replay_mod.validate_routes(routes, layout, attention_mask=mask.numpy())
+        staging.validate_routes(routes, layout, attention_mask=mask.numpy())
 
 
 def test_attention_mask_allows_missing_real_tokens_in_one_host_sync(monkeypatch):

@@ -109,7 +109,7 @@ def reference(family: str) -> dict:
             for mb in range(MICRO):
                 input_ids, routes = micro_batch(rank, mb, layout)
                 model.zero_grad(set_to_none=True)
-                with replay(model, routes):
+                with replay(model, routes, layout=layout):
                     loss = model(input_ids=input_ids, labels=input_ids).loss
                     (loss / MICRO).backward()
                 losses[rank, mb] = loss.detach()

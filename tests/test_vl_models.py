@@ -51,7 +51,7 @@ def test_capture_then_replay_with_an_image_reproduces_logits(family):
     assert [len(r) for r in routes] == [8, 8]  # image tokens are routed rows like any other
     # The text stack got embeddings; the token ids come from the model's own input.
     assert [t.tolist() for t in cap.token_ids()] == PROMPTS[family]
-    with replay(model, torch.from_numpy(np.stack(routes))), torch.no_grad():
+    with replay(model, torch.from_numpy(np.stack(routes)), layout=cap.layout), torch.no_grad():
         replayed = model(**inputs(family)).logits
     assert torch.equal(native, replayed)
 
@@ -69,7 +69,7 @@ def test_replay_forces_the_given_ids_on_image_tokens(family):
         b.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
         for b in blocks
     ]
-    with replay(model, forced), torch.no_grad():
+    with replay(model, forced, layout=layout), torch.no_grad():
         model(**inputs(family))
     for h in hooks:
         h.remove()

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from routing_replay.errors import InvalidRoutesError
 from routing_replay.layout import MISSING
+from routing_replay.validate import check_integer, check_rows
 
 
 def load_balancing_loss(
@@ -106,8 +107,7 @@ def load_balancing_loss(
 def _routes_rows(routes: Tensor, rows: int, layers: int, top_k: int, num_experts: int) -> Tensor:
     """Routes as int64 `[rows, L, K]`, checked against the logits they are counted with."""
     routes = torch.as_tensor(routes)
-    if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
-        raise InvalidRoutesError(f"routes must hold integer expert ids, got {routes.dtype}")
+    check_integer(routes)
     shape = tuple(routes.shape)
     if len(shape) < 3 or shape[-2:] != (layers, top_k) or routes[..., 0, 0].numel() != rows:
         raise InvalidRoutesError(
@@ -117,11 +117,5 @@ def _routes_rows(routes: Tensor, rows: int, layers: int, top_k: int, num_experts
             "router logits: leave their columns out)"
         )
     ids = routes.reshape(rows, layers, top_k).long()
-    bad = (ids < MISSING) | (ids >= num_experts)
-    if bad.any():
-        row, j, k = (int(i) for i in bad.nonzero()[0])
-        raise InvalidRoutesError(
-            f"expert id {int(ids[row, j, k])} at row {row}, MoE layer {j}: ids must be in "
-            f"[0, {num_experts}) or -1 for missing"
-        )
+    check_rows(ids, num_experts, lambda row, j: f"row {row}, MoE layer {j}")
     return ids

@@ -33,8 +33,7 @@ called) surfaces as Dynamo's `Unsupported` error carrying replay's message.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,29 +42,25 @@ from torch import Tensor, nn
 from routing_replay.compat.torch import in_backward, skips_guards
 from routing_replay.errors import (
     InvalidRoutesError,
-    LayoutMismatchError,
     RoutingReplayError,
     UnsupportedModelError,
 )
-from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, Router, ScoreFunction, find_routers
+from routing_replay.model.staging import (
+    DeviceRoutes,
+    check_mask_shape,
+    check_routes_shape,
+    check_values,
+    device_of,
+    device_of_router,
+    stage,
+    stage_mask,
+    to_device_routes,
+)
+from routing_replay.routes import routes_layout
 
 _STATE = "_routing_replay_state"  # on the decoder: the model's _ReplayState (also the mark)
-
-
-@dataclass(frozen=True)
-class _DeviceRoutes:
-    """A batch's routes on one device."""
-
-    # [*batch, L, K], the narrowest dtype (`_id_dtype`); missing ids are 0 there (never used).
-    # Batch-shaped, so that under torch.compile the shape check compares sizes symbolically.
-    ids: Tensor
-    missing: Tensor  # [*batch, L] bool: the (token, layer) routes natively
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes held for the batch (ids and missing mask)."""
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.missing))
 
 
 class _ReplayState:
@@ -82,7 +77,7 @@ class _ReplayState:
         self.active = False
         self.owner: Replay | None = None
         self.batch_shape: tuple[int, ...] = ()
-        self.layer_routes: list[_DeviceRoutes] | None = None  # per MoE layer (shared per device)
+        self.layer_routes: list[DeviceRoutes] | None = None  # per MoE layer (shared per device)
         self.any_missing_L: list[bool] = []  # eager fast paths only
         self.all_missing_L: list[bool] = []
         self.ran_L: list[bool] = [False] * moe.layout.num_moe_layers
@@ -273,26 +268,35 @@ class Replay:
     """Context manager under which every MoE router of `model` uses the given expert ids.
 
     `attention_mask` (optional, the routes' batch shape): padding positions (0) must hold no
-    routes (all -1); real tokens may (prefix-cache gaps route natively).
+    routes (all -1); real tokens may (prefix-cache gaps route natively). `layout`: for routes
+    that carry none (see `replay`).
     """
 
-    def __init__(self, model: nn.Module, routes: Any, attention_mask: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        routes: Any,
+        attention_mask: Any = None,
+        *,
+        layout: RoutingLayout | Literal["unchecked"] | None = None,
+    ) -> None:
         self.model = model
         self.moe: MoeModel = find_routers(model)
+        routes = routes_layout(routes, layout, self.moe.layout)  # the layout travels here
         self.routes: Tensor = check_routes_shape(routes, self.moe.layout)
         self.batch_shape: tuple[int, ...] = tuple(self.routes.shape[:-2])
         self.num_rows: int = int(np.prod(self.batch_shape))
-        mask = _check_mask_shape(attention_mask, self.batch_shape)
+        mask = check_mask_shape(attention_mask, self.batch_shape)
         # The batch goes to the routers' device once; it is validated there, and the flags the
         # hooks need (which layers have missing rows) come back in the one host sync.
-        device = _device_of(self.moe)
-        staged_NLK = _stage(self.routes, device, self.num_rows)
-        staged_mask_N = None if mask is None else _stage_mask(mask, device)
-        self._any_missing_L, self._all_missing_L = _check_values(
+        device = device_of(self.moe)
+        staged_NLK = stage(self.routes, device, self.num_rows)
+        staged_mask_N = None if mask is None else stage_mask(mask, device)
+        self._any_missing_L, self._all_missing_L = check_values(
             staged_NLK, self.moe.layout, self.batch_shape, staged_mask_N
         )
-        self._on_device: dict[torch.device, _DeviceRoutes] = {
-            device: _prepare(staged_NLK, self.moe.layout, self.batch_shape)
+        self._on_device: dict[torch.device, DeviceRoutes] = {
+            device: to_device_routes(staged_NLK, self.moe.layout, self.batch_shape)
         }
         del staged_NLK, staged_mask_N
         self._state: _ReplayState | None = None
@@ -308,11 +312,11 @@ class Replay:
                 "blocks on one model are not supported"
             )
         if not self._on_device:  # entered again after an exit freed the device copy
-            device = _device_of(self.moe)
-            self._on_device[device] = _prepare(
-                _stage(self.routes, device, self.num_rows), self.moe.layout, self.batch_shape
+            device = device_of(self.moe)
+            self._on_device[device] = to_device_routes(
+                stage(self.routes, device, self.num_rows), self.moe.layout, self.batch_shape
             )
-        state.layer_routes = [self._device_routes(_device_of_router(r)) for r in self.moe.routers]
+        state.layer_routes = [self._device_routes(device_of_router(r)) for r in self.moe.routers]
         state.batch_shape = self.batch_shape
         state.any_missing_L = list(self._any_missing_L)
         state.all_missing_L = list(self._all_missing_L)
@@ -344,12 +348,12 @@ class Replay:
         """Device bytes this block holds for the batch's routes (0 after exit)."""
         return sum(r.nbytes for r in self._on_device.values())
 
-    def _device_routes(self, device: torch.device) -> _DeviceRoutes:
+    def _device_routes(self, device: torch.device) -> DeviceRoutes:
         """The batch's routes on `device`: copied once per device per batch, never per layer."""
         found = self._on_device.get(device)
         if found is None:  # a model spread over devices: one more copy, for this one
-            staged_NLK = _stage(self.routes, device, self.num_rows)
-            found = _prepare(staged_NLK, self.moe.layout, self.batch_shape)
+            staged_NLK = stage(self.routes, device, self.num_rows)
+            found = to_device_routes(staged_NLK, self.moe.layout, self.batch_shape)
             self._on_device[device] = found
         return found
 
@@ -369,228 +373,21 @@ def _refuse_unguarded() -> None:
         )
 
 
-def replay(model: nn.Module, routes: Any, attention_mask: Any = None) -> Replay:
+def replay(
+    model: nn.Module,
+    routes: Any,
+    attention_mask: Any = None,
+    *,
+    layout: RoutingLayout | Literal["unchecked"] | None = None,
+) -> Replay:
     """Force `routes` (input_ids.shape + (L, K), -1 = route natively) in `model`'s MoE routers.
 
-    With `attention_mask` (input_ids.shape), padding positions must hold no routes.
+    The routes' layout must be the model's (`LayoutMismatchError` names both): routes from
+    `to_torch` carry theirs; a tensor or array built by hand needs `layout=` (the layout it
+    was recorded under), or `layout="unchecked"`. With `attention_mask` (input_ids.shape),
+    padding positions must hold no routes.
     """
-    return Replay(model, routes, attention_mask=attention_mask)
-
-
-def validate_routes(routes: Any, layout: RoutingLayout, attention_mask: Any = None) -> Tensor:
-    """Check routes against the layout (dtype, L, K, id range, duplicates) as a torch tensor.
-
-    L may be the MoE layers (the stored form) or all layers (dense ones are dropped here).
-    With `attention_mask` (the routes' batch shape), padding positions must hold no routes.
-    """
-    routes = check_routes_shape(routes, layout)
-    batch_shape = tuple(routes.shape[:-2])
-    mask = _check_mask_shape(attention_mask, batch_shape)
-    if mask is not None:
-        mask = _stage_mask(mask, routes.device)
-    num_rows = int(np.prod(batch_shape))
-    _check_values(routes.reshape(num_rows, *routes.shape[-2:]), layout, batch_shape, mask)
-    return routes
-
-
-def check_routes_shape(routes: Any, layout: RoutingLayout) -> Tensor:
-    """Type, dtype and shape checks (no values read); routes over all layers lose the dense ones."""
-    if isinstance(routes, np.ndarray):
-        routes = torch.from_numpy(routes)
-    if not isinstance(routes, Tensor):
-        raise InvalidRoutesError(
-            f"routes must be a torch tensor or numpy array, got {type(routes)}"
-        )
-    if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
-        raise InvalidRoutesError(f"routes must hold integer expert ids, got dtype {routes.dtype}")
-    if routes.dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
-        raise InvalidRoutesError(
-            f"routes have the stored dtype {routes.dtype}: decode them first (layout.decode) so "
-            "missing rows read -1"
-        )
-    if routes.dim() < 3:
-        raise InvalidRoutesError(
-            f"routes must have shape input_ids.shape + (num_moe_layers, top_k), got "
-            f"{list(routes.shape)}"
-        )
-    layers, top_k = routes.shape[-2:]
-    if layers == layout.num_layers != layout.num_moe_layers:  # all layers, as vLLM reports them
-        routes = routes[..., list(layout.moe_layers), :]
-        layers = layout.num_moe_layers
-    if layers != layout.num_moe_layers or top_k != layout.top_k:
-        raise LayoutMismatchError(
-            f"routes end in (layers={layers}, top_k={top_k}) but the model routes "
-            f"{layout.num_moe_layers} MoE layers {list(layout.moe_layers)} of "
-            f"{layout.num_layers} with top_k={layout.top_k}: pass MoE layers only, in layer "
-            "order (or all layers)"
-        )
-    return routes
-
-
-def _check_mask_shape(attention_mask: Any, batch_shape: tuple[int, ...]) -> Tensor | None:
-    if attention_mask is None:
-        return None
-    if isinstance(attention_mask, np.ndarray):
-        attention_mask = torch.from_numpy(attention_mask)
-    if not isinstance(attention_mask, Tensor) or attention_mask.dtype.is_complex:
-        raise InvalidRoutesError(
-            f"attention_mask must be a real torch tensor or numpy array, got "
-            f"{getattr(attention_mask, 'dtype', type(attention_mask))}"
-        )
-    if tuple(attention_mask.shape) != batch_shape:
-        raise InvalidRoutesError(
-            f"attention_mask has shape {list(attention_mask.shape)} but the routes have batch "
-            f"shape {list(batch_shape)}: pass the mask of the batch the routes are aligned with"
-        )
-    return attention_mask
-
-
-def _check_values(
-    ids_NLK: Tensor,
-    layout: RoutingLayout,
-    batch_shape: tuple[int, ...],
-    mask_N: Tensor | None = None,
-) -> tuple[list[bool], list[bool]]:
-    """Range, duplicate, whole-row and padding checks where the ids are, one host sync; per
-    layer: any/all missing. `mask_N` (flattened attention mask, optional): padding rows must
-    be all -1."""
-    bad_NLK = (ids_NLK < MISSING) | (ids_NLK >= layout.num_experts)
-    dup_NL = _repeats(ids_NLK)
-    missing_NLK = ids_NLK == MISSING
-    missing_NL = missing_NLK.any(dim=-1)
-    partial_NL = missing_NL & ~missing_NLK.all(dim=-1)  # some of a row's K ids, not all
-    checks = [bad_NLK.any()[None], dup_NL.any()[None], partial_NL.any()[None]]
-    if mask_N is not None:
-        padded_routed_N = (mask_N == 0) & (ids_NLK != MISSING).flatten(1).any(dim=1)
-        checks.append(padded_routed_N.any()[None])
-    flags = torch.cat([*checks, missing_NL.any(dim=0), missing_NL.all(dim=0)]).tolist()  # sync
-    if flags[0]:
-        n, layer, slot = (int(i) for i in bad_NLK.nonzero()[0])
-        raise InvalidRoutesError(
-            f"expert id {int(ids_NLK[n, layer, slot])} at index "
-            f"{[*_unravel(n, batch_shape), layer, slot]} is out of range: ids must be "
-            f"in [0, {layout.num_experts}) or -1 for missing ({int(bad_NLK.sum())} bad ids in all)"
-        )
-    if flags[1]:
-        n, layer = (int(i) for i in dup_NL.nonzero()[0])
-        raise InvalidRoutesError(
-            f"routes repeat an expert within one token's top-k at index "
-            f"{[*_unravel(n, batch_shape), layer]}: {ids_NLK[n, layer].tolist()}"
-        )
-    if flags[2]:
-        n, layer = (int(i) for i in partial_NL.nonzero()[0])
-        raise InvalidRoutesError(
-            f"routes at index {[*_unravel(n, batch_shape), layer]} hold some but not all of "
-            f"a token's top-{layout.top_k} ids: {ids_NLK[n, layer].tolist()} "
-            f"({int(partial_NL.sum())} such rows). A row is all {layout.top_k} recorded ids, "
-            "or all -1 (route natively); a partly -1 row means routes of another top_k were "
-            "padded or truncated: re-collect them with this model's top_k"
-        )
-    if mask_N is not None and flags[3]:
-        _raise_padding_with_routes(ids_NLK, mask_N, padded_routed_N, batch_shape)
-    num_layers = layout.num_moe_layers
-    start = len(checks)
-    return flags[start : start + num_layers], flags[start + num_layers :]
-
-
-def _repeats(ids_NLK: Tensor) -> Tensor:
-    """[N, L] bool: an id other than -1 appears twice in the row (no sort: no int64 indices)."""
-    dup_NL = torch.zeros(ids_NLK.shape[:-1], dtype=torch.bool, device=ids_NLK.device)
-    for k in range(ids_NLK.shape[-1] - 1):
-        first_NL1 = ids_NLK[..., k : k + 1]
-        dup_NL |= ((first_NL1 == ids_NLK[..., k + 1 :]) & (first_NL1 != MISSING)).any(dim=-1)
-    return dup_NL
-
-
-def _raise_padding_with_routes(
-    ids_NLK: Tensor, mask_N: Tensor, padded_routed_N: Tensor, batch_shape: tuple[int, ...]
-) -> None:
-    n = int(padded_routed_N.nonzero()[0, 0])
-    index = _unravel(n, batch_shape)
-    seq = batch_shape[-1]
-    start = n - n % seq  # the row of the batch (the last batch dim is the sequence)
-    mask_row = (mask_N[start : start + seq] != 0).cpu().numpy()
-    routed_row = (ids_NLK[start : start + seq] != MISSING).flatten(1).any(dim=1).cpu().numpy()
-    raise InvalidRoutesError(
-        f"routes hold expert ids at padding position {index} (attention_mask is 0 there; "
-        f"{int(padded_routed_N.sum())} padding positions hold routes): routes are misaligned "
-        f"with the batch, {_misalignment_hint(mask_row, routed_row)}. Routes must be aligned "
-        "with input_ids position by position (to_torch(batch, attention_mask=mask) pads "
-        "them like the batch)"
-    )
-
-
-def _misalignment_hint(mask_row: np.ndarray, routed_row: np.ndarray) -> str:
-    """The likely cause, from one row's real-token mask and which positions hold routes."""
-    real, routed = np.flatnonzero(mask_row), np.flatnonzero(routed_row)
-    if len(real) == 0:
-        return "likely routes for a row that is all padding"
-    left_padded = not mask_row[0] and mask_row[-1]
-    right_padded = mask_row[0] and not mask_row[-1]
-    if left_padded and routed[0] < real[0] and routed[0] == 0:
-        return (
-            "likely right-padded routes for a left-padded batch (this row's routes start at "
-            f"position 0, its tokens start at {int(real[0])})"
-        )
-    if right_padded and routed[-1] > real[-1] and routed[-1] == len(mask_row) - 1:
-        return (
-            "likely left-padded routes for a right-padded batch (this row's routes end at the "
-            f"last position, its tokens end at {int(real[-1])})"
-        )
-    for shift in (routed[0] - real[0], routed[-1] - real[-1]):
-        if shift in (1, -1):
-            return (
-                f"likely shifted by one position ({'later' if shift > 0 else 'earlier'} "
-                "than the tokens: an off-by-one)"
-            )
-    return "likely left vs right padding, or a shift by some positions"
-
-
-def _unravel(row: int, batch_shape: tuple[int, ...]) -> list[int]:
-    return [int(i) for i in np.unravel_index(row, batch_shape)]
-
-
-def _device_of(moe: MoeModel) -> torch.device:
-    """Where the first router computes: its first parameter's device (CPU if it has none)."""
-    return _device_of_router(moe.routers[0])
-
-
-def _device_of_router(router: Router) -> torch.device:
-    param = next(router.module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-def _stage(routes: Tensor, device: torch.device, num_rows: int) -> Tensor:
-    """The routes as [N, L, K] on `device`, copied asynchronously (through pinned memory)."""
-    if device.type == "cuda" and not routes.is_cuda:
-        routes = routes.pin_memory()
-    return routes.to(device, non_blocking=True).reshape(num_rows, *routes.shape[-2:])
-
-
-def _stage_mask(mask: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda" and not mask.is_cuda:
-        mask = mask.pin_memory()
-    return mask.to(device, non_blocking=True).reshape(-1)
-
-
-def _id_dtype(num_experts: int) -> torch.dtype:
-    """Narrowest dtype for ids in [0, num_experts) (missing ids are 0 there, masked apart)."""
-    if num_experts <= 2**8:
-        return torch.uint8
-    if num_experts <= 2**15:
-        return torch.int16
-    return torch.int32
-
-
-def _prepare(ids_NLK: Tensor, layout: RoutingLayout, batch_shape: tuple[int, ...]) -> _DeviceRoutes:
-    """The held device copy: narrow ids (missing ones 0) and the missing mask, batch-shaped."""
-    missing_NLK = ids_NLK == MISSING
-    ids = ids_NLK.masked_fill(missing_NLK, 0).to(_id_dtype(layout.num_experts))
-    missing = missing_NLK.any(dim=-1)
-    return _DeviceRoutes(
-        ids=ids.reshape(*batch_shape, *ids.shape[-2:]),
-        missing=missing.reshape(*batch_shape, missing.shape[-1]),
-    )
+    return Replay(model, routes, attention_mask=attention_mask, layout=layout)
 
 
 def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
