@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
@@ -45,6 +44,7 @@ from tiny_moe import MODELS, VOCAB, build
 from routing_replay import capture, replay, with_layout
 from routing_replay.model.capture import Capture
 from routing_replay.model.replay import Replay
+from routing_replay.testing import seeded_moe, tiny_moe_config
 
 replay_module = sys.modules["routing_replay.model.replay"]
 
@@ -229,7 +229,7 @@ def replay_overhead(model, batch: int, seq: int, repeat: int) -> dict:
 
 def qwen3_30b_a3b_routing() -> torch.nn.Module:
     """Qwen3-30B-A3B's routing (48 MoE layers, top-8 of 128 experts) on tiny layers."""
-    config = transformers.Qwen3MoeConfig(
+    config = tiny_moe_config(
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=16,
@@ -240,9 +240,8 @@ def qwen3_30b_a3b_routing() -> torch.nn.Module:
         head_dim=8,
         num_experts=128,
         num_experts_per_tok=8,
-        norm_topk_prob=True,
     )
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return seeded_moe(config, router_std=None)
 
 
 def held_device_bytes(block) -> int:

@@ -73,7 +73,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from routing_replay import RoutingLayout, RoutingStore, fetch_batch, to_torch  # noqa: E402
+from routing_replay import RoutingLayout, RoutingStore, to_torch  # noqa: E402
+from routing_replay.ray import fetch_batch  # noqa: E402
+from routing_replay.testing import tiny_moe  # noqa: E402
 
 # Identical for both servers (the HTTP server gets them as flags).
 ENGINE = {
@@ -96,30 +98,9 @@ WAYS = {
 
 def build_model(path: str, moe_layers: int, experts: int, top_k: int) -> dict[str, Any]:
     """A seeded tiny Qwen3-MoE, every layer MoE; its shape."""
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=moe_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vLLM's CPU attention has no kernel for head_dim 16
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):  # spread routers: the input decides routing
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    shape = {"num_hidden_layers": moe_layers, "num_experts": experts, "num_experts_per_tok": top_k}
+    # vLLM's CPU attention has no kernel for head_dim 16
+    model = tiny_moe(vocab_size=256, head_dim=32, **shape)
     model.save_pretrained(path)
     return {
         "family": "Qwen3-MoE (random init)",

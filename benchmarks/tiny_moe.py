@@ -9,27 +9,22 @@ from __future__ import annotations
 import torch
 import transformers
 
+from routing_replay.testing import seeded_moe, tiny_moe_config
+
 VOCAB = 512
 
 
 def qwen3_moe_config() -> transformers.PretrainedConfig:
     """Qwen3-MoE: softmax then top-8 of 64 experts, renormalised, 4 MoE layers."""
-    return transformers.Qwen3MoeConfig(
+    return tiny_moe_config(
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
         moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         num_experts=64,
         num_experts_per_tok=8,
-        norm_topk_prob=True,
         max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
     )
 
 
@@ -69,11 +64,6 @@ MODELS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """The float32 model `name`, randomly initialised from `seed`, in eval mode."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(MODELS[name](), dtype=torch.float32)
-    with torch.no_grad():
-        for key, buf in model.named_buffers():
-            if key.endswith("e_score_correction_bias"):  # a trained-looking load-balancing bias
-                buf.copy_(torch.randn(buf.shape) * 0.01)
-    return model.eval()
+    """The float32 model `name`, randomly initialised from `seed` (routers as transformers
+    initialises them, a small trained-looking load-balancing bias), in eval mode."""
+    return seeded_moe(MODELS[name](), seed, router_std=None, bias_std=0.01)

@@ -8,9 +8,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, TokenMismatchError
-from routing_replay.layout import MISSING, RoutingLayout
-from routing_replay.reader import to_torch
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    LayoutMismatchError,
+    RoutingLayout,
+    TokenMismatchError,
+    to_torch,
+)
 
 
 def check_dense_layers(rows: np.ndarray, layout: RoutingLayout, source: str) -> None:

@@ -45,7 +45,7 @@ Fetch = Callable[[list[RoutingRef]], pa.RecordBatch]
 
 
 def _default_fetch(refs: list[RoutingRef]) -> pa.RecordBatch:
-    from routing_replay.ray.dataset import fetch_batch
+    from routing_replay.ray import fetch_batch
 
     return fetch_batch(refs)
 
@@ -62,7 +62,7 @@ def attach_routes(
     Row b's routes fill positions `[0, input_lengths[b])` (right padding); padding and rows
     whose ref is None are -1 (missing: replay routes those natively). Every row's tokens
     are checked against those its routes were put with (`TokenMismatchError`). `fetch` turns refs
-    into an Arrow routes batch (default: `routing_replay.ray.dataset.fetch_batch`, Ray-aware;
+    into an Arrow routes batch (default: `routing_replay.ray.fetch_batch`, Ray-aware;
     `store.read` for one process). Returns the same dict.
     """
     input_ids, lengths = _ids_and_lengths(batch)

@@ -19,10 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay.errors import InvalidRoutesError
+from routing_replay import InvalidRoutesError, PutRequest, RoutingLayout, RoutingRef, RoutingStore
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
-from routing_replay.layout import RoutingLayout
-from routing_replay.store import PutRequest, RoutingRef, RoutingStore
 
 WIRE_DTYPES = {name: np.dtype(name) for name in ("int32", "int16", "uint16", "uint8")}
 

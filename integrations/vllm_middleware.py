@@ -28,8 +28,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from routing_replay import RoutingRef, RoutingStore
 from routing_replay.integrations.vllm import http_choice_put
-from routing_replay.store import RoutingRef, RoutingStore
 
 PATHS = ("/v1/completions",)
 STORE_ENV = "RR_STORE_NAME"

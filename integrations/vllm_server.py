@@ -24,16 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay.errors import RoutingReplayError
-from routing_replay.integrations.vllm import (
-    DEFAULT_ENV,
-    StoreHost,
-    repack_cpu_moe,
-    sampled_logprobs,
-    samples_of,
-)
-from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef
-from routing_replay.store.episode import Episode
+from routing_replay import Episode, RoutingRef, RoutingReplayError
+from routing_replay.integrations import _compat_vllm
+from routing_replay.integrations.vllm import DEFAULT_ENV, StoreHost, sampled_logprobs, samples_of
+from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 # What the server passes to AsyncEngineArgs unless told otherwise (CPU, token ids in).
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
@@ -55,7 +49,7 @@ class WeightSync:
     def routing_replay_load_weights(self, weights_path: str) -> int:
         """Load `weights_path`; returns how many CPU MoE layers were repacked."""
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        return repack_cpu_moe(self.model_runner.get_model())
+        return _compat_vllm.repack_cpu_moe(self.model_runner.get_model())
 
 
 class VllmServer(StoreHost):

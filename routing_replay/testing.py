@@ -1,9 +1,10 @@
-"""The tiny seeded MoE model and tokenizer behind the demo, examples, benchmarks and tests.
+"""The tiny seeded MoE models and tokenizer behind the demo, examples, benchmarks and tests.
 
 One builder, so that every place that needs "a small real MoE model" gets the same one:
-a transformers Qwen3-MoE from a tiny config (nothing is downloaded), its routers spread
-by a seeded init so that the input, not the init, decides routing. Keyword arguments
-change its shape (vLLM's CPU attention needs `head_dim=32`; benchmarks widen it).
+`seeded_moe` builds any transformers MoE config (nothing is downloaded) with its routers
+spread by a seeded init, so that the input, not the init, decides routing; `tiny_moe` is
+the demo's Qwen3-MoE, whose shape keyword arguments change (vLLM's CPU attention needs
+`head_dim=32`; benchmarks widen it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,17 @@ TINY_MOE: dict[str, Any] = {
     "eos_token_id": 1,
     "bos_token_id": 2,
 }
-ROUTER_INIT_STD = 0.5  # spread router weights: near-zero ones would route every token alike
+ROUTER_STD = 0.5  # spread router weights: near-zero ones would route every token alike
+BIAS_STD = 0.1  # DeepSeek-style selection bias, as a trained load balancer leaves it
+# Router weights of the transformers MoE families (module paths end so).
+ROUTER_WEIGHTS = (
+    "mlp.gate.weight",
+    "mlp.router.weight",
+    "mlp.gate.wg.weight",
+    "feed_forward.gate.weight",
+    "block_sparse_moe.router.weight",
+    "feed_forward.router.weight",
+)
 
 
 def tiny_moe_config(**overrides: Any) -> Any:
@@ -40,23 +51,43 @@ def tiny_moe_config(**overrides: Any) -> Any:
     return transformers.Qwen3MoeConfig(**{**TINY_MOE, **overrides})
 
 
-def tiny_moe(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
-    """The tiny seeded Qwen3-MoE causal LM in eval mode (config: `tiny_moe_config(**overrides)`).
-
-    Same `seed`, same weights, in every process: a rollout engine and a trainer built
-    apart hold the same model (in their own dtype).
-    """
+def seeded_moe(
+    config: Any,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    router_std: float | None = ROUTER_STD,
+    bias_std: float = BIAS_STD,
+    auto: str = "AutoModelForCausalLM",
+) -> Any:
+    """A randomly initialised causal LM of `config` in eval mode: the same weights for the
+    same `seed` in every process (a rollout engine and a trainer built apart hold the same
+    model, each in its own dtype). Router weights get std `router_std` (None: transformers'
+    init), a DeepSeek-style selection bias std `bias_std`, DeepSeek-V4's hash routing distinct
+    experts per token. `auto`: the transformers auto class that builds it (a
+    vision-language model: "AutoModelForImageTextToText")."""
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_moe_config(**overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, auto).from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.copy_(torch.randn(param.shape, generator=gen) * ROUTER_INIT_STD)
+            if router_std is not None and name.endswith(ROUTER_WEIGHTS) and param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * router_std)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * bias_std)
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=gen)[: buf.shape[1]] for _ in buf]
+                buf.copy_(torch.stack(rows))
     return model.to(dtype).eval()
+
+
+def tiny_moe(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """The demo's tiny Qwen3-MoE causal LM (`tiny_moe_config(**overrides)`), seeded."""
+    return seeded_moe(tiny_moe_config(**overrides), seed, dtype)
 
 
 def save_tiny_moe(path: str, seed: int = 0, **overrides: Any) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from routing_replay.testing import seeded_moe
+
 COMMON = dict(
     vocab_size=97,
     hidden_size=32,
@@ -298,35 +300,11 @@ CONFIGS = {
 
 FAMILIES = sorted(CONFIGS)
 # Router weights, by where each family keeps them (HunYuan: a Linear `wg`; LFM2: feed_forward).
-ROUTER_WEIGHTS = (
-    "mlp.gate.weight",
-    "mlp.router.weight",
-    "mlp.gate.wg.weight",
-    "feed_forward.gate.weight",
-    "block_sparse_moe.router.weight",
-    "feed_forward.router.weight",
-)
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised tiny causal LM of `family`, in eval mode, with spread-out routers."""
-    torch.manual_seed(seed)
-    config = CONFIGS[family]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(ROUTER_WEIGHTS) and param.dim() == 2:
-                # Router weights init near zero: widen them so routing is decided by the input.
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
-            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: distinct ids per token
-                experts = model.config.n_routed_experts
-                rows = [torch.randperm(experts, generator=gen)[: buf.shape[1]] for _ in buf]
-                buf.copy_(torch.stack(rows))
-    return model.to(dtype).eval()
+    return seeded_moe(CONFIGS[family](), seed, dtype)
 
 
 # Vision-language MoE models: the text stack routes; images enter it as embeddings.
@@ -383,11 +361,4 @@ VL_CONFIGS = {
 
 def tiny_vl_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised tiny vision-language MoE model of `family`, in eval mode."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(VL_CONFIGS[family]())
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(ROUTER_WEIGHTS) and param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    return model.eval()
+    return seeded_moe(VL_CONFIGS[family](), seed, auto="AutoModelForImageTextToText")

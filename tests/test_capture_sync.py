@@ -8,7 +8,7 @@ hooks, the router hooks, the peek at generate's mask). The HF experts loop calls
 itself, so only capture's code is counted. Counts are kept per decoder forward: the prefill,
 then one forward per decode step.
 
-The old `_past_columns` called `int(cache.get_seq_length(layer))` for every layer: a
+The old `past_columns` called `int(cache.get_seq_length(layer))` for every layer: a
 StaticCache layer keeps its length in a device tensor, so that was one read (one sync on
 CUDA) per attention layer per decode step; `test_the_counter_catches_the_old_per_layer_read`
 runs that code again and counts it.
@@ -100,7 +100,7 @@ class ReadCounter:
 
 
 def old_past_columns(mask, cache, width, whole=False):
-    """`_past_columns` before this change, verbatim: an `int()` of every layer's length."""
+    """`past_columns` before this change, verbatim: an `int()` of every layer's length."""
     past = mask.shape[1] - width if isinstance(mask, torch.Tensor) and mask.dim() == 2 else 0
     if hasattr(cache, "get_seq_length"):
         for layer in range(max(len(cache), 1) if hasattr(cache, "__len__") else 1):
@@ -188,7 +188,7 @@ def test_no_host_reads_in_capture_hooks_and_routes_match_lone_forwards(
 def test_routes_equal_the_old_code_path_without_padding(monkeypatch, family, impl):
     model = tiny_model(family)
     new = generate(model, impl, prompt=FULL, mask=None)
-    monkeypatch.setattr(CAPTURE, "_past_columns", old_past_columns)
+    monkeypatch.setattr(CAPTURE, "past_columns", old_past_columns)
     old = generate(model, impl, prompt=FULL, mask=None)
     assert torch.equal(new[0], old[0])
     for a, b in zip(new[1] + new[2], old[1] + old[2], strict=True):
@@ -200,7 +200,7 @@ def test_the_counter_catches_the_old_per_layer_read(monkeypatch):
     # decode step (the prefill's fresh cache reports a python 0).
     model = tiny_model("qwen3_moe")
     counter = ReadCounter(monkeypatch)
-    monkeypatch.setattr(CAPTURE, "_past_columns", old_past_columns)
+    monkeypatch.setattr(CAPTURE, "past_columns", old_past_columns)
     generate(model, "static", prompt=FULL, mask=None)
     assert counter.counts() == [0, 3, 3, 3]
     assert {name for reads in counter.per_forward for name in reads} == {"__int__"}

@@ -33,6 +33,7 @@ from routing_replay.integrations.vllm import (  # noqa: E402
     VllmRolloutWorker,
     put_request_output,
 )
+from routing_replay.testing import save_tiny_moe  # noqa: E402
 
 for _key, _value in DEFAULT_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -44,34 +45,9 @@ PROMPTS = [[3 + (7 * i + 5 * j) % 120 for j in range(32)] for i in range(3)]
 
 
 def tiny_qwen3_moe(path: str) -> str:
-    """Save a seeded tiny Qwen3-MoE (layer 1 dense, top-4 of 16) with save_pretrained."""
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        mlp_only_layers=[1],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vLLM's CPU attention has no kernel for head_dim 16
-        num_experts=16,
-        num_experts_per_tok=4,
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):  # spread routers: the input decides routing
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    model.save_pretrained(path)
-    return path
+    """Save the seeded tiny Qwen3-MoE (layer 1 dense, top-4 of 16) with save_pretrained."""
+    # vLLM's CPU attention has no kernel for head_dim 16
+    return save_tiny_moe(path, head_dim=32, mlp_only_layers=[1], num_experts=16)
 
 
 @pytest.fixture(scope="module")

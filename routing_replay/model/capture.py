@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -13,36 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.errors import RoutingReplayError, UnsupportedModelError
-from routing_replay.layout import MISSING, RoutingLayout
+from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
+from routing_replay.model.alignment import Forward, Group, Sample, group_samples
+from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 
-_Sample = tuple[np.ndarray | None, np.ndarray]  # (token ids or None, routes [T, L, K])
 _ACTIVE = "_routing_replay_capture"  # on the decoder: (thread, open blocks) recording it
 _ACTIVE_LOCK = threading.Lock()
-
-
-@dataclass
-class _Forward:
-    """One forward of the decoder: its tokens, which of them are real, and their routes."""
-
-    shape: tuple[int, int]  # (batch, tokens in this forward)
-    input_ids_BS: Tensor | None  # host copy; None when called with inputs_embeds
-    valid_BS: Tensor | None  # host copy of the attention-mask columns of these tokens
-    past: int  # tokens already in the cache: this forward's first column position
-    ids_L: list[Tensor | None]  # per MoE layer, the router's ids [B*S, K], on the device
-    routes_BSLK: Tensor | None = None  # host copy, filled at the end of the forward
-    done: Any = None  # CUDA event recorded after the asynchronous copies
-
-
-@dataclass
-class _Group:
-    """Forwards over one batch of samples: a plain forward, or one `generate` call."""
-
-    forwards: list[_Forward] = field(default_factory=list)
-    sequences: Tensor | None = None  # generate's new tokens, [B, new]
-    prompt_cols: int = 0  # padded prompt width: positions below it are prompt tokens
-    eos: frozenset[int] = frozenset()
-    mask: Tensor | None = None  # the 2-D mask generate's last prepare step was given
 
 
 class Capture:
@@ -52,9 +27,9 @@ class Capture:
         self.model = model
         self.moe: MoeModel = find_routers(model)
         self.layout: RoutingLayout = self.moe.layout
-        self._groups: list[_Group] = []
-        self._current: _Forward | None = None
-        self._generating: _Group | None = None
+        self._groups: list[Group] = []
+        self._current: Forward | None = None
+        self._generating: Group | None = None
         self._handles: list[Any] = []
         self._own: dict[str, Any] = {}  # instance overrides of the wrapped methods, if any
         self._outer_ids: Tensor | None = None  # the token ids a wrapping model was called with
@@ -155,17 +130,17 @@ class Capture:
         mask = kwargs.get("attention_mask")
         group = self._generating
         if group is not None:  # this forward's 2-D mask, before a compilable cache made it 4-D
-            if not _is_2d(mask):
+            if not is_2d_mask(mask):
                 mask = group.mask
             group.mask = None
-        mask = mask if _is_2d(mask) else None
+        mask = mask if is_2d_mask(mask) else None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         width = shape[1]
         # generate's 2-D mask always spans the whole sequence, so its width alone is the answer
-        past = _past_columns(mask, cache, width, whole=group is not None)
+        past = past_columns(mask, cache, width, whole=group is not None)
         if past is None:  # only a device tensor knows: counted in generate, else read once
             past = self._counted_past(cache)
-        self._current = _Forward(
+        self._current = Forward(
             shape=shape,
             input_ids_BS=_to_host(input_ids, copy=True),  # callers may reuse their buffers
             valid_BS=_to_host(mask[:, -width:] if mask is not None else None, copy=True),
@@ -188,7 +163,7 @@ class Capture:
         if group is not None and group.forwards:
             last = group.forwards[-1]
             return last.past + last.shape[1]
-        lengths = [t for t in _cache_lengths(cache) if isinstance(t, Tensor)]
+        lengths = [t for t in cache_lengths(cache) if isinstance(t, Tensor)]
         device = lengths[0].device
         return int(torch.stack([t.reshape(()).to(device) for t in lengths]).max())  # the read
 
@@ -222,7 +197,7 @@ class Capture:
             fwd.done.record()
         self._group_for(fwd).forwards.append(fwd)
 
-    def _group_for(self, fwd: _Forward) -> _Group:
+    def _group_for(self, fwd: Forward) -> Group:
         group = self._generating
         if group is not None:
             if fwd.past == 0:  # prefill, or generate(use_cache=False) recomputing everything
@@ -231,7 +206,7 @@ class Capture:
         last = self._groups[-1] if self._groups else None
         if fwd.past > 0 and last is not None and last.forwards[-1].shape[0] == fwd.shape[0]:
             return last  # a hand-written decode loop over a cache
-        self._groups.append(_Group())
+        self._groups.append(Group())
         return self._groups[-1]
 
     def _wrap_generate(self, generate: Any) -> Any:
@@ -242,7 +217,7 @@ class Capture:
                     "capture() follows one token per step per sample: beam search reorders "
                     "samples, use greedy or sampling"
                 )
-            group = _Group(eos=_eos_ids(settings("eos_token_id")))
+            group = Group(eos=_eos_ids(settings("eos_token_id")))
             self._groups.append(group)
             self._generating = group
             try:
@@ -272,14 +247,14 @@ class Capture:
             group = self._generating
             if group is not None:  # the 2-D mask generate keeps, whatever the forward gets
                 mask = kwargs.get("attention_mask")
-                group.mask = mask if _is_2d(mask) else None
+                group.mask = mask if is_2d_mask(mask) else None
             return prepare(*args, **kwargs)
 
         return capturing_prepare
 
     # -- alignment ----------------------------------------------------------------------
 
-    def _samples(self) -> list[_Sample]:
+    def _samples(self) -> list[Sample]:
         out = []
         for group in self._groups:
             if not group.forwards:
@@ -288,108 +263,13 @@ class Capture:
                 if fwd.done is not None:
                     fwd.done.synchronize()  # the only wait: once per forward, at read time
                     fwd.done = None
-            out.extend(_group_samples(group, self.layout))
+            out.extend(group_samples(group, self.layout))
         return out
-
-
-def _is_2d(mask: Any) -> bool:
-    return isinstance(mask, Tensor) and mask.dim() == 2
-
-
-def _past_columns(mask: Tensor | None, cache: Any, width: int, whole: bool = False) -> int | None:
-    """Columns forwarded before this one, from python ints only: never a device read.
-
-    From the 2-D attention mask (generate's covers the whole sequence) and every cache layer
-    whose length is a python int (DynamicCache, sliding-window layers, a StaticCache before
-    its first update). A hybrid model's cache reports 0 for layers that keep no tokens
-    (MiniMax: linear attention in layer 0), so every layer is asked. A StaticCache layer
-    keeps its length in a device tensor, which is not read: None when only such a tensor
-    could say the answer is not 0. `whole`: the mask is known to span the whole sequence.
-    """
-    past = mask.shape[1] - width if mask is not None else 0
-    if whole and mask is not None:
-        return past
-    on_device = False
-    for length in _cache_lengths(cache):
-        if isinstance(length, Tensor):
-            on_device = True
-        else:
-            past = max(past, int(length))
-    return None if on_device and past == 0 else past
-
-
-def _cache_lengths(cache: Any) -> list[Any]:
-    """Each layer's `get_seq_length`, as the cache returns it (an int or a tensor, unread)."""
-    if not hasattr(cache, "get_seq_length"):
-        return []
-    lengths = []
-    for layer in range(max(len(cache), 1) if hasattr(cache, "__len__") else 1):
-        with contextlib.suppress(ValueError, IndexError):  # a layer that tracks no length
-            lengths.append(cache.get_seq_length(layer))
-    return lengths
 
 
 def capture(model: nn.Module) -> Capture:
     """Record the top-k expert ids of every MoE layer of `model` while in the `with` block."""
     return Capture(model)
-
-
-def _group_samples(group: _Group, layout: RoutingLayout) -> list[_Sample]:
-    """Per sample: forwarded tokens without padding, then (after generate) up to the first EOS."""
-    forwards = group.forwards
-    batch = forwards[0].shape[0]
-    if any(f.shape[0] != batch for f in forwards):
-        raise RuntimeError("capture: the batch size changed within one generate call")
-    # The whole group at once: [B, columns, L, K] and [B, columns], one slice per sample.
-    routes_BTLK = torch.cat([f.routes_BSLK for f in forwards], dim=1).numpy()
-    valid_BT = torch.cat([_valid(f) for f in forwards], dim=1).numpy()
-    has_ids = all(f.input_ids_BS is not None for f in forwards)
-    ids_BT = torch.cat([f.input_ids_BS for f in forwards], dim=1).numpy() if has_ids else None
-    position_T = np.concatenate([f.past + np.arange(f.shape[1]) for f in forwards])
-    prompt_T = position_T < group.prompt_cols
-    samples = []
-    for b in range(batch):
-        keep = valid_BT[b]
-        routes = routes_BTLK[b][keep].astype(np.int32)
-        tokens = ids_BT[b][keep] if ids_BT is not None else None
-        if group.sequences is not None:
-            prompt_tokens = int((keep & prompt_T).sum())
-            tokens, routes = _with_generated(group, b, tokens, routes, prompt_tokens, layout)
-        samples.append((tokens, routes))
-    return samples
-
-
-def _valid(fwd: _Forward) -> Tensor:
-    if fwd.valid_BS is None:
-        return torch.ones(fwd.shape, dtype=torch.bool)
-    return fwd.valid_BS != 0
-
-
-def _with_generated(
-    group: _Group,
-    b: int,
-    tokens: np.ndarray | None,
-    routes: np.ndarray,
-    prompt_tokens: int,
-    layout: RoutingLayout,
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """Cut at the first EOS of the generated part; rows never forwarded become -1."""
-    generated = group.sequences[b].numpy()
-    ends = np.flatnonzero(np.isin(generated, list(group.eos))) if group.eos else []
-    num_generated = int(ends[0]) + 1 if len(ends) else len(generated)
-    total = prompt_tokens + num_generated
-    full = np.full((total, layout.num_moe_layers, layout.top_k), MISSING, dtype=np.int32)
-    rows = min(total, len(routes))
-    full[:rows] = routes[:rows]
-    if tokens is not None:
-        fed = tokens[prompt_tokens:]  # generated tokens that were fed back as inputs
-        if not np.array_equal(fed[: len(generated)], generated[: len(fed)]):
-            raise RuntimeError(
-                "capture: the tokens forwarded during generate do not match its output; "
-                "routes cannot be aligned (was the batch reordered, e.g. by beam search?)"
-            )
-        tokens = np.concatenate([tokens[:prompt_tokens], generated[:num_generated]])
-    return tokens, full
 
 
 def _generation_setting(model: nn.Module, kwargs: dict) -> Any:

@@ -14,6 +14,7 @@ One small object per concept, read in this order:
 - `put`: `PutTransaction`, the put protocol (one sample or many, all or none);
 - `read`: `ReadPlan`, the read protocol (locate, copy, check, Arrow);
 - `verify`: every invariant of the tables, checked at once;
+- `repair`: what a holder or writer that died half-way left, rolled back or reclaimed;
 - `routing_store`: `RoutingStore`, the facade;
 - `sweep`: `list_stores`, `sweep_stores`;
 - `episode`: `Episode`, a multi-turn episode built from puts.

@@ -54,6 +54,7 @@ from routing_replay.store.refs import (
     prompt_len_value,
     sample_id_bytes,
 )
+from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.samples import token_digest
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ class PutTransaction:
                     count = self._lay_out()
                     lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
                     ok = store._pages.reserve(hold, count, lease, resv) or (
-                        store._reclaim_dead(hold, 1) > 0
+                        reclaim_dead(store, hold, 1) > 0
                         and store._pages.reserve(hold, count, lease, resv)
                     )
                 if ok:

@@ -26,9 +26,7 @@ from routing_replay.store.format import (
     DEFAULT_MAX_WRITERS,
     DEFAULT_PAGE_TOKENS,
     DEFAULT_PUT_TIMEOUT_S,
-    FIRST_SERIAL,
     HEADER_DTYPE,
-    LEASE_HELD,
     MAGIC,
     MAX_PAGE_TOKENS,
     MAX_TABLE,
@@ -36,13 +34,12 @@ from routing_replay.store.format import (
     NO_PAGE,
     NO_SERIAL,
     OWNER_LEASE,
-    PAGE_DTYPE,
     VERSION,
     pow2_at_least,
     regions,
 )
 from routing_replay.store.leases import Leases
-from routing_replay.store.lock import CommitLock, Hold
+from routing_replay.store.lock import CommitLock
 from routing_replay.store.pages import PageAllocator
 from routing_replay.store.prefix import PrefixIndex
 from routing_replay.store.put import PutTransaction
@@ -57,9 +54,10 @@ from routing_replay.store.refs import (
     resolve,
     sample_id_bytes,
 )
+from routing_replay.store.repair import reclaim_dead, repair
 from routing_replay.store.samples import SampleIndex
 from routing_replay.store.segment import Segment
-from routing_replay.store.tables import Tables, view
+from routing_replay.store.tables import Tables, initialise
 from routing_replay.store.verify import verify
 
 
@@ -103,7 +101,7 @@ class RoutingStore:
         self.node_id = self._t.node_id
         self.page_tokens = self._t.page_tokens
         self.capacity_tokens = self._t.num_pages * self.page_tokens
-        self._lock = CommitLock(segment, self._t, self._repair)
+        self._lock = CommitLock(segment, self._t, lambda: repair(self))
         self._leases = Leases(segment, self._t)
         self._pages = PageAllocator(self._t)
         self._samples = SampleIndex(self._t)
@@ -167,7 +165,7 @@ class RoutingStore:
         }
         seg = Segment.create(name, offsets["end"], OWNER_LEASE)
         try:
-            _initialise(seg.mmap, offsets, fields)
+            initialise(seg.mmap, offsets, fields)
             return cls(seg, put_timeout)
         except BaseException:
             seg.unlink()  # nothing half-made stays behind
@@ -278,57 +276,11 @@ class RoutingStore:
 
     # -- repair -----------------------------------------------------------------------
 
-    def _repair(self) -> None:
-        """Rebuild every derived table from the published samples (under the lock).
-
-        Ground truth: committed slots (each checked against its checksum), page parents,
-        generations and reservation tags, and the kernel's leases. Derived: refcounts,
-        buckets, free stacks, counters. Pages reserved by live writers stay theirs.
-        """
-        t = self._t
-        self._samples.roll_back_uncommitted()  # a publish holding cut short: none of it stays
-        published = self._samples.published()
-        chains = [self._samples.chain(int(s))[0] for s in published]
-        flat = np.concatenate(chains) if chains else np.empty(0, dtype=np.int64)
-        referenced = np.bincount(flat, minlength=t.num_pages)
-        owners = t.p_owner
-        keep = np.zeros(t.num_pages, dtype=bool)
-        for owner in np.unique(owners[(owners > 0) & (referenced == 0)]).tolist():
-            i = owner - 1
-            if i < t.max_writers and t.leases["state"][i] == LEASE_HELD and self._leases.alive(i):
-                keep |= (owners == owner) & (t.p_owner_gen == t.leases["gen"][i])
-        self._pages.rebuild(referenced, keep)
-        self._prefix.rebuild(referenced)
-        self._samples.rebuild(published, chains)
-        for i in self._leases.dead_holders():
-            self._leases.mark_free(i)
-        t.set_dirty(False)
-
-    def _reclaim_dead(self, hold: Hold, puts_of_caller: int) -> int:
-        """Free pages reserved by writers whose lease the kernel dropped, and this handle's
-        orphans (under the lock).
-
-        Orphans are pages of this handle's lease that a put cut short by an async exception
-        inside its own clean-up (a second KeyboardInterrupt) could not give back. They are
-        freed only while no other put of this handle is in flight (`puts_of_caller`: 1
-        from inside a put that holds no pages, 0 from `reclaim`); the count of puts in
-        flight can only err high, which skips the clean-up, never frees a live put's pages.
-        """
-        freed = 0
-        for i in self._leases.dead_holders():
-            hold.write()
-            freed += self._pages.reclaim_lease(hold, i)
-            self._leases.mark_free(i)
-        mine = self._leases.mine()
-        if mine is not None and len(self._puts_running) == puts_of_caller:
-            freed += self._pages.reclaim_lease(hold, *mine)
-        return freed
-
     def reclaim(self) -> int:
         """Free pages reserved by writers that died mid-put (and this handle's orphans);
         returns how many were freed."""
         with self._lock.held("reclaim", self._deadline()) as hold:
-            return self._reclaim_dead(hold, 0)
+            return reclaim_dead(self, hold, 0)
 
     # -- writing ----------------------------------------------------------------------
 
@@ -458,22 +410,3 @@ class RoutingStore:
             dedup_saved_bytes=(referenced - used) * page_bytes,
             segment_bytes=self._seg.size,
         )
-
-
-def _initialise(buf: Any, offsets: dict[str, int], fields: dict[str, Any]) -> None:
-    """Write a new segment's header and empty tables; the magic goes last."""
-    hdr = view(buf, HEADER_DTYPE, (), 0)
-    for key, value in fields.items():
-        hdr[key] = value
-    num_pages, max_samples = fields["num_pages"], fields["max_samples"]
-    for region, count in (("page_heads", "page_buckets"), ("sample_heads", "sample_buckets")):
-        view(buf, "<i4", (fields[count],), offsets[region])[:] = NO_PAGE
-    pages = view(buf, PAGE_DTYPE, (num_pages,), offsets["pages"])
-    pages["parent"] = NO_PAGE
-    pages["next"] = NO_PAGE
-    view(buf, "<i4", (num_pages,), offsets["free_pages"])[:] = np.arange(num_pages)[::-1]
-    hdr["free_pages"] = num_pages
-    view(buf, "<i4", (max_samples,), offsets["free_slots"])[:] = np.arange(max_samples)[::-1]
-    hdr["free_slots"] = max_samples
-    hdr["next_serial"] = FIRST_SERIAL
-    hdr["magic"] = MAGIC  # attachers wait for it

@@ -15,6 +15,7 @@ import numpy as np
 from routing_replay.errors import CorruptStoreError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
 from routing_replay.store.format import (
+    FIRST_SERIAL,
     HEADER_DTYPE,
     LEASE_DTYPE,
     MAGIC,
@@ -230,3 +231,22 @@ def header_info(raw: bytes) -> dict[str, Any] | None:
     except UNREADABLE:
         info["node_id"], info["layout"] = "", None
     return info
+
+
+def initialise(buf: Any, offsets: dict[str, int], fields: dict[str, Any]) -> None:
+    """Write a new segment's header and empty tables; the magic goes last."""
+    hdr = view(buf, HEADER_DTYPE, (), 0)
+    for key, value in fields.items():
+        hdr[key] = value
+    num_pages, max_samples = fields["num_pages"], fields["max_samples"]
+    for region, count in (("page_heads", "page_buckets"), ("sample_heads", "sample_buckets")):
+        view(buf, "<i4", (fields[count],), offsets[region])[:] = NO_PAGE
+    pages = view(buf, PAGE_DTYPE, (num_pages,), offsets["pages"])
+    pages["parent"] = NO_PAGE
+    pages["next"] = NO_PAGE
+    view(buf, "<i4", (num_pages,), offsets["free_pages"])[:] = np.arange(num_pages)[::-1]
+    hdr["free_pages"] = num_pages
+    view(buf, "<i4", (max_samples,), offsets["free_slots"])[:] = np.arange(max_samples)[::-1]
+    hdr["free_slots"] = max_samples
+    hdr["next_serial"] = FIRST_SERIAL
+    hdr["magic"] = MAGIC  # attachers wait for it
