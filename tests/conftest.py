@@ -9,6 +9,14 @@ import pytest
 
 from routing_replay.store.segment import segment_path
 
+SLOW_KINDS = ("ray", "compile", "stress", "distributed")  # each of these is slow as well
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def name(request):

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("ray")
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"

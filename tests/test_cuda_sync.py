@@ -22,7 +22,10 @@ from moe_models import tiny_model
 from routing_replay import RoutingLayout, capture, replay
 from routing_replay.model.capture import Capture
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @contextlib.contextmanager

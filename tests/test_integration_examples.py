@@ -5,6 +5,10 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -26,6 +30,7 @@ def test_trl_grpo_example(capsys):
     assert "samples in the store after each step: [16, 0, 16, 0, 16, 0]" in out
 
 
+@pytest.mark.ray
 def test_agentic_ray_job_example():
     # In its own process, as a user runs it: Ray in the pytest process would leave its
     # state (and RAY_AUTH_MODE in os.environ) to the clusters later tests start.

@@ -385,6 +385,7 @@ def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():
     feed.close()
 
 
+@pytest.mark.distributed
 def test_two_expert_parallel_ranks_dispatch_each_ranks_forced_tokens():
     # Two spawned processes, EP=2 over gloo: rank r holds experts [4r, 4r + 4). Every
     # expert must receive exactly the rows, from both ranks, whose forced ids name it.

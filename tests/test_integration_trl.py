@@ -26,6 +26,8 @@ from routing_replay.model.adapters import find_routers
 from routing_replay.model.replay import is_prepared
 from routing_replay.testing import tiny_moe, tiny_tokenizer
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def checkpoint():

@@ -20,6 +20,8 @@ from test_integration_trl import assert_forced, natively_different, run
 from routing_replay import MISSING
 from routing_replay.testing import tiny_moe, tiny_tokenizer
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture(scope="module")
 def checkpoint():

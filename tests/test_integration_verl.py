@@ -53,6 +53,8 @@ from routing_replay.integrations.verl import (
 from routing_replay.model.adapters import find_routers
 from routing_replay.testing import tiny_moe
 
+pytestmark = pytest.mark.verl
+
 
 @pytest.fixture
 def model():

@@ -35,6 +35,8 @@ from routing_replay.integrations.vllm import (  # noqa: E402
 )
 from routing_replay.testing import save_tiny_moe  # noqa: E402
 
+pytestmark = pytest.mark.vllm
+
 for _key, _value in DEFAULT_ENV.items():
     os.environ.setdefault(_key, _value)
 

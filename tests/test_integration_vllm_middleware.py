@@ -38,6 +38,8 @@ from routing_replay.integrations.vllm_middleware import (  # noqa: E402
     ref_json,
 )
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[3 + (7 * i + 5 * j) % 120 for j in range(40)] for i in range(3)]
 

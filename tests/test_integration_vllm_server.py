@@ -35,6 +35,8 @@ from routing_replay.integrations.vllm import routes_from_vllm  # noqa: E402
 from routing_replay.integrations.vllm_server import vllm_server  # noqa: E402
 from routing_replay.ray.actor import shutdown_node_stores  # noqa: E402
 
+pytestmark = pytest.mark.vllm
+
 EPISODES, TURNS, NEW = 8, 3, 8
 GREEDY = {"max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 

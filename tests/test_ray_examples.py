@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.ray
+
 pytest.importorskip("ray")
 pytest.importorskip("transformers")
 

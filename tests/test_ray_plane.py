@@ -17,6 +17,8 @@ import uuid
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -9,6 +9,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -29,6 +31,7 @@ def run(code: str) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.slow
 def test_api_tour_runs_as_written():
     code = block_after("## API tour")
     name = "readme-tour.node0"
@@ -38,6 +41,7 @@ def test_api_tour_runs_as_written():
     assert out.stdout.strip().splitlines()[-1] == "(80, 4, 4) torch.int8 [0, 20, 40, 60, 80] 0"
 
 
+@pytest.mark.ray
 def test_ray_tour_runs_as_written():
     code = block_after("### On Ray")
     assert code.count('"readme-ray"') == 2  # put and shutdown: give this run its own job

@@ -33,6 +33,8 @@ from routing_replay import (
 from routing_replay.store import sweep as sweep_module
 from routing_replay.store.segment import segment_path
 
+pytestmark = pytest.mark.stress
+
 SOAK = 10 if os.environ.get("ROUTING_REPLAY_SOAK") else 1
 LAYOUT = RoutingLayout(num_layers=5, top_k=2, num_experts=32, moe_layers=(1, 2, 4))
 FORK = mp.get_context("fork")

@@ -33,6 +33,8 @@ from routing_replay import (
 from routing_replay.model.adapters import find_routers
 from routing_replay.routes import with_layout
 
+pytestmark = pytest.mark.compile
+
 # The package exports a function named like the module: fetch the module itself.
 replay_mod = importlib.import_module("routing_replay.model.replay")
 staging = importlib.import_module("routing_replay.model.staging")

@@ -26,9 +26,13 @@ from moe_models import tiny_model
 from routing_replay import RoutingLayout, capture, replay
 from routing_replay.model.adapters import find_routers
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="needs torch.distributed gloo",
+    ),
+]
 
 # Replayed FSDP2 runs that must equal the unsharded replayed model.
 EQUAL = {

@@ -588,6 +588,7 @@ def make_fuzz_store(name: str, samples) -> bytes:
     return raw
 
 
+@pytest.mark.stress
 def test_corrupted_tables_never_crash_hang_or_serve_wrong_routes(name):
     samples = fuzz_samples()
     raw = make_fuzz_store(name, samples)

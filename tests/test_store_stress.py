@@ -30,6 +30,8 @@ from routing_replay import (
 )
 from routing_replay.store.segment import segment_path
 
+pytestmark = pytest.mark.stress
+
 try:
     from routing_replay.store.lock import interleave
 except ImportError:  # the store before its redesign (tests of the test: see run_stress)
