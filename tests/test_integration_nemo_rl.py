@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
+import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from routing_replay import InvalidRoutesError, RoutingLayout, RoutingStore
 from routing_replay.integrations.nemo_rl import (
@@ -23,6 +26,70 @@ from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=8, moe_layers=(0, 2))
 LENGTHS = [5, 8, 3]
+
+
+class Group:
+    """A process group as Megatron's slicing reads it: `.size()` and `.rank()`."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.fixture
+def gloo():
+    """A one-rank gloo group (Megatron's mappings need `torch.distributed` initialised)."""
+    pytest.importorskip("megatron.core", reason="pip install megatron-core (extra: megatron)")
+    started = not dist.is_initialized()
+    if started:
+        init = f"file:///tmp/rr-pg-{uuid.uuid4().hex}"
+        dist.init_process_group("gloo", init_method=init, world_size=1, rank=0)
+    yield
+    if started:
+        dist.destroy_process_group()
+
+
+def megatron_sp(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's own SP scatter of `x` `[B, S, ...]`: it splits dim 0 of `[S, B, ...]`."""
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(x.transpose(0, 1), group=group).transpose(0, 1)
+
+
+@functools.cache
+def rope_config():
+    """A `TransformerConfig` with unfused RoPE (tests/megatron_cpu.py's, warnings muted)."""
+    from megatron_cpu import config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return config(apply_rope_fusion=False)
+
+
+def megatron_thd_positions(cu_seqlens: torch.Tensor, cp_group) -> torch.Tensor:
+    """The packed positions Megatron places on this CP rank of a THD batch, as Megatron says.
+
+    Transformer Engine's `thd_get_partitioned_indices` (what `get_thd_batch_on_this_cp_rank`
+    calls) is CUDA only, so ask Megatron's CPU code for THD under CP instead: unfused RoPE
+    (`apply_rotary_pos_emb` with `cu_seqlens`, its exact-offset mode) rotates every local
+    token by the angle of the packed position it stands for. Angle = position / 1000 on a
+    unit vector: the position is read back exactly.
+    """
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    total, cp = int(cu_seqlens[-1]), cp_group.size()
+    assert total < 3000  # angles stay below pi: atan2 gives them back
+    freqs = (
+        (torch.arange(total, dtype=torch.float64) / 1000).view(total, 1, 1, 1).expand(-1, 1, 1, 2)
+    )
+    unit = torch.tensor([1.0, 0.0], dtype=torch.float64).expand(total // cp, 1, 2)
+    out = apply_rotary_pos_emb(unit, freqs, rope_config(), cu_seqlens=cu_seqlens, cp_group=cp_group)
+    return torch.round(torch.atan2(out[:, 0, 1], out[:, 0, 0]) * 1000).long()
 
 
 def routes_of(tokens: np.ndarray) -> np.ndarray:
@@ -111,19 +178,60 @@ def test_cp_zigzag_exact_positions():
         cp_slice(torch.arange(6).unsqueeze(0), 2, 0)
 
 
-def test_sp_slice_is_contiguous_per_tp_rank():
-    x = torch.arange(12).unsqueeze(0)
-    assert [sp_slice(x, 3, r).tolist() for r in range(3)] == [
-        [[0, 1, 2, 3]],
-        [[4, 5, 6, 7]],
-        [[8, 9, 10, 11]],
-    ]
+def test_packed_cp_slice_matches_megatron_thd_positions():
+    # Oracle: the packed positions Megatron's own THD code puts on each CP rank (RoPE with
+    # cu_seqlens under CP, see megatron_thd_positions), for several packings and CP sizes.
+    pytest.importorskip("megatron.core", reason="pip install megatron-core (extra: megatron)")
+    g = torch.Generator().manual_seed(0)
+    for lengths in ([5, 8, 3], [1, 12, 0, 7, 4], [16]):
+        for cp in (2, 3, 4):
+            ids = torch.randint(3, 60, (len(lengths), max(lengths)), generator=g)
+            routes = torch.randint(-1, 8, (*ids.shape, 2, 2), generator=g, dtype=torch.int8)
+            batch = {"input_ids": ids, "input_lengths": torch.tensor(lengths)}
+            packed = pack({**batch, "routed_experts": routes}, multiple=2 * cp)
+            cu = packed["cu_seqlens"]
+            everywhere = []
+            for r in range(cp):
+                pos = megatron_thd_positions(cu, Group(cp, r))
+                everywhere.append(pos)
+                assert torch.equal(
+                    cp_slice(torch.arange(int(cu[-1]))[None], cp, r, cu_seqlens=cu)[0], pos
+                )
+                assert torch.equal(
+                    input_ids_for_rank(packed, cp_size=cp, cp_rank=r), packed["input_ids"][:, pos]
+                )
+                assert torch.equal(
+                    routes_for_rank(packed, cp_size=cp, cp_rank=r), packed["routed_experts"][:, pos]
+                )
+            # Megatron's ranks cover every packed position exactly once.
+            assert torch.equal(torch.cat(everywhere).sort().values, torch.arange(int(cu[-1])))
+
+
+def test_sp_slice_is_contiguous_per_tp_rank(gloo):
+    # Oracle: Megatron's `scatter_to_sequence_parallel_region` on each TP rank (it splits
+    # dim 0 of [S, B, ...]; our tensors are [B, S, ...], megatron_sp transposes).
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (3, 24), generator=g)
+    routes = torch.randint(-1, 8, (3, 24, 2, 2), generator=g, dtype=torch.int8)
+    hidden = torch.randn(24, 3, 16, generator=g)  # [S, B, H], as Megatron holds activations
+    for tp in (1, 2, 3, 4, 6):
+        for r in range(tp):
+            for x in (ids, routes, routes[:1]):
+                assert torch.equal(sp_slice(x, tp, r), megatron_sp(x, Group(tp, r)))
+            want = scatter_to_sequence_parallel_region(hidden, group=Group(tp, r))
+            assert torch.equal(sp_slice(hidden, tp, r, seq_dim=0), want)
     with pytest.raises(InvalidRoutesError, match="tp_size = 5"):
-        sp_slice(x, 5, 0)
+        sp_slice(ids, 5, 0)
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_every_rank_routes_stay_aligned_with_its_tokens(filled, packed):
+def test_every_rank_routes_stay_aligned_with_its_tokens(filled, gloo, packed):
+    # Each (CP, TP) rank's routes and ids must be exactly what Megatron gives that rank:
+    # `get_batch_on_this_cp_rank` (padded) or its THD positions (packed), then its SP scatter.
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     store, batch = filled
     attach_routes(batch, fetch=store.read)
     cp, tp = 2, 2
@@ -135,13 +243,22 @@ def test_every_rank_routes_stay_aligned_with_its_tokens(filled, packed):
             batch[key] = torch.cat([batch[key], pad.to(batch[key].dtype)], dim=1)
     seen = 0
     for cp_rank in range(cp):
+        if packed:
+            pos = megatron_thd_positions(batch["cu_seqlens"], Group(cp, cp_rank))
+            mcore = {k: batch[k][:, pos] for k in ("input_ids", "routed_experts")}
+        else:
+            mcore = get_batch_on_this_cp_rank(
+                {k: batch[k].clone() for k in ("input_ids", "routed_experts")}, Group(cp, cp_rank)
+            )
         ids = input_ids_for_rank(batch, cp_size=cp, cp_rank=cp_rank)
+        assert torch.equal(ids, mcore["input_ids"])
         for tp_rank in range(tp):
             routes = routes_for_rank(
                 batch, cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank,
                 sequence_parallel=True,
             )  # fmt: skip
-            local_ids = sp_slice(ids, tp, tp_rank)  # what Megatron's SP scatter gives this rank
+            assert torch.equal(routes, megatron_sp(mcore["routed_experts"], Group(tp, tp_rank)))
+            local_ids = megatron_sp(mcore["input_ids"], Group(tp, tp_rank))  # Megatron's SP scatter
             have = (routes != -1).all(-1).all(-1)
             want = torch.from_numpy(routes_of(local_ids[have].numpy()).astype(np.int8))
             assert torch.equal(routes[have], want)
@@ -149,38 +266,76 @@ def test_every_rank_routes_stay_aligned_with_its_tokens(filled, packed):
     assert seen == sum(LENGTHS[:2]) - 2  # every routed token lands on exactly one rank
 
 
-def test_cp_slice_matches_megatron_get_batch_on_this_cp_rank():
-    mcore_utils = pytest.importorskip("megatron.core.utils")
-    import torch.distributed as dist
+def test_cp_slice_matches_megatron_get_batch_on_this_cp_rank(gloo):
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    class Group:  # the CP topology Megatron asks for: .size() and .rank() of the group
-        def __init__(self, size: int, rank: int) -> None:
-            self._size, self._rank = size, rank
+    ids = torch.arange(2 * 24).view(2, 24)
+    routes = torch.randint(0, 8, (2, 24, 2, 2))
+    for cp in (2, 3):
+        for r in range(cp):
+            want = get_batch_on_this_cp_rank(
+                {"input_ids": ids.clone(), "routed_experts": routes.clone()}, Group(cp, r)
+            )
+            assert torch.equal(cp_slice(ids, cp, r), want["input_ids"])
+            assert torch.equal(cp_slice(routes, cp, r), want["routed_experts"])
 
-        def size(self) -> int:
-            return self._size
 
-        def rank(self) -> int:
-            return self._rank
+@pytest.mark.parametrize(("tp", "cp"), [(2, 2), (3, 1), (2, 3)])
+def test_every_rank_matches_megatron_parallel_state_groups(tp, cp):
+    # Every global rank of a TP x CP world in turn, in this process: a "fake" torch.distributed
+    # backend (ranks and groups, no transport: the slices need no communication) and
+    # Megatron's own `initialize_model_parallel`. Its TP / CP groups say which (cp, tp) slice
+    # the rank holds; our slice must equal Megatron's CP slice then SP scatter on them.
+    pytest.importorskip("megatron.core", reason="pip install megatron-core (extra: megatron)")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group(
-            "gloo", init_method=f"file:///tmp/rr-pg-{uuid.uuid4().hex}", world_size=1, rank=0
-        )
-    try:
-        ids = torch.arange(2 * 24).view(2, 24)
-        routes = torch.randint(0, 8, (2, 24, 2, 2))
-        for cp in (2, 3):
-            for r in range(cp):
-                want = mcore_utils.get_batch_on_this_cp_rank(
-                    {"input_ids": ids.clone(), "routed_experts": routes.clone()}, Group(cp, r)
-                )
-                assert torch.equal(cp_slice(ids, cp, r), want["input_ids"])
-                assert torch.equal(cp_slice(routes, cp, r), want["routed_experts"])
-    finally:
-        if started:
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group")
+    g = torch.Generator().manual_seed(7)
+    lengths = [5, 8, 3, 11]
+    ids = torch.randint(3, 60, (len(lengths), 2 * cp * tp * 3), generator=g)
+    routes = torch.randint(-1, 8, (*ids.shape, 2, 2), generator=g, dtype=torch.int8)
+    padded = {"input_ids": ids, "routed_experts": routes}
+    packed = pack({**padded, "input_lengths": torch.tensor(lengths)}, multiple=2 * cp * tp)
+    seen = []
+    for rank in range(tp * cp):
+        dist.init_process_group("fake", rank=rank, world_size=tp * cp, store=FakeStore())
+        try:
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                context_parallel_size=cp,
+                create_gloo_process_groups=False,
+            )
+            tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
+            tp_group = ps.get_tensor_model_parallel_group()
+            seen.append((tp_rank, cp_rank))
+            pos = megatron_thd_positions(packed["cu_seqlens"], ps.get_context_parallel_group())
+            mcore = {
+                "padded": get_batch_on_this_cp_rank({k: v.clone() for k, v in padded.items()}),
+                "packed": {k: packed[k][:, pos] for k in ("input_ids", "routed_experts")},
+            }
+            for name, batch in (("padded", padded), ("packed", packed)):
+                want = mcore[name]
+                routes = routes_for_rank(
+                    batch, cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank,
+                    sequence_parallel=True,
+                )  # fmt: skip
+                cp_ids = input_ids_for_rank(batch, cp_size=cp, cp_rank=cp_rank)
+                assert torch.equal(cp_ids, want["input_ids"]), (name, rank)
+                want_routes = scatter_to_sequence_parallel_region(
+                    want["routed_experts"].transpose(0, 1), tp_group
+                ).transpose(0, 1)
+                assert torch.equal(routes, want_routes), (name, rank)
+                want_ids = scatter_to_sequence_parallel_region(cp_ids.T, tp_group).T
+                assert torch.equal(sp_slice(cp_ids, tp, tp_rank), want_ids), (name, rank)
+                assert routes.shape[1] * tp * cp == batch["input_ids"].shape[1]
+        finally:
+            ps.destroy_model_parallel()
             dist.destroy_process_group()
+    assert sorted(seen) == [(t, c) for t in range(tp) for c in range(cp)]
 
 
 def test_fill_missing_distinct_spread_never_expert_zero_column():
