@@ -38,6 +38,7 @@ pytestmark = pytest.mark.compile
 # The package exports a function named like the module: fetch the module itself.
 replay_mod = importlib.import_module("routing_replay.model.replay")
 staging = importlib.import_module("routing_replay.model.staging")
+forcing = importlib.import_module("routing_replay.model.forcing")
 prepare_replay, is_prepared = replay_mod.prepare_replay, replay_mod.is_prepared
 
 B, S = 2, 6
@@ -394,7 +395,7 @@ def test_other_instance_forwards_on_routers_are_kept(order):
             assert torch.equal(run(input_ids=ids).logits, expected)
         assert torch.equal(run(input_ids=ids).logits, native)
     assert len(calls) == 2 * len(routers)  # their forward ran in both forwards, compiled too
-    outer = functools.partial if order == "hooked after replay" else replay_mod._ReplayingForward
+    outer = functools.partial if order == "hooked after replay" else forcing.ReplayingForward
     assert all(isinstance(r.__dict__["forward"], outer) for r in routers)
     assert is_prepared(model)
 

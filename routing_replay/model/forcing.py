@@ -1,0 +1,225 @@
+"""The code replay installs in a model: a `forward` on each MoE router, two decoder hooks.
+
+The first `replay(model, routes)` block on a model (or `prepare_replay(model)`)
+installs, once and for good, a `forward` on each MoE router module (an instance attribute
+that calls the class's own forward, then forces the ids) and two hooks on the decoder (the
+batch-shape check before it runs, the "every router was called" check after). They all
+read one per-model state object: outside a `replay` block it is inactive and the model
+routes natively (one Python call and one flag test per router); `Replay.__enter__` puts the
+batch's routes there (on the routers' device, ids in the narrowest integer dtype, widened
+per layer to int64 inside the router's forward), `__exit__` deactivates it and frees them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from routing_replay.compat.torch import in_backward
+from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
+from routing_replay.model.adapters import MoeModel, Router, ScoreFunction, find_routers
+from routing_replay.model.staging import DeviceRoutes
+
+if TYPE_CHECKING:
+    from routing_replay.model.replay import Replay
+
+_STATE = "_routing_replay_state"  # on the decoder: the model's ReplayState (also the mark)
+
+
+class ReplayState:
+    """Per-model state read by the persistent router forwards and decoder hooks.
+
+    Inactive outside a `replay` block. Attributes read under torch.compile are the flag
+    (guarded) and the tensors of `layer_routes` (graph inputs); the Python lists of flags are
+    read in eager mode only, so they never specialise a compiled graph.
+    """
+
+    def __init__(self, moe: MoeModel) -> None:
+        self.moe = moe
+        self.handles: list[Any] = []  # the decoder hooks
+        self.active = False
+        self.owner: Replay | None = None
+        self.batch_shape: tuple[int, ...] = ()
+        self.layer_routes: list[DeviceRoutes] | None = None  # per MoE layer (shared per device)
+        self.any_missing_L: list[bool] = []  # eager fast paths only
+        self.all_missing_L: list[bool] = []
+        self.ran_L: list[bool] = [False] * moe.layout.num_moe_layers
+
+    def deactivate(self) -> None:
+        """Back to native routing; drop every reference to the batch's routes."""
+        self.active = False
+        self.owner = None
+        self.layer_routes = None
+        self.any_missing_L = []
+        self.all_missing_L = []
+        self.ran_L = [False] * self.moe.layout.num_moe_layers
+
+
+class ReplayingForward:
+    """A prepared router's `forward` (an instance attribute): the module's own forward (its
+    class's, or one that other code had set on the instance, e.g. accelerate's hooks), then
+    the forced ids while replay is active. A plain object, not a closure, so that
+    `copy.deepcopy` and pickling carry it over to the copied module."""
+
+    def __init__(
+        self, module: nn.Module, state: ReplayState, layer: int, router: Router, inner: Any
+    ) -> None:
+        self.module = module
+        self.state = state
+        self.layer = layer  # index among the MoE layers (the L of the routes)
+        self.name = router.name
+        self.score: ScoreFunction = router.score
+        self.inner = inner  # an instance forward found when installing, or None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if self.inner is None:
+            output = type(module).forward(module, *args, **kwargs)
+        else:
+            output = self.inner(*args, **kwargs)
+        if not self.state.active:
+            return output
+        return _force(self, module, output)
+
+    def __repr__(self) -> str:
+        return f"<routing_replay forward of {self.name!r}>"
+
+
+def prepare_model(moe: MoeModel) -> ReplayState:
+    decoder = moe.decoder
+    state = decoder.__dict__.get(_STATE)
+    if not isinstance(state, ReplayState) or _router_ids(state.moe) != _router_ids(moe):
+        for handle in getattr(state, "handles", ()):  # a state for other routers: replaced
+            handle.remove()
+        state = ReplayState(moe)
+        setattr(decoder, _STATE, state)  # a plain object: not a submodule, not in state_dict
+    for j, router in enumerate(moe.routers):
+        module = router.module
+        installed = module.__dict__.get("forward")
+        if _reaches_ours(installed, module, state):
+            continue  # ours, or other code's forward set on top of ours (it calls ours)
+        if isinstance(installed, ReplayingForward):  # ours for a former state: unwrap it
+            installed = installed.inner
+        module.forward = ReplayingForward(module, state, j, router, installed)
+    live = [h for h in state.handles if _hook_registered(decoder, h)]
+    if len(live) != 2:
+        for handle in live:
+            handle.remove()
+        state.handles = [
+            decoder.register_forward_pre_hook(_check_inputs, with_kwargs=True),
+            decoder.register_forward_hook(_check_all_routed),
+        ]
+    return state
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether `model` carries replay's router forwards and decoder hooks (see prepare_replay)."""
+    moe = find_routers(model)
+    state = moe.decoder.__dict__.get(_STATE)
+    return (
+        isinstance(state, ReplayState)
+        and all(
+            _reaches_ours(r.module.__dict__.get("forward"), r.module, state) for r in moe.routers
+        )
+        and sum(_hook_registered(moe.decoder, h) for h in state.handles) == 2
+    )
+
+
+def _router_ids(moe: MoeModel) -> tuple[int, ...]:
+    return tuple(id(r.module) for r in moe.routers)
+
+
+def _reaches_ours(forward: Any, module: nn.Module, state: ReplayState) -> bool:
+    """Whether `forward` is this state's replaying forward of `module`, or wraps it (following
+    `__wrapped__`, as functools.update_wrapper and accelerate's hooks set it)."""
+    for _ in range(16):
+        if isinstance(forward, ReplayingForward):
+            return forward.module is module and forward.state is state
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return False
+    return False
+
+
+def _hook_registered(module: nn.Module, handle: Any) -> bool:
+    return handle.id in module._forward_pre_hooks or handle.id in module._forward_hooks
+
+
+# -- the installed code: runs on every forward of a prepared model -----------------------------
+
+
+def _force(slot: ReplayingForward, module: nn.Module, output: tuple) -> tuple:
+    """The forced ids and the family's weights at them, merged with the native missing rows."""
+    state, j = slot.state, slot.layer
+    state.ran_L[j] = True
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        if j == 0:
+            state.owner._count_pass()
+        if state.all_missing_L[j]:
+            return output
+    logits_TE, native_w_TK, native_ids_TK = output[:3]
+    routes = state.layer_routes[j]
+    ids_NLK = routes.ids.flatten(0, -3)  # the rows the routers see (a view)
+    if native_ids_TK.shape[0] != ids_NLK.shape[0]:
+        raise InvalidRoutesError(
+            f"router {slot.name!r} sees {native_ids_TK.shape[0]} tokens but the routes "
+            f"have {ids_NLK.shape[0]} rows (batch shape {list(state.batch_shape)})"
+        )
+    if not compiling and ids_NLK.device != native_ids_TK.device:  # a model moved since
+        routes = state.owner._device_routes(native_ids_TK.device)
+        ids_NLK = routes.ids.flatten(0, -3)
+    ids_TK = ids_NLK[:, j].long()  # widened per layer: the batch stays narrow
+    weights_TK = slot.score(module, logits_TE, ids_TK).to(native_w_TK.dtype)
+    # Compiled: always merge (uniform ops, so the graph does not depend on which layers have
+    # missing rows in this batch). Eager: only where a row is missing (the same values).
+    if compiling or state.any_missing_L[j]:
+        missing_T1 = routes.missing.flatten(0, -2)[:, j, None]
+        ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
+        weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
+    return (logits_TE, weights_TK, ids_TK, *output[3:])
+
+
+def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    state: ReplayState = module.__dict__[_STATE]
+    if not state.active:
+        return
+    state.ran_L = [False] * len(state.ran_L)
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not in_backward():
+        # Counted here, where the caller's grad mode holds: reentrant checkpointing runs
+        # the layers (and so the routers) under no_grad in the forward.
+        state.owner._grad_forwards += 1
+    shape = _input_shape(args, kwargs)
+    # Against the routes tensor's own sizes, not a tuple of ints: compiled with dynamic
+    # shapes, a new batch shape then needs no recompile for this check.
+    if shape is not None and shape != tuple(state.layer_routes[0].ids.shape[:-2]):
+        raise InvalidRoutesError(
+            f"routes have batch shape {list(state.batch_shape)} but the model is called with "
+            f"input shape {list(shape)}: routes must be input_ids.shape + (num_moe_layers, "
+            "top_k), aligned with the same padding or packing"
+        )
+
+
+def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
+    state: ReplayState = module.__dict__[_STATE]
+    if not state.active:
+        return
+    ran, state.ran_L = state.ran_L, [False] * len(state.ran_L)
+    if not all(ran):
+        names = [r.name for r, done in zip(state.moe.routers, ran, strict=True) if not done]
+        raise UnsupportedModelError(
+            f"replay: the forward finished without calling the routers {names}; a fused MoE "
+            "kernel (e.g. use_kernels=True) routes on its own and would ignore the routes"
+        )
+
+
+def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(input_ids, Tensor):
+        return tuple(input_ids.shape)
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, Tensor):
+        return tuple(embeds.shape[:-1])
+    return None
