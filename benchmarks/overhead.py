@@ -41,12 +41,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
 
-from routing_replay import capture, replay, with_layout
+from routing_replay import RoutingLayout, capture, replay, with_layout
 from routing_replay.model.capture import Capture
 from routing_replay.model.replay import Replay
 from routing_replay.testing import seeded_moe, tiny_moe_config
 
-replay_module = sys.modules["routing_replay.model.replay"]
+forcing_module = sys.modules["routing_replay.model.forcing"]
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -96,7 +96,7 @@ class LibraryClock:
             (Replay, "__init__", self._timed),
             (Replay, "__enter__", self._timed),
             (Replay, "__exit__", self._timed),
-            (replay_module, "_force", self._timed),  # the forced ids, per router call
+            (forcing_module, "_force", self._timed),  # the forced ids, per router call
         ):
             original = owner.__dict__[name]
             self._patches.append((owner, name, original))
@@ -261,7 +261,7 @@ def replay_device_bytes(tokens: int) -> dict:
     g = torch.Generator().manual_seed(0)
     keys = torch.rand(tokens, layers, experts, generator=g)
     routes = keys.argsort(dim=-1)[..., :top_k].to(torch.int32)[None]  # as capture returns them
-    block = Replay(model, routes)
+    block = Replay(model, routes, layout=RoutingLayout.from_hf_config(model.config))
     with block:
         inside = held_device_bytes(block)
         dtypes = sorted(
