@@ -38,6 +38,7 @@ import torch
 
 from routing_replay import (
     MISSING,
+    InvalidArgumentError,
     InvalidRoutesError,
     LayoutMismatchError,
     RoutesTensor,
@@ -93,7 +94,9 @@ def replay_mask(
     keep = lengths if replay_final else (lengths - 1).clamp(min=0)
     if cu_seqlens is None:
         if seq_len is None:
-            raise ValueError("replay_mask: pass seq_len (padded [B, S]) or cu_seqlens (packed)")
+            raise InvalidArgumentError(
+                "replay_mask: pass seq_len (padded [B, S]) or cu_seqlens (packed)"
+            )
         if (lengths < 0).any() or (lengths > seq_len).any():
             raise InvalidRoutesError(
                 f"input_lengths must be in [0, {seq_len}], got {lengths.tolist()}"
@@ -224,7 +227,7 @@ class MegatronRouterFeed:
             )
             fill_real = "filler" if fill else "error"
         if fill_real not in ("error", "filler"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"fill_real must be 'error' or 'filler', got {fill_real!r} (Megatron's "
                 "RouterReplay has no per-row native routing)"
             )

@@ -29,6 +29,7 @@ import torch
 
 from routing_replay import (
     MISSING,
+    InvalidArgumentError,
     InvalidRoutesError,
     RoutesTensor,
     RoutingRef,
@@ -134,7 +135,7 @@ def pack(
     """
     input_ids, lengths = _ids_and_lengths(batch)
     if multiple < 1:
-        raise ValueError(f"multiple must be >= 1, got {multiple}")
+        raise InvalidArgumentError(f"multiple must be >= 1, got {multiple}")
     padded = (lengths + multiple - 1) // multiple * multiple
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(padded, 0)
@@ -177,7 +178,7 @@ def cp_slice(
     sequence on its own, results concatenated (Transformer Engine's THD partitioning).
     """
     if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
+        raise InvalidArgumentError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     if cp_size == 1:
         return x
     if cu_seqlens is None:
@@ -209,7 +210,7 @@ def _zigzag(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int) -> torch.
 def sp_slice(x: torch.Tensor, tp_size: int, tp_rank: int, *, seq_dim: int = 1) -> torch.Tensor:
     """This TP rank's contiguous 1/TP of the sequence (Megatron sequence parallelism)."""
     if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        raise InvalidArgumentError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
     S = x.shape[seq_dim]
     if S % tp_size:
         raise InvalidRoutesError(

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay.errors import InvalidRoutesError
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
 from routing_replay.validate import MISSING, not_integer, out_of_range, repeated
 
 # MISSING (-1) marks "no routing recorded here" in every signed view of routes (put input,
@@ -38,17 +38,21 @@ class RoutingLayout:
         for name in ("num_layers", "top_k", "num_experts"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"RoutingLayout.{name} must be a positive int, got {value!r}")
+                raise InvalidArgumentError(
+                    f"RoutingLayout.{name} must be a positive int, got {value!r}"
+                )
         if self.top_k > self.num_experts:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"RoutingLayout.top_k={self.top_k} exceeds num_experts={self.num_experts}"
             )
         if self.num_experts > 2**16 - 1:
-            raise ValueError(f"num_experts={self.num_experts} does not fit 16-bit expert ids")
+            raise InvalidArgumentError(
+                f"num_experts={self.num_experts} does not fit 16-bit expert ids"
+            )
         moe = tuple(range(self.num_layers)) if self.moe_layers is None else self.moe_layers
         moe = tuple(int(i) for i in moe)
         if not moe or list(moe) != sorted(set(moe)) or moe[0] < 0 or moe[-1] >= self.num_layers:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"moe_layers must be distinct, increasing layer indices in [0, {self.num_layers}),"
                 f" got {self.moe_layers!r}"
             )
@@ -255,7 +259,7 @@ class RoutingLayout:
         )
         top_k, experts = _uniform(top_k, "top-k"), _uniform(experts, "expert count")
         if top_k is None or not experts:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{type(config).__name__} does not look like an MoE config: no expert count or "
                 "top-k attribute (num_experts / n_routed_experts / num_local_experts and "
                 "num_experts_per_tok); build RoutingLayout(num_layers, top_k, num_experts, "
@@ -265,7 +269,7 @@ class RoutingLayout:
         if layer_types is not None:
             unknown = sorted(set(layer_types) - set(MOE_MLP_TYPES) - {"dense"})
             if unknown:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"mlp_layer_types has {unknown}: neither dense nor one of the routed kinds "
                     f"{list(MOE_MLP_TYPES)}; build RoutingLayout(..., moe_layers=...) by hand"
                 )
@@ -301,7 +305,7 @@ def _uniform(value: Any, what: str) -> Any:
     if not isinstance(value, (list, tuple)):
         return value
     if len(set(value)) != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the config's {what} differs between layers ({list(value)}): a RoutingLayout has "
             "one top-k and one expert count for all MoE layers"
         )

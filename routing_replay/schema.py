@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from routing_replay.errors import LayoutMismatchError
+from routing_replay.errors import InvalidArgumentError, LayoutMismatchError
 from routing_replay.layout import RoutingLayout
 
 LAYOUT_METADATA_KEY = b"routing_replay.layout"
@@ -96,7 +96,7 @@ def output_buffer(out: Any, nbytes: int) -> pa.Buffer:
     """The first `nbytes` of caller-provided memory as a writable Arrow buffer (no copy)."""
     arr = np.asarray(out)
     if not (arr.flags.c_contiguous and arr.flags.writeable) or arr.nbytes < nbytes:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"out must be writable, C-contiguous memory of at least {nbytes} bytes (the "
             f"batch's tokens x layout.bytes_per_token), got {type(out).__name__} of "
             f"{arr.nbytes} bytes (contiguous={arr.flags.c_contiguous}, "

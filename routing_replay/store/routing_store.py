@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from routing_replay.errors import LayoutMismatchError, RoutingReplayError, StoreUnavailableError
+from routing_replay.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    RoutingReplayError,
+    StoreUnavailableError,
+)
 from routing_replay.layout import RoutingLayout
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
@@ -132,11 +137,11 @@ class RoutingStore:
                 or not isinstance(value, numbers.Integral)
                 or not 0 < value <= hi
             ):
-                raise ValueError(f"{what} must be an int in [1, {hi}], got {value!r}")
+                raise InvalidArgumentError(f"{what} must be an int in [1, {hi}], got {value!r}")
         num_pages = -(-int(capacity_tokens) // page_tokens)
         max_samples = int(max_samples or num_pages + 64)
         if num_pages > MAX_TABLE or not 0 < max_samples <= MAX_TABLE:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"capacity_tokens={capacity_tokens} needs {num_pages} pages of {page_tokens} "
                 f"tokens and max_samples={max_samples}; a store holds at most {MAX_TABLE} of "
                 "each: lower capacity_tokens (or max_samples), or raise page_tokens"
@@ -144,7 +149,7 @@ class RoutingStore:
         layout_json = layout.to_json().encode()
         node = (node_id or default_node_id()).encode()
         if len(layout_json) > HEADER_DTYPE["layout"].itemsize or len(node) > 128:
-            raise ValueError("layout or node_id too long for the store header")
+            raise InvalidArgumentError("layout or node_id too long for the store header")
         sizes = {
             "page_tokens": page_tokens,
             "num_pages": num_pages,

@@ -33,7 +33,7 @@ import re
 import stat
 import weakref
 
-from routing_replay.errors import StoreUnavailableError
+from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 
 # Where segments live: POSIX shared memory on Linux. ROUTING_REPLAY_SHM_DIR points the
 # stores of every process that sets it at another tmpfs (for a /dev/shm that is too small).
@@ -62,7 +62,7 @@ def is_store_name(name: str) -> bool:
 def segment_path(name: str) -> str:
     """Path of a store's segment file."""
     if not is_store_name(name):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"store name {name!r} is invalid: use 1-200 characters from [A-Za-z0-9_.-] "
             "(include the job and node, e.g. 'grpo-run7.node3')"
         )
