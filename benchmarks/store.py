@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from routing_replay import RoutingLayout, RoutingStore, to_torch
 
@@ -110,6 +111,23 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
         torch_s = best_of(t_torch, repeat)
         tensor = out.pop("tensor")
         assert np.array_equal(tensor[:tokens].numpy(), layout.decode(routes[0]))
+
+        # The same batch in read-only memory, as Ray's object store or an IPC stream hands
+        # it over: to_torch copies it (a tensor must never write into memory others read).
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        received = pa.ipc.open_stream(sink.getvalue()).read_next_batch()
+        assert not received.column("routed_experts").flatten().flatten().buffers()[1].is_mutable
+
+        def t_torch_read_only() -> float:
+            t0 = time.perf_counter()
+            out["tensor"] = to_torch(received)
+            return time.perf_counter() - t0
+
+        torch_read_only_s = best_of(t_torch_read_only, repeat)
+        assert np.array_equal(out.pop("tensor").numpy(), tensor.numpy())
+
         assert np.array_equal(
             batch.column("routed_experts").flatten().flatten().to_numpy().reshape(routes.shape),
             routes,
@@ -156,6 +174,7 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
         "read -> reused buffer (out=)": read_into_s,
         "put + read (out=)": put_s + read_into_s,
         "Arrow -> torch (packed)": torch_s,
+        "Arrow -> torch, read-only batch (copied)": torch_read_only_s,
         "put + read + to_torch": put_s + read_s + torch_s,
         "put (int32 input)": put_i32_s,
         "put with token_ids (uint8 input)": put_tokens_s,

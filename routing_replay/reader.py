@@ -27,14 +27,23 @@ import torch
 from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.layout import MISSING, RoutingLayout
 from routing_replay.routes import RoutesTensor, with_layout
-from routing_replay.schema import NUM_TOKENS, ROUTED_EXPERTS, SAMPLE_ID, TOKEN_IDS, layout_of
+from routing_replay.schema import (
+    NUM_TOKENS,
+    ROUTED_EXPERTS,
+    SAMPLE_ID,
+    TOKEN_IDS,
+    int32_values,
+    layout_of,
+    list_values,
+    routes_values,
+)
 
 
 def _stored_ids(batch: pa.RecordBatch | pa.Table, layout: RoutingLayout) -> np.ndarray:
     """The narrow ids of every token of a batch, `[sum_T, L*K]`, without copying."""
     column = batch.column(ROUTED_EXPERTS)
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    flat = [chunk.flatten().flatten() for chunk in chunks if len(chunk)]
+    flat = [routes_values(chunk) for chunk in chunks if len(chunk)]
     if len(flat) <= 1:
         ids = _values(flat[0], layout.dtype) if flat else np.empty(0, layout.dtype)
     else:
@@ -64,7 +73,7 @@ def _adjacent_values(arrays: list[pa.Array], dtype: np.dtype) -> np.ndarray | No
 
 def cu_seqlens(batch: pa.RecordBatch | pa.Table) -> torch.Tensor:
     """Cumulative token counts `[B + 1]` (int32) of a routes batch, for packed sequences."""
-    lengths = batch.column(NUM_TOKENS).to_numpy()
+    lengths = int32_values(batch.column(NUM_TOKENS))
     out = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=out[1:])
     return torch.from_numpy(out)
@@ -94,7 +103,7 @@ def to_torch(
     layout = layout_of(batch)
     L, K = layout.num_moe_layers, layout.top_k
     stored = _stored_ids(batch, layout)
-    lengths = batch.column(NUM_TOKENS).to_numpy()
+    lengths = int32_values(batch.column(NUM_TOKENS))
     if attention_mask is None:
         if input_ids is not None:
             trained = torch.as_tensor(input_ids).cpu()
@@ -154,7 +163,7 @@ def _own_memory(batch: pa.RecordBatch | pa.Table) -> bool:
     of this process, or the `out` it was read into): Arrow says "mutable"."""
     column = batch.column(ROUTED_EXPERTS)
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    return all(c.flatten().flatten().buffers()[1].is_mutable for c in chunks if len(c))
+    return all(routes_values(c).buffers()[1].is_mutable for c in chunks if len(c))
 
 
 def check_tokens(
@@ -170,7 +179,7 @@ def check_tokens(
     names = batch.schema.names
     column = batch.column(TOKEN_IDS) if TOKEN_IDS in names else None
     sample_ids = batch.column(SAMPLE_ID).to_pylist()
-    lengths = batch.column(NUM_TOKENS).to_numpy().astype(np.int64)
+    lengths = int32_values(batch.column(NUM_TOKENS)).astype(np.int64)
     if column is None or column.null_count:
         b = 0 if column is None else int(np.flatnonzero(column.is_null().to_numpy(False))[0])
         raise InvalidRoutesError(
@@ -178,7 +187,7 @@ def check_tokens(
             "checked: pass token_ids= to store.put (the engine adapters do), or call without "
             "input_ids to skip the check"
         )
-    recorded_T = pa.chunked_array(column).combine_chunks().flatten().to_numpy(False)
+    recorded_T = int32_values(list_values(pa.chunked_array(column).combine_chunks()))
     differs = np.flatnonzero(recorded_T != trained_T)
     if not len(differs):
         return

@@ -141,10 +141,42 @@ def layout_of(data: pa.RecordBatch | pa.Table | pa.Schema) -> RoutingLayout:
     return RoutingLayout.from_json(meta[LAYOUT_METADATA_KEY])
 
 
+# Reading columns back: numpy views of the buffers. `Array.to_numpy` imports pandas and
+# `flatten` pyarrow.compute on first use (0.2 s in a fresh trainer process); neither is needed.
+
+
+def int32_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The values of a non-null int32 column (`num_tokens`, a list's values), as numpy."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    parts = [
+        np.frombuffer(c.buffers()[1], np.int32, count=len(c), offset=c.offset * 4)
+        for c in chunks
+        if len(c)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+
+
+def list_values(array: pa.ListArray) -> pa.Array:
+    """The child values of a list array's rows (its slice of them, not the whole child)."""
+    offsets = np.frombuffer(
+        array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4
+    )
+    return array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+
+
+def routes_values(chunk: pa.ListArray) -> pa.Array:
+    """The stored ids of a routes chunk's rows, back to back (`[sum_T * L * K]`)."""
+    tokens = list_values(chunk)
+    width = tokens.type.list_size
+    return tokens.values.slice(tokens.offset * width, len(tokens) * width)
+
+
 def copy_into(batch: pa.RecordBatch, out: Any) -> pa.RecordBatch:
     """A routes batch rebuilt over caller-provided memory `out` (its ids copied there)."""
     layout = layout_of(batch)
-    ids = batch.column(ROUTED_EXPERTS).flatten().flatten()
+    ids = routes_values(batch.column(ROUTED_EXPERTS))
     buf = output_buffer(out, len(ids) * layout.dtype.itemsize)
     src = np.frombuffer(
         ids.buffers()[1], layout.dtype, len(ids), ids.offset * layout.dtype.itemsize
@@ -153,7 +185,7 @@ def copy_into(batch: pa.RecordBatch, out: Any) -> pa.RecordBatch:
     out_batch = routes_batch(
         layout,
         batch.column(SAMPLE_ID).to_pylist(),
-        batch.column(NUM_TOKENS).to_numpy(),
+        int32_values(batch.column(NUM_TOKENS)),
         batch.column(PROMPT_LEN).to_pylist(),
         buf,
     )

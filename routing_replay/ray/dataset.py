@@ -44,7 +44,9 @@ from routing_replay.schema import (
     SAMPLE_ID,
     TOKEN_IDS,
     copy_into,
+    int32_values,
     layout_of,
+    list_values,
     routes_schema,
 )
 from routing_replay.store import Part, RoutingRef
@@ -276,7 +278,9 @@ class _RoutesCollate:
         out: dict[str, Any] = {
             "routes": to_torch(table),
             "cu_seqlens": cu_seqlens(table),
-            "num_tokens": torch.from_numpy(table.column("num_tokens").to_numpy().astype(np.int64)),
+            "num_tokens": torch.from_numpy(
+                int32_values(table.column("num_tokens")).astype(np.int64)
+            ),
             "sample_ids": table.column(SAMPLE_ID).to_pylist(),
             "token_ids": _packed_tokens(table),
         }
@@ -288,7 +292,7 @@ def _packed_tokens(table: pa.Table) -> torch.Tensor | None:
     if TOKEN_IDS not in table.schema.names or table.column(TOKEN_IDS).null_count:
         return None
     column = pa.chunked_array(table.column(TOKEN_IDS)).combine_chunks()
-    return torch.from_numpy(column.flatten().to_numpy(False).copy())
+    return torch.from_numpy(int32_values(list_values(column)).copy())
 
 
 def _as_table(batch: pa.Table | dict[str, np.ndarray], layout: RoutingLayout | None) -> pa.Table:
