@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from routing_replay.errors import StoreBusyError
 from routing_replay.store.segment import Segment
@@ -45,19 +46,59 @@ def interleave(hook: Callable[[str], None]) -> Iterator[None]:
 
 
 class Hold:
-    """One holding of the commit lock; `write()` before the first change to the tables."""
+    """One holding of a store's commit lock, as a context manager (`CommitLock.held`);
+    `write()` before the first change to the tables. A plain object, not a generator: a put
+    takes the lock three times, a read twice."""
 
-    __slots__ = ("_tables", "writing")
+    __slots__ = ("_deadline", "_fd", "_lock", "_point", "writing")
 
-    def __init__(self, tables: Tables) -> None:
-        self._tables = tables
+    def __init__(self, lock: CommitLock, point: str, deadline: float) -> None:
+        self._lock, self._point, self._deadline = lock, point, deadline
+        self._fd = -1
         self.writing = False
 
     def write(self) -> None:
         """Mark the tables dirty until this holding ends (idempotent)."""
         if not self.writing:
-            self._tables.set_dirty(True)
+            self._lock._tables.set_dirty(True)
             self.writing = True
+
+    def __enter__(self) -> Hold:
+        lock = self._lock
+        if _hook is not None:
+            _hook(f"{self._point}:take")
+        if lock._epoch != lock._segment.epoch:  # forked: the parent's thread lock may be held
+            lock._thread_lock, lock._epoch = threading.Lock(), lock._segment.epoch
+        if not lock._thread_lock.acquire(timeout=max(self._deadline - time.monotonic(), 0.0)):
+            raise lock._busy(self._deadline)
+        try:
+            self._fd = lock._segment.lock_fd
+            lock._take(self._fd, self._deadline)
+            if lock._tables.dirty:
+                lock._repair()  # sets the flag back once the tables are whole
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if self.writing:
+                if exc_type is not None:
+                    self._lock._repair()  # half-made changes of ours: undone before we let go
+                else:
+                    self._lock._tables.set_dirty(False)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        try:
+            if self._fd >= 0:  # unlocking what this description does not hold is a no-op
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._lock._thread_lock.release()
+            if _hook is not None:
+                _hook(f"{self._point}:drop")
 
 
 class CommitLock:
@@ -70,36 +111,10 @@ class CommitLock:
         self._thread_lock = threading.Lock()
         self._epoch = segment.epoch
 
-    @contextlib.contextmanager
-    def held(self, point: str, deadline: float) -> Iterator[Hold]:
-        """Hold the lock (waiting at most until `deadline`, time.monotonic); repair first."""
-        if _hook is not None:
-            _hook(f"{point}:take")
-        if self._epoch != self._segment.epoch:  # forked: the parent's thread lock may be held
-            self._thread_lock, self._epoch = threading.Lock(), self._segment.epoch
-        if not self._thread_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            raise self._busy(deadline)
-        try:
-            fd = self._segment.lock_fd
-            try:  # unlocking what this description does not hold is a no-op: no window
-                self._take(fd, deadline)
-                hold = Hold(self._tables)
-                if self._tables.dirty:
-                    self._repair()  # sets the flag back once the tables are whole
-                try:
-                    yield hold
-                except BaseException:
-                    if hold.writing:
-                        self._repair()  # half-made changes of ours: undone before we let go
-                    raise
-                if hold.writing:
-                    self._tables.set_dirty(False)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            self._thread_lock.release()
-            if _hook is not None:
-                _hook(f"{point}:drop")
+    def held(self, point: str, deadline: float) -> Hold:
+        """`with lock.held(point, deadline) as hold:` holds the lock (waiting at most until
+        `deadline`, time.monotonic), repairing first what a dead holder left."""
+        return Hold(self, point, deadline)
 
     def _take(self, fd: int, deadline: float) -> None:
         tries, sleep = 0, FIRST_SLEEP_S

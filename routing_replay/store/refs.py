@@ -13,7 +13,7 @@ import itertools
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -66,8 +66,7 @@ class RoutingRef:
         return min(v for _, v in self.policy_versions) if self.policy_versions else None
 
 
-@dataclass(frozen=True)
-class PutRequest:
+class PutRequest(NamedTuple):
     """One sample for `RoutingStore.put_many`: the arguments of `RoutingStore.put`."""
 
     sample_id: str
