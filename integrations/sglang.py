@@ -155,14 +155,11 @@ def put_sglang(
     response: Mapping[str, Any],
     prompt_ids: Sequence[int],
     output_ids: Sequence[int] | None = None,
-    *,
-    start_len: int = 0,
-    prefix: str | RoutingRef | None = None,
+    **where: Any,
 ) -> RoutingRef:
-    """Put one SGLang /generate response's routes into `store` (see `sglang_request`)."""
-    request = sglang_request(
-        store, sample_id, response, prompt_ids, output_ids, start_len=start_len, prefix=prefix
-    )
+    """Put one SGLang /generate response's routes into `store` (see `sglang_request`;
+    `where`: its `start_len` and `prefix`)."""
+    request = sglang_request(store, sample_id, response, prompt_ids, output_ids, **where)
     return store.put_many([request])[0]
 
 

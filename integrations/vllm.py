@@ -226,14 +226,11 @@ def put_http_choice(
     prompt_ids: Sequence[int],
     choice: Mapping[str, Any],
     prompt_routed_experts: str | None = None,
-    *,
-    start: int = 0,
-    prefix: str | RoutingRef | None = None,
+    **where: Any,
 ) -> RoutingRef:
-    """Put one choice of a vLLM HTTP response (see `http_choice_put`)."""
-    request = http_choice_put(
-        store, sample_id, prompt_ids, choice, prompt_routed_experts, start=start, prefix=prefix
-    )
+    """Put one choice of a vLLM HTTP response (see `http_choice_put`; `where`: its `start`
+    and `prefix`)."""
+    request = http_choice_put(store, sample_id, prompt_ids, choice, prompt_routed_experts, **where)
     return store.put_many([request])[0]
 
 
