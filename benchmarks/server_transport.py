@@ -382,7 +382,7 @@ def main() -> None:
     import vllm
 
     from routing_replay.integrations.vllm_server import vllm_server
-    from routing_replay.ray.actor import shutdown_node_stores
+    from routing_replay.ray import shutdown_node_stores
 
     started = time.perf_counter()
     load_before = os.getloadavg()[0]

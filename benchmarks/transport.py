@@ -283,7 +283,7 @@ def writer_setup(way: str, spec: dict, opts: dict) -> dict:
 
             st["store"] = RoutingStore.attach(opts["store"], layout)
         else:
-            from routing_replay.ray.client import node_store
+            from routing_replay.ray import node_store
 
             st["store"] = node_store(opts["job"], layout, capacity_tokens=opts["capacity"])
     st["src_bytes"] = sum(a.nbytes for a in st["src"])
@@ -425,7 +425,7 @@ def reader_recv(st: dict, sock: socket.socket | None, payload: Any) -> Any:
         st["batch"] = pa.Table.from_batches(batches)
         return to_torch(st["batch"])
     if way in ("store-ray", "store-x"):
-        from routing_replay.ray.dataset import fetch_batch
+        from routing_replay.ray import fetch_batch
 
         st["refs"] = payload
         # Same node: read into the reused output. Across nodes the batch arrives through
@@ -449,8 +449,7 @@ def reader_cleanup(st: dict) -> dict:
         info = {"bytes_used": s.bytes_used, "segment_bytes": s.segment_bytes}
         st["store"].release(refs)
     else:
-        from routing_replay.ray.actor import store_actor
-        from routing_replay.ray.dataset import release_refs
+        from routing_replay.ray import release_refs, store_actor
 
         stats = store_actor(st["opts"]["job"], node_id=refs[0].node_id).stats.remote()
         import ray
@@ -721,7 +720,7 @@ class RayCluster:
     def close(self) -> None:
         import ray
 
-        from routing_replay.ray.actor import shutdown_node_stores, store_actors
+        from routing_replay.ray import shutdown_node_stores, store_actors
 
         for job in {name.split("-")[2] for name in store_actors()}:
             shutdown_node_stores(job)
@@ -779,7 +778,7 @@ def measure(
             store.close()
             store.unlink()
         if "job" in opts and ray_cluster is not None:
-            from routing_replay.ray.actor import shutdown_node_stores
+            from routing_replay.ray import shutdown_node_stores
 
             shutdown_node_stores(opts["job"])
     int32_bytes = T * layout.values_per_token * 4

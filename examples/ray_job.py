@@ -26,9 +26,13 @@ import ray
 import torch
 
 from routing_replay import capture, replay, routing_agreement, to_torch
-from routing_replay.ray.actor import shutdown_node_stores, store_actors
-from routing_replay.ray.dataset import fetch_batch
-from routing_replay.ray.rollout import Rollout, rollout_worker
+from routing_replay.ray import (
+    Rollout,
+    fetch_batch,
+    rollout_worker,
+    shutdown_node_stores,
+    store_actors,
+)
 from routing_replay.testing import tiny_moe
 
 VOCAB = 128  # tiny_moe's vocabulary; token ids >= 3 are ordinary tokens

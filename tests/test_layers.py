@@ -7,6 +7,8 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = sorted((ROOT / "routing_replay").rglob("*.py"))
 INTEGRATIONS = sorted((ROOT / "integrations").glob("*.py"))
@@ -85,3 +87,23 @@ def _without_strings(code: str) -> str:
             else:
                 lines[first : last + 1] = [""] * (last - first + 1)
     return "\n".join(lines)
+
+
+def test_old_import_paths_forward_with_a_deprecation_warning():
+    import routing_replay
+    import routing_replay.dataset
+    import routing_replay.ray
+    import routing_replay.rollout
+    import routing_replay.testing
+
+    moved = [
+        (routing_replay, "fetch_batch", routing_replay.ray.fetch_batch),
+        (routing_replay, "node_store", routing_replay.ray.node_store),
+        (routing_replay.dataset, "release_refs", routing_replay.ray.release_refs),
+        (routing_replay.rollout, "demo_model", routing_replay.testing.tiny_moe),
+    ]
+    for module, name, new in moved:
+        with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.{name} moved to"):
+            assert getattr(module, name) is new
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        routing_replay.nope  # noqa: B018
