@@ -158,11 +158,15 @@ def _fetch_packed(micro_batch: Any, fetch: Fetch | None, refs_key: str) -> torch
     return to_torch(table, input_ids=tokens.cpu()).to(tokens.device)
 
 
-def replaying_engine(base: type, *, fetch: Fetch | None = None) -> type:
+def replaying_engine(
+    base: type, *, fetch: Fetch | None = None, layout: RoutingLayout | None = None
+) -> type:
     """A subclass of verl's FSDP engine class `base` (e.g. `FSDPEngineWithLMHead`) whose
     micro-batch forwards replay the micro-batch's routes: `routed_experts` (see
     `attach_routes`), or read by the refs the batch carries (`fetch`, default
-    `routing_replay.ray.fetch_batch`)."""
+    `routing_replay.ray.fetch_batch`). Replay checks the routes' layout against the model:
+    the batch carries it (`attach_routes`, or the read); `layout` (the rollout model's) is
+    for routes put in the batch some other way."""
     from routing_replay import replay
 
     class ReplayingEngine(base):
@@ -184,7 +188,7 @@ def replaying_engine(base: type, *, fetch: Fetch | None = None) -> type:
             sp = self.ulysses_sequence_parallel_size if self.use_ulysses_sp else 1
             pad = self._get_packed_pad_size(packed)
             routes = model_input_routes(micro_batch, sp_size=sp, static_pad=pad, fetch=fetch)
-            block = replay(self.module, routes)
+            block = replay(self.module, routes, layout=layout)
             block.__enter__()
             self._replay_block = block
             try:
@@ -203,7 +207,11 @@ def replaying_engine(base: type, *, fetch: Fetch | None = None) -> type:
 
 
 def register_replaying_engine(
-    *, device: str = "cuda", vendor: str = "nvidia", fetch: Fetch | None = None
+    *,
+    device: str = "cuda",
+    vendor: str = "nvidia",
+    fetch: Fetch | None = None,
+    layout: RoutingLayout | None = None,
 ) -> type:
     """Make verl build the replaying FSDP engine for language models in this process.
 
@@ -224,7 +232,7 @@ def register_replaying_engine(
             f"verl already has an engine registered for {(device, vendor)}: {found}; "
             "routing replay's would shadow it"
         )
-    engine = replaying_engine(FSDPEngineWithLMHead, fetch=fetch)
+    engine = replaying_engine(FSDPEngineWithLMHead, fetch=fetch, layout=layout)
     EngineRegistry.register(
         model_type="language_model", backend=["fsdp", "fsdp2"], device=device, vendor=vendor
     )(engine)
