@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from routing_replay import (  # noqa: E402
+    InvalidArgumentError,
     RoutingLayout,
     SampleNotFoundError,
     StoreUnavailableError,
@@ -114,8 +115,8 @@ class Writer:
 class Reader:
     """A trainer-side worker: fetches batches, builds datasets."""
 
-    def fetch(self, refs: list, release: bool = False, part: str = "all"):
-        batch = fetch_batch(refs, release=release, part=part)
+    def fetch(self, refs: list, release: bool = False, part: str = "all", ranges=None):
+        batch = fetch_batch(refs, release=release, part=part, ranges=ranges)
         return [r.numpy() for r in _split(batch)]
 
     def fetch_fresh(self, refs: list, **bound) -> dict:
@@ -362,6 +363,35 @@ def test_fetch_and_release_with_a_lost_ref_loses_no_sample(cluster):
     assert ray.get(readers[1].fetch.remote(good, release=True))  # all read: now released
     stats = ray.get([a.stats.remote() for a in store_actors(job).values()])
     assert sum(s["samples"] for s in stats) == 0
+    shutdown_node_stores(job)
+
+
+def test_ranges_read_only_their_tokens_on_either_node(cluster):
+    # A context-parallel rank's two chunks of each sample, read on the head: its own
+    # samples from shm, the other node's through its actor, which ships only those tokens.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    refs = [
+        *ray.get(ray.remote(Writer).options(**on(head)).remote(job).put.remote([1, 2], "h")),
+        *ray.get(ray.remote(Writer).options(**on(other)).remote(job).put.remote([3, 4], "o")),
+    ]
+    ranges = [[(0, r.num_tokens // 4), (r.num_tokens * 3 // 4, r.num_tokens)] for r in refs]
+    ranges[1] = (5, 5)  # an empty row keeps its place
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    got = ray.get(reader.fetch.remote(refs, ranges=ranges))
+    for i, (routes, pairs) in zip((1, 2, 3, 4), zip(got, ranges, strict=True), strict=True):
+        pairs = [pairs] if isinstance(pairs[0], int) else pairs
+        want = np.concatenate([sample_routes(i)[a:b] for a, b in pairs])
+        np.testing.assert_array_equal(routes, want)
+    actors = store_actors(job).values()
+    (actor,) = [a for a in actors if ray.get(a.stats.remote())["store"] == refs[2].store]
+    table = ray.get(actor.read.remote(refs[2:], "all", ranges[2:]))
+    sent = sum(b - a for pairs in ranges[2:] for a, b in pairs)
+    (chunk,) = table.column("routed_experts").chunks
+    assert chunk.values.values.buffers()[1].size == sent * LAYOUT.bytes_per_token
+    with pytest.raises(InvalidArgumentError, match="3 entries for 4 refs"):
+        ray.get(reader.fetch.remote(refs, ranges=ranges[:3]))
+    assert ray.get(reader.release.remote(refs)) == 4
     shutdown_node_stores(job)
 
 

@@ -167,12 +167,14 @@ class NodeStoreActor:
             "page_tokens": store.page_tokens,
         }
 
-    def read(self, refs: list[RoutingRef | str], part: str = "all") -> pa.Table:
-        """Samples as one Arrow table (one copy out of shm). Reads never release: the
-        caller releases once its whole batch was read (`release`)."""
+    def read(
+        self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None
+    ) -> pa.Table:
+        """Samples (or their `ranges`) as one Arrow table (one copy out of shm). Reads never
+        release: the caller releases once its whole batch was read (`release`)."""
         store = self._live()
         _check_refs_in(refs, store.name, self.node_id)
-        batch = store.read(refs, part=part)  # type: ignore[arg-type]
+        batch = store.read(refs, part=part, ranges=ranges)  # type: ignore[arg-type]
         with self._lock:
             self.counters["read_calls"] += 1
             self.counters["samples_served"] += batch.num_rows

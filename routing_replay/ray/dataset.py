@@ -98,12 +98,14 @@ def _get(object_refs: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
     return out
 
 
-def _read_local(group: list[RoutingRef], part: Part, out: Any = None) -> pa.RecordBatch:
+def _read_local(
+    group: list[RoutingRef], part: Part, out: Any = None, ranges: list | None = None
+) -> pa.RecordBatch:
     try:
         store = attached(group[0].store)
     except StoreUnavailableError:
         raise lost_error(group, "its segment is gone from this node") from None
-    return store.read(group, part=part, out=out)
+    return store.read(group, part=part, out=out, ranges=ranges)
 
 
 def split_stale(
@@ -147,11 +149,14 @@ def fetch_batch(
     part: Part = "all",
     release: bool = False,
     out: Any = None,
+    ranges: Sequence[Any] | None = None,
     policy_version: None = None,
     max_staleness: None = None,
 ) -> pa.RecordBatch:
     """The refs' routes as one Arrow batch, in order: local ones from shm, others via actors.
 
+    `ranges` (one entry per ref, as in `RoutingStore.read`): only those tokens of each
+    sample are read, and only they cross the network from another node.
     With `out` (reused memory, as in `RoutingStore.read`) the batch is built there: refs of
     one same-node store are read straight into it, anything else is copied in once built.
     With `release=True` the samples are released once *all* of them were read: a read that
@@ -159,18 +164,30 @@ def fetch_batch(
     """
     _no_staleness_args("fetch_batch", policy_version, max_staleness)
     refs = _refs_list(refs, "fetch_batch")
+    if ranges is not None and len(ranges) != len(refs):
+        raise InvalidArgumentError(
+            f"ranges has {len(ranges)} entries for {len(refs)} refs: one per ref"
+        )
     here = current_node_id()
     groups = _by_store(refs)
+
+    def ranges_of(indices: list[int]) -> list | None:
+        return None if ranges is None else [ranges[i] for i in indices]
+
     remote = [s for s in groups if refs[groups[s][0]].node_id != here]
     remote_groups = [[refs[i] for i in groups[s]] for s in remote]
     # Every remote read is in flight before the local ones run.
-    pending = [_actor_for(g).read.remote(g, part=part) for g in remote_groups]
+    pending = [
+        _actor_for(g).read.remote(g, part=part, ranges=ranges_of(groups[s]))
+        for s, g in zip(remote, remote_groups, strict=True)
+    ]
     parts: dict[str, pa.RecordBatch] = {}
     direct = out if len(groups) == 1 and not remote else None  # read straight into `out`
     try:
         for store, indices in groups.items():
             if store not in remote:
-                parts[store] = _read_local([refs[i] for i in indices], part, direct)
+                group = [refs[i] for i in indices]
+                parts[store] = _read_local(group, part, direct, ranges_of(indices))
     finally:
         tables = _get(pending, remote_groups)  # collected (or raised) even if a local read failed
     for store, table in zip(remote, tables, strict=True):

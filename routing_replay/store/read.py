@@ -12,7 +12,7 @@ the read fail, never return another sample's routes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from routing_replay.store.refs import (
     check_store,
     resolve,
     sample_id_bytes,
+    token_ranges,
 )
 
 if TYPE_CHECKING:
@@ -128,11 +129,29 @@ class ReadPlan:
         self.check_unchanged()
         return layout.decode(stored.reshape(len(span), layout.num_moe_layers, layout.top_k))
 
-    def batch(self, part: Part, out: Any = None) -> pa.RecordBatch:
-        """Every sample as one Arrow record batch, one copy (into `out` if given)."""
+    def pieces(self, i: int, part: Part, ranges: Any) -> list[range]:
+        """The positions of sample `i` a read copies: `part`'s, or the `ranges` over them."""
+        span = self.span(i, part)
+        if ranges is None:
+            return [span]
+        pairs = token_ranges(ranges, len(span), self.ids[i])
+        return [range(span.start + a, span.start + b) for a, b in pairs]
+
+    def batch(
+        self, part: Part, out: Any = None, ranges: Sequence[Any] | None = None
+    ) -> pa.RecordBatch:
+        """Every sample as one Arrow record batch, one copy (into `out` if given); with
+        `ranges` (one entry per sample) only those tokens, and only the pages under them."""
         store, layout = self.store, self.store.layout
-        spans = [self.span(i, part) for i in range(len(self.ids))]
-        lengths = np.array([len(s) for s in spans], dtype=np.int64)
+        if ranges is not None and len(ranges) != len(self.ids):
+            raise InvalidArgumentError(
+                f"ranges has {len(ranges)} entries for {len(self.ids)} samples: one per ref"
+            )
+        pieces = [
+            self.pieces(i, part, None if ranges is None else ranges[i])
+            for i in range(len(self.ids))
+        ]
+        lengths = np.array([sum(len(r) for r in p) for p in pieces], dtype=np.int64)
         has_tokens = np.array([d != NO_DIGEST for d in self.digests], dtype=bool)
         nbytes = int(lengths.sum()) * layout.bytes_per_token
         buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
@@ -140,12 +159,17 @@ class ReadPlan:
         token_buf = pa.allocate_buffer(int(lengths[has_tokens].sum()) * TOKEN_DTYPE.itemsize)
         tokens = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
         row = token_row = 0
-        for i, (span, with_tokens) in enumerate(zip(spans, has_tokens.tolist(), strict=True)):
-            self.copy(store._t.data, i, span, values[row:])
-            if with_tokens:
-                self.copy(store._t.tokens, i, span, tokens[token_row:])
-                token_row += len(span)
-            row += len(span)
+        for i, with_tokens in enumerate(has_tokens.tolist()):
+            for span in pieces[i]:
+                self.copy(store._t.data, i, span, values[row:])
+                if with_tokens:
+                    self.copy(store._t.tokens, i, span, tokens[token_row:])
+                    token_row += len(span)
+                row += len(span)
         self.check_unchanged()
-        prompt = [None if p < 0 else p for p in self.prompt_lens]
+        # A row's prompt tokens come first (ranges rise): count those it holds.
+        prompt = [
+            None if p < 0 else sum(max(0, min(r.stop, p) - r.start) for r in pieces[i])
+            for i, p in enumerate(self.prompt_lens)
+        ]
         return routes_batch(layout, self.ids, lengths, prompt, buf, (has_tokens, token_buf))

@@ -214,3 +214,27 @@ def resolve(
             "released, or put on another node's store); nothing was changed"
         )
     return slots
+
+
+def token_ranges(value: Any, length: int, sample_id: str) -> list[tuple[int, int]]:
+    """One sample's `ranges=` entry as `(start, stop)` pairs over its `length` positions: a
+    pair, or a sequence of pairs (context parallel gives a rank two chunks), rising and
+    apart; `(s, s)` is an empty range."""
+
+    def pair(x: Any) -> bool:
+        return isinstance(x, (tuple, list)) and len(x) == 2 and all(_whole(v) for v in x)
+
+    pairs = [value] if pair(value) else list(value) if isinstance(value, (tuple, list)) else []
+    if not pairs or not all(pair(p) for p in pairs):
+        raise InvalidArgumentError(
+            f"ranges for sample {sample_id!r} must be a (start, stop) pair of ints >= 0 or a "
+            f"list of such pairs, got {value!r}"
+        )
+    out = [(int(a), int(b)) for a, b in pairs]
+    ends = [0, *[x for a, b in out for x in (a, b)]]
+    if any(b < a for a, b in itertools.pairwise(ends)) or out[-1][1] > length:
+        raise InvalidArgumentError(
+            f"ranges {out} of sample {sample_id!r} must rise, not overlap, and stay within its "
+            f"{length} tokens (start <= stop, each range after the one before)"
+        )
+    return out

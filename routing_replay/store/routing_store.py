@@ -362,17 +362,27 @@ class RoutingStore:
         return ReadPlan(self, [sample_id]).routes(part)
 
     def read(
-        self, sample_ids: Iterable[str | RoutingRef], part: Part = "all", out: Any = None
+        self,
+        sample_ids: Iterable[str | RoutingRef],
+        part: Part = "all",
+        out: Any = None,
+        *,
+        ranges: Sequence[Any] | None = None,
     ) -> pa.RecordBatch:
         """Samples as one Arrow record batch (schema in `routing_replay.schema`), one copy.
 
+        `ranges`: one entry per sample, a `(start, stop)` pair or a list of pairs (rising,
+        apart) over the positions `part` selects; row i then holds exactly those tokens'
+        routes and token ids, in order (`num_tokens` their count, `prompt_len` the prompt
+        tokens among them; `(s, s)` gives an empty row), and only the pages under them are
+        copied: a context-parallel rank reads its chunks, not the sample.
         `out`: optional writable, contiguous memory (a numpy array, a CPU torch tensor,
         pinned or not, a bytearray) of at least `sum_T * layout.bytes_per_token` bytes to
         copy into instead of a new buffer: a trainer that reuses it every step skips the
         page faults of fresh memory. The batch (and `to_torch` of it) are views of `out`:
         do not overwrite it while they are in use.
         """
-        return ReadPlan(self, sample_ids).batch(part, out)
+        return ReadPlan(self, sample_ids).batch(part, out, ranges)
 
     def __contains__(self, sample_id: object) -> bool:
         """Whether the id is stored (for a ref: whether the very put it names is)."""
