@@ -33,6 +33,7 @@ from routing_replay import (
     InvalidRoutesError,
     RoutesTensor,
     RoutingRef,
+    TokenShard,
     layout_of,
     to_torch,
     with_layout,
@@ -42,13 +43,13 @@ from routing_replay.schema import NUM_TOKENS
 
 ROUTES_KEY = "routed_experts"
 REFS_KEY = "routing_refs"
-Fetch = Callable[[list[RoutingRef]], pa.RecordBatch]
+Fetch = Callable[..., pa.RecordBatch]  # fetch(refs) or fetch(refs, ranges=...)
 
 
-def _default_fetch(refs: list[RoutingRef]) -> pa.RecordBatch:
+def _default_fetch(refs: list[RoutingRef], **kwargs: Any) -> pa.RecordBatch:
     from routing_replay.ray import fetch_batch
 
-    return fetch_batch(refs)
+    return fetch_batch(refs, **kwargs)
 
 
 def attach_routes(
@@ -68,19 +69,7 @@ def attach_routes(
     """
     input_ids, lengths = _ids_and_lengths(batch)
     B, S = input_ids.shape
-    refs = list(batch[refs_key])
-    if len(refs) != B:
-        raise InvalidRoutesError(f"batch[{refs_key!r}] has {len(refs)} refs for {B} rows")
-    rows = [b for b, r in enumerate(refs) if r is not None]
-    for b in rows:
-        if refs[b].num_tokens != int(lengths[b]):
-            raise InvalidRoutesError(
-                f"row {b}: sample {refs[b].sample_id!r} has {refs[b].num_tokens} routed tokens "
-                f"but input_lengths[{b}] = {int(lengths[b])}: routes cover exactly the tokens "
-                "the trainer forwards (prompt + completion); rebuild the batch from the rollout"
-            )
-    if not rows:
-        raise InvalidRoutesError(f"no row of the batch has a ref in batch[{refs_key!r}]")
+    refs, rows = _refs_and_rows(batch, refs_key, lengths)
     table = (fetch or _default_fetch)([refs[b] for b in rows])
     _check_fetched(table, [refs[b] for b in rows])
     layout = layout_of(table)
@@ -92,6 +81,28 @@ def attach_routes(
     out[torch.tensor(rows)] = fetched
     batch[key] = with_layout(out, layout)  # replay checks it against the model's routers
     return batch
+
+
+def _refs_and_rows(
+    batch: dict[str, Any], refs_key: str, lengths: torch.Tensor
+) -> tuple[list[RoutingRef | None], list[int]]:
+    """The batch's refs, and the rows that have one (each checked against its row's length)."""
+    refs = list(batch[refs_key])
+    if len(refs) != len(lengths):
+        raise InvalidRoutesError(
+            f"batch[{refs_key!r}] has {len(refs)} refs for {len(lengths)} rows"
+        )
+    rows = [b for b, r in enumerate(refs) if r is not None]
+    for b in rows:
+        if refs[b].num_tokens != int(lengths[b]):
+            raise InvalidRoutesError(
+                f"row {b}: sample {refs[b].sample_id!r} has {refs[b].num_tokens} routed tokens "
+                f"but input_lengths[{b}] = {int(lengths[b])}: routes cover exactly the tokens "
+                "the trainer forwards (prompt + completion); rebuild the batch from the rollout"
+            )
+    if not rows:
+        raise InvalidRoutesError(f"no row of the batch has a ref in batch[{refs_key!r}]")
+    return refs, rows
 
 
 def _ids_and_lengths(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,12 +245,80 @@ def routes_for_rank(
 
     `batch` is padded `[B, S, ...]` or packed (`cu_seqlens` present, `[1, T, ...]`).
     """
-    routes = batch[key]
-    cu = batch.get("cu_seqlens")
-    routes = cp_slice(routes, cp_size, cp_rank, cu_seqlens=cu)
-    if sequence_parallel:
-        routes = sp_slice(routes, tp_size, tp_rank)
-    return routes
+    cut = _rank_cut(batch.get("cu_seqlens"), cp_size, cp_rank, tp_size, tp_rank, sequence_parallel)
+    return cut(batch[key])
+
+
+def _rank_cut(
+    cu: torch.Tensor | None,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int,
+    tp_rank: int,
+    sequence_parallel: bool,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a (CP, TP) rank's routers see of a `[B, S, ...]` / packed `[1, T, ...]` tensor."""
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        x = cp_slice(x, cp_size, cp_rank, cu_seqlens=cu)
+        return sp_slice(x, tp_size, tp_rank) if sequence_parallel else x
+
+    return cut
+
+
+def read_rank_routes(
+    batch: dict[str, Any],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    sequence_parallel: bool = False,
+    pack_multiple: int | None = None,
+    fetch: Fetch | None = None,
+    refs_key: str = REFS_KEY,
+) -> RoutesTensor:
+    """The routes this (CP, TP) rank's routers see, reading only the tokens it holds.
+
+    Equal to `routes_for_rank(attach_routes(batch), ...)` for the padded `[B, S]` batch, or
+    with `pack_multiple` to `routes_for_rank(pack(attach_routes(batch), multiple=...), ...)`,
+    but each sample's routes are read as the token ranges of this rank's CP chunks (and SP
+    slice): about 1/(CP x TP) of them with sequence parallelism, 1/CP without. The rank's
+    tokens are checked against the stored ones. `fetch(refs, ranges=...)` reads (default
+    `routing_replay.ray.fetch_batch`; `store.read` in one process).
+    """
+    input_ids, lengths = _ids_and_lengths(batch)
+    B, S = input_ids.shape
+    refs, rows = _refs_and_rows(batch, refs_key, lengths)
+    shard = TokenShard.padded([int(lengths[b]) for b in rows], S).map(
+        lambda index: _rows_of(index, rows, B)
+    )
+    ids, cu = input_ids, None
+    if pack_multiple is not None:
+        packed_ids = pack(batch, multiple=pack_multiple)
+        ids, cu = packed_ids["input_ids"], packed_ids["cu_seqlens"]
+        shard = shard.map(
+            lambda index: pack(
+                {"input_ids": index, "input_lengths": lengths},
+                multiple=pack_multiple,
+                pad_id=MISSING,
+            )["input_ids"]
+        )
+    cut = _rank_cut(cu, cp_size, cp_rank, tp_size, tp_rank, sequence_parallel)
+    shard = shard.map(cut)
+    picked = [refs[b] for b in rows]
+    table = (fetch or _default_fetch)(picked, ranges=shard.ranges())
+    got = table.column("sample_id").to_pylist()
+    if got != [r.sample_id for r in picked]:
+        raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
+    return shard.place(table, input_ids=cut(ids))
+
+
+def _rows_of(index: torch.Tensor, rows: list[int], num_rows: int) -> torch.Tensor:
+    """`index` of the rows with refs as `[num_rows, S]`: the others all padding."""
+    out = torch.full((num_rows, index.shape[1]), MISSING, dtype=index.dtype)
+    out[torch.tensor(rows)] = index
+    return out
 
 
 def input_ids_for_rank(

@@ -3,7 +3,7 @@
 The data path, top to bottom, and where each part lives:
 
 - the data contract: `layout` (RoutingLayout), `validate` (route checks), `schema` (Arrow),
-  `reader` (`to_torch`), `errors`;
+  `reader` (`to_torch`), `shard` (`TokenShard`: a rank's token ranges), `errors`;
 - `model/`: routers of transformers MoE models, `capture`, `replay`, agreement, aux loss;
 - `store/`: the per-node shared-memory store, `RoutingRef`, episodes;
 - `ray/`: node store actors, `fetch_batch` / `read_dataset`, rollout workers;
@@ -37,6 +37,7 @@ from routing_replay.model.replay import prepare_replay, replay
 from routing_replay.reader import cu_seqlens, to_torch
 from routing_replay.routes import UNCHECKED, RoutesTensor, with_layout
 from routing_replay.schema import layout_of, routes_schema
+from routing_replay.shard import TokenShard
 from routing_replay.store import (
     Episode,
     PutRequest,
@@ -73,6 +74,7 @@ __all__ = [
     "StoreStats",
     "StoreUnavailableError",
     "TokenMismatchError",
+    "TokenShard",
     "UnsupportedModelError",
     "capture",
     "cu_seqlens",

@@ -171,11 +171,13 @@ def check_tokens(
     trained_T: np.ndarray,
     starts: np.ndarray,
     width: int | None,
+    positions: np.ndarray | None = None,
 ) -> None:
     """Compare the tokens a trainer forwards, the batch's samples back to back (`[sum_T]`),
     with the token ids the routes were put with; raise `TokenMismatchError` on the first
     difference. `starts[b]`: where sample b begins in its row (`width`: the row length;
-    None for a packed batch)."""
+    None for a packed batch; `positions`: each token's position in its sample, for rows
+    that hold token ranges)."""
     names = batch.schema.names
     column = batch.column(TOKEN_IDS) if TOKEN_IDS in names else None
     sample_ids = batch.column(SAMPLE_ID).to_pylist()
@@ -195,11 +197,12 @@ def check_tokens(
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     b = int(np.searchsorted(offsets, first, side="right") - 1)
     pos = first - int(offsets[b])
-    where = (
-        f"position {pos} (column {int(starts[b]) + pos} of row {b})"
-        if width is not None
-        else f"position {pos} (token {first} of the packed batch)"
-    )
+    if positions is not None:
+        where = f"position {int(positions[first])} (token {first} of the ranged batch)"
+    elif width is not None:
+        where = f"position {pos} (column {int(starts[b]) + pos} of row {b})"
+    else:
+        where = f"position {pos} (token {first} of the packed batch)"
     in_sample = int(np.sum((differs >= offsets[b]) & (differs < offsets[b + 1])))
     raise TokenMismatchError(
         f"sample {sample_ids[b]!r}: the trainer's token at {where} is {int(trained_T[first])} "

@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from routing_replay import InvalidRoutesError, RoutingLayout, RoutingStore
+from routing_replay import InvalidRoutesError, RoutingLayout, RoutingStore, TokenMismatchError
 from routing_replay.integrations.nemo_rl import (
     attach_routes,
     cp_slice,
     fill_missing,
     input_ids_for_rank,
     pack,
+    read_rank_routes,
     routes_for_rank,
     sp_slice,
 )
@@ -264,6 +265,59 @@ def test_every_rank_routes_stay_aligned_with_its_tokens(filled, gloo, packed):
             assert torch.equal(routes[have], want)
             seen += int(have.sum())
     assert seen == sum(LENGTHS[:2]) - 2  # every routed token lands on exactly one rank
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_read_rank_routes_reads_only_the_ranks_tokens(filled, gloo, packed, sequence_parallel):
+    # Each (CP, TP) rank reads its tokens' ranges and gets exactly what Megatron's own
+    # slicing gives it of the whole batch's routes (get_batch_on_this_cp_rank / THD
+    # positions, then the SP scatter); together the ranks read each routed token once
+    # (with SP; TP times without: every TP rank holds the CP chunk).
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    store, batch = filled
+    cp, tp = 2, 2
+    batch["input_ids"] = torch.cat([batch["input_ids"], torch.zeros((3, 6), dtype=torch.long)], 1)
+    whole = attach_routes(dict(batch), fetch=store.read)
+    if packed:
+        whole = pack(whole, multiple=2 * cp * tp)
+    read = []
+
+    def fetch(refs, ranges):
+        table = store.read(refs, ranges=ranges)
+        read.append(sum(table.column("num_tokens").to_pylist()))
+        return table
+
+    for cp_rank in range(cp):
+        if packed:
+            pos = megatron_thd_positions(whole["cu_seqlens"], Group(cp, cp_rank))
+            mcore = whole["routed_experts"][:, pos]
+        else:
+            mcore = get_batch_on_this_cp_rank(
+                {"routed_experts": whole["routed_experts"].clone()}, Group(cp, cp_rank)
+            )["routed_experts"]
+        for tp_rank in range(tp):
+            got = read_rank_routes(
+                batch, cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank,
+                sequence_parallel=sequence_parallel,
+                pack_multiple=2 * cp * tp if packed else None, fetch=fetch,
+            )  # fmt: skip
+            want = megatron_sp(mcore, Group(tp, tp_rank)) if sequence_parallel else mcore
+            assert torch.equal(got, want), (cp_rank, tp_rank)
+            assert got.layout == LAYOUT
+    routed = sum(LENGTHS[:2])
+    assert sum(read) == (routed if sequence_parallel else tp * routed)
+    assert max(read) < routed  # no rank read its samples whole
+
+
+def test_read_rank_routes_checks_the_ranks_tokens(filled):
+    store, batch = filled
+    batch["input_ids"] = torch.cat([batch["input_ids"], torch.zeros((3, 2), dtype=torch.long)], 1)
+    batch["input_ids"][1, 4] += 1  # sample s1's token 4: in CP rank 1's chunk (3-8)
+    read_rank_routes(batch, cp_size=2, cp_rank=0, fetch=store.read)  # rank 0 does not hold it
+    with pytest.raises(TokenMismatchError, match=r"'s1'.* at position 4 "):
+        read_rank_routes(batch, cp_size=2, cp_rank=1, fetch=store.read)
 
 
 def test_cp_slice_matches_megatron_get_batch_on_this_cp_rank(gloo):
