@@ -22,6 +22,7 @@ from routing_replay.integrations.nemo_rl import (
     attach_routes,
     input_ids_for_rank,
     pack,
+    read_rank_routes,
     routes_for_rank,
 )
 from routing_replay.testing import tiny_moe
@@ -78,7 +79,14 @@ def main() -> None:
         stats = store.stats()
         print(f"store: {stats.bytes_used} B used, {stats.bytes_unshared} B without sharing")
 
-        batch = attach_routes(nemo_batch(samples), fetch=store.read)
+        whole = []
+
+        def fetch_whole(refs):
+            whole.append(store.read(refs))
+            return whole[-1]
+
+        batch = attach_routes(nemo_batch(samples), fetch=fetch_whole)
+        batch_bytes = whole[0].nbytes
         routes = batch["routed_experts"]
         with capture(policy) as native, torch.no_grad():
             token_logprobs(policy, batch)
@@ -117,6 +125,20 @@ def main() -> None:
         )
         print(f"packed {tuple(packed['input_ids'].shape)} -> CP rank 1 ids {tuple(ids.shape)}, "
               f"CP1/TP0 routes {tuple(local.shape)}")  # fmt: skip
+        # The same rank reading only its tokens' ranges, not whole samples.
+        read = []
+
+        def fetch(refs, ranges):
+            read.append(store.read(refs, ranges=ranges))
+            return read[-1]
+
+        own = read_rank_routes(
+            nemo_batch(samples), cp_size=2, cp_rank=1, tp_size=2, tp_rank=0,
+            sequence_parallel=True, pack_multiple=2 * 2 * 2, fetch=fetch,
+        )  # fmt: skip
+        assert torch.equal(own, local)
+        print(f"CP1/TP0 read {read[0].nbytes} B of its ranges, equal to the slices of the "
+              f"{batch_bytes} B whole-sample read")  # fmt: skip
         store.release([r for _, r in samples])
 
 

@@ -11,7 +11,8 @@ batch-major order or too few rows replay silently wrong, and with `moe_router_fu
 replay is skipped without a word.
 
 `MegatronRouterFeed` does the conversion and the checks: routes `[B, S, L, K]` (or packed
-`[1, T, L, K]`, after the CP / SP slicing of `nemo_rl`) over all MoE layers of
+`[1, T, L, K]`, a rank's CP / SP slice: `nemo_rl.read_rank_routes` reads just its tokens)
+over all MoE layers of
 the model -> this pipeline stage's (or model chunk's) MoE layers (dense layers have no
 router) -> one int64 `[S * B, K]` tensor per router, set on exactly the routers of the
 model it was given (each chunk of a virtual pipeline gets its own feed, set when that

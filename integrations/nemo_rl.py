@@ -13,6 +13,8 @@ and the slicing functions cut ids and routes identically, as Megatron cuts `inpu
 - sequence parallel (`sp_slice`): after the embedding, each tensor-parallel rank keeps a
   contiguous 1/TP of the (CP-local) sequence (`scatter_to_sequence_parallel_region`).
 
+`read_rank_routes` gives a rank the same routes while reading only its tokens' ranges.
+
 `fill_missing` gives rows without routes real ids for engines whose dispatch needs one per
 row (Megatron's RouterReplay): distinct within a row, spread over every expert and so every
 expert-parallel rank, never a column of expert 0 (verl #4986).

@@ -18,7 +18,8 @@ On the trainer worker:
   it with its rows. Every token is checked against the stored token ids.
 - `model_input_routes(micro_batch, ...)` gives the `[1, T_local, L, K]` routes of the
   packed sequence the model sees on this Ulysses rank, padded and sliced by verl's own
-  `ulysses_pad` / `slice_input_tensor` (and the engine's bucket pad), -1 on the pads.
+  `ulysses_pad` / `slice_input_tensor` (and the engine's bucket pad), -1 on the pads;
+  from refs alone, only this rank's tokens are read (a `TokenShard` sliced the same way).
 - `replaying_engine(FSDPEngineWithLMHead)` returns a subclass whose `forward_step` runs
   the model under `replay` with those routes, the block kept open through the
   micro-batch's backward (so gradient-checkpoint recomputes replay too).
@@ -38,6 +39,7 @@ from routing_replay import (
     InvalidRoutesError,
     RoutingLayout,
     RoutingRef,
+    TokenShard,
     to_torch,
     with_layout,
 )
@@ -45,7 +47,7 @@ from routing_replay import (
 REFS_KEY = "routing_refs"  # in DataProto.non_tensor_batch
 ROUTES_KEY = "routed_experts"  # verl's own key for routes in DataProto.batch
 LAYOUT_KEY = "routing_replay_layout"  # in DataProto.meta_info: the attached routes' layout
-Fetch = Callable[[list[RoutingRef]], pa.RecordBatch]
+Fetch = Callable[..., pa.RecordBatch]  # fetch(refs) or fetch(refs, ranges=...)
 
 
 def attach_routes(
@@ -110,37 +112,52 @@ def model_input_routes(
     (routes a nested tensor) or still padded (its `attention_mask` picks the tokens). With
     no routes under `key` but refs under `refs_key` (`DataProto.to_tensordict` keeps
     `non_tensor_batch` as per-row data, which remove-padding and micro-batching carry),
-    the micro-batch's routes are read here (`fetch`), checked token by token.
+    only this rank's tokens are read here (`fetch(refs, ranges=...)`: 1/SP of each sample
+    under Ulysses), checked token by token.
     """
-    if key in micro_batch:
-        routes = micro_batch[key]
-        if routes.is_nested:
-            packed_TLK = routes.values()
-        else:
-            packed_TLK = routes[micro_batch["attention_mask"].bool()]
-        from verl.utils import tensordict_utils
-
-        layout = tensordict_utils.get(micro_batch, LAYOUT_KEY)  # attach_routes: in meta_info
-        if layout is not None:
-            packed_TLK = with_layout(packed_TLK, RoutingLayout.from_json(layout))
+    cut = _model_input_cut(sp_size, static_pad)
+    if key not in micro_batch:
+        return _read_rank_routes(micro_batch, cut, fetch, refs_key)  # carries their layout
+    routes = micro_batch[key]
+    if routes.is_nested:
+        packed_TLK = routes.values()
     else:
-        packed_TLK = _fetch_packed(micro_batch, fetch, refs_key)  # carries the batch's layout
-    L, K = packed_TLK.shape[-2:]
-    if static_pad:
-        filler = packed_TLK.new_full((static_pad, L, K), MISSING)
-        packed_TLK = torch.cat([packed_TLK, filler])
-    if sp_size > 1:
-        from verl.utils.ulysses import slice_input_tensor, ulysses_pad
+        packed_TLK = routes[micro_batch["attention_mask"].bool()]
+    from verl.utils import tensordict_utils
 
-        rows_NT = packed_TLK.reshape(len(packed_TLK), L * K).T  # verl pads and slices dim 1
-        rows_NT, _, _ = ulysses_pad(rows_NT, sp_size=sp_size, pad_value=MISSING)
-        rows_NT = slice_input_tensor(rows_NT, dim=1, padding=False)
-        packed_TLK = rows_NT.T.reshape(-1, L, K)
-    return packed_TLK.unsqueeze(0).contiguous()
+    layout = tensordict_utils.get(micro_batch, LAYOUT_KEY)  # attach_routes: in meta_info
+    if layout is not None:
+        packed_TLK = with_layout(packed_TLK, RoutingLayout.from_json(layout))
+    T, L, K = packed_TLK.shape
+    rows_NT = cut(packed_TLK.reshape(T, L * K).T)  # verl pads and slices dim 1
+    return rows_NT.T.reshape(-1, L, K).unsqueeze(0).contiguous()
 
 
-def _fetch_packed(micro_batch: Any, fetch: Fetch | None, refs_key: str) -> torch.Tensor:
-    """[T, L, K]: the micro-batch's rows' routes back to back, read by their refs."""
+def _model_input_cut(sp_size: int, static_pad: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`[N, T]` (the packed tokens along dim 1) -> this rank's `[N, T_local]`: `static_pad`
+    positions (the engine's bucket pad), then verl's own Ulysses pad and slice; pads -1."""
+
+    def cut(x_NT: torch.Tensor) -> torch.Tensor:
+        if static_pad:
+            x_NT = torch.cat([x_NT, x_NT.new_full((len(x_NT), static_pad), MISSING)], 1)
+        if sp_size > 1:
+            from verl.utils.ulysses import slice_input_tensor, ulysses_pad
+
+            x_NT, _, _ = ulysses_pad(x_NT, sp_size=sp_size, pad_value=MISSING)
+            x_NT = slice_input_tensor(x_NT, dim=1, padding=False)
+        return x_NT
+
+    return cut
+
+
+def _read_rank_routes(
+    micro_batch: Any,
+    cut: Callable[[torch.Tensor], torch.Tensor],
+    fetch: Fetch | None,
+    refs_key: str,
+) -> torch.Tensor:
+    """`[1, T_local, L, K]`: the routes of the tokens this rank's model sees, read by the
+    micro-batch's refs as those tokens' ranges only (1/SP of each sample with Ulysses)."""
     if refs_key not in micro_batch:
         raise InvalidRoutesError(
             f"the micro-batch has neither routes ({ROUTES_KEY!r}) nor refs ({refs_key!r}): "
@@ -148,14 +165,26 @@ def _fetch_packed(micro_batch: Any, fetch: Fetch | None, refs_key: str) -> torch
         )
     refs = list(micro_batch[refs_key])
     ids = micro_batch["input_ids"]
-    tokens = ids.values() if ids.is_nested else ids[micro_batch["attention_mask"].bool()]
+    if ids.is_nested:
+        tokens, lengths = ids.values(), ids.offsets().diff().tolist()
+    else:
+        mask = micro_batch["attention_mask"].bool()
+        tokens, lengths = ids[mask], mask.sum(1).tolist()
+    for b, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
+        if ref.num_tokens != n:
+            raise InvalidRoutesError(
+                f"row {b}: sample {ref.sample_id!r} has {ref.num_tokens} routed tokens, the "
+                f"row {n}: the ref is not this row's (rows reordered without their refs?)"
+            )
+    shard = TokenShard.packed(lengths).map(cut)
     if fetch is None:
         from routing_replay.ray import fetch_batch as fetch
-    table = fetch(refs)
+    table = fetch(refs, ranges=shard.ranges())
     got = table.column("sample_id").to_pylist()
     if got != [r.sample_id for r in refs]:
         raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
-    return to_torch(table, input_ids=tokens.cpu()).to(tokens.device)
+    local_ids = cut(tokens.cpu().unsqueeze(0))
+    return shard.place(table, input_ids=local_ids).to(tokens.device)
 
 
 def replaying_engine(

@@ -138,6 +138,10 @@ def test_ulysses_sp2_slices_routes_like_verl_slices_the_tokens(store):
         ranks = [results[r][bucket] for r in range(2)]
         assert [x["tokens"] for x in ranks] == [padded // 2] * 2
         assert all(x["equal"] for x in ranks), ranks
+        assert all(x["equal_by_refs"] for x in ranks), ranks
+        # Each rank read the real tokens of its half, nothing more: together each token once.
+        assert all(x["read"] == [x["shape"][1] - x["pads"]] for x in ranks), ranks
+        assert sum(x["read"][0] for x in ranks) == total
         assert all(x["shape"][1] == padded // 2 for x in ranks)
         assert sum(x["pads"] for x in ranks) == padded - total
 

@@ -128,21 +128,32 @@ def sp_rank(rank: int, world: int, port: int, store_name: str, refs, results) ->
         routes = sample_routes(layout)
         td = left_right_2_no_padding(TensorDict(dict(data.batch), batch_size=[len(data)]))
         td["temperature"] = torch.ones(len(data))
+        td_refs = left_right_2_no_padding(verl_batch(refs).to_tensordict())
         out = {}
         for bucket in (None, 8):
             engine = bare_engine(FSDPEngineWithLMHead, sp_size=world, bucket=bucket)
             engine.module = tiny_moe()
             inputs, _ = engine.prepare_model_inputs(td)
             packed = td["input_ids"].values().numel()
-            local = model_input_routes(
-                td, sp_size=world, static_pad=engine._get_packed_pad_size(packed)
-            )
+            pad = engine._get_packed_pad_size(packed)
+            local = model_input_routes(td, sp_size=world, static_pad=pad)
+            # Only the refs ride (no attach_routes): this rank reads its tokens' ranges.
+            read = []
+
+            def fetch(refs, ranges, read=read):
+                table = store.read(refs, ranges=ranges)
+                read.append(sum(table.column("num_tokens").to_pylist()))
+                return table
+
+            by_refs = model_input_routes(td_refs, sp_size=world, static_pad=pad, fetch=fetch)
             ids, pos = inputs["input_ids"][0], inputs["position_ids"][0]
             want = expected_for_tokens(ids, pos, routes, layout.num_moe_layers, layout.top_k)
             out[bucket] = dict(
                 shape=tuple(local.shape),
                 tokens=len(ids),
                 equal=bool(torch.equal(local[0].long(), want)),
+                equal_by_refs=bool(torch.equal(by_refs[0].long(), want)),
+                read=read,
                 pads=int((ids == 0).sum()),
             )
         store.close()
