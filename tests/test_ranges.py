@@ -4,6 +4,8 @@ their prompt pages (a GRPO group), with random and two-chunk (context-parallel) 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -95,17 +97,24 @@ def test_random_and_context_parallel_ranges_equal_slices_of_a_full_read(group, p
 
 def test_only_the_requested_tokens_are_copied(group, monkeypatch):
     store, refs, _ = group
-    copied = []
-    real = read_module.ReadPlan.copy
+    planned = []
+    real = read_module.ReadPlan.copies
 
-    def spy(self, pages_data, i, span, out):
-        if pages_data is store._t.data:
-            copied.append((i, span.start, span.stop))
-        return real(self, pages_data, i, span, out)
+    def spy(self, pieces):
+        copies = real(self, pieces)
+        planned.append(copies)
+        return copies
 
-    monkeypatch.setattr(read_module.ReadPlan, "copy", spy)
+    monkeypatch.setattr(read_module.ReadPlan, "copies", spy)
     store.read(refs[:3], ranges=[(2, 3), [(0, 0), (9, 17)], [(20, 21), (40, 50)]])
-    assert copied == [(0, 2, 3), (1, 0, 0), (1, 9, 17), (2, 20, 21), (2, 40, 50)]
+    (copies,) = planned
+    # (row, first token in the rows, count): exactly the requested tokens, nothing else.
+    per_row = [(int(r), int(d), int(n)) for r, d, _, n in copies.tolist()]
+    assert sum(n for _, _, n in per_row) == 1 + 8 + 1 + 10
+    assert [r for r, _, _ in per_row] == sorted(r for r, _, _ in per_row)  # rows in order
+    covered = sorted((d, d + n) for _, d, n in per_row)
+    assert covered[0][0] == 0 and covered[-1][1] == 20
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # no gaps, no overlap
 
 
 def test_token_checks_work_on_slices(group):
@@ -145,3 +154,40 @@ def test_bad_ranges_raise_and_change_nothing(group, ranges, words):
         store.read(refs[1:2], ranges=ranges)
     assert store.stats() == before
     store.verify()
+
+
+@pytest.mark.parametrize("part", ["all", "completion"])
+def test_the_wire_form_rebuilds_the_same_rows_and_ships_shared_pages_once(group, part):
+    # What a node store actor ships to a reader on another node: each stored token once.
+    store, refs, samples = group
+    rng = np.random.default_rng(2)
+    for trial in range(20):
+        lengths = [len(store.get(r, part)) for r in refs]
+        ranges = None if trial == 0 else [random_pairs(rng, n) for n in lengths]
+        wire = read_module.ReadPlan(store, refs).wire(part, ranges)
+        rebuilt, direct = wire.batch(), store.read(refs, part=part, ranges=ranges)
+        assert rebuilt.equals(direct), trial
+        for i, ref in enumerate(refs):  # and both are the samples' own rows
+            pairs = [(0, lengths[i])] if ranges is None else ranges[i]
+            want, _, _ = expected(samples, ref, part, pairs)
+            got = to_torch(rebuilt.slice(i, 1)).numpy()
+            np.testing.assert_array_equal(got, want)
+    # Whole samples: the shared prompt's 2 full pages (16 tokens) travel once, not 4 times.
+    wire = read_module.ReadPlan(store, refs).wire("all")
+    routed = sum(len(r) for r, _ in samples.values())
+    assert len(wire.routes) == routed - 3 * 16
+    assert len(wire.tokens) == routed - 3 * 16  # token ids alike
+    assert wire.routes.shape[1] == LAYOUT.values_per_token
+    per_token = LAYOUT.bytes_per_token + 4  # narrow ids + an int32 token id
+    assert wire.nbytes == (routed - 3 * 16) * per_token + wire.request.copies.nbytes
+
+
+def test_the_wire_form_of_ranges_ships_only_their_tokens(group):
+    store, refs, _ = group
+    ranges = [[(0, 3), (10, 14)], (2, 5), (12, 22), (0, 0), (4, 9)]
+    wire = read_module.ReadPlan(store, refs).wire("all", ranges)
+    # Shared prompt page 0 (tokens 0-7): g0 and g1 need 0-4, sent once (5); shared page 1
+    # (8-15): g0 10-13 and g2 12-15 overlap, their union 10-15 (6); g2's own 16-21 (6);
+    # "bare" its 4-8 (5). Nothing else.
+    assert len(wire.routes) == 5 + 6 + 6 + 5
+    assert wire.batch().equals(store.read(refs, ranges=ranges))

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from routing_replay import (  # noqa: E402
     InvalidArgumentError,
+    PutRequest,
     RoutingLayout,
     SampleNotFoundError,
     StoreUnavailableError,
@@ -107,6 +108,17 @@ class Writer:
             store.put(f"{prefix}{i}", sample_routes(i, T), prompt_len=2, policy_version=version)
             for i in ids
         ]
+
+    def put_group(self, prefix: str, prompt_len: int, completions: list[int]) -> list:
+        """A GRPO group in one put_many: the samples share their prompt's full pages."""
+        store = node_store(self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32)
+        prompt = sample_routes(100, prompt_len)
+        requests = []
+        for j, n in enumerate(completions):
+            routes = np.concatenate([prompt, sample_routes(200 + j, n)])
+            tokens = np.concatenate([np.arange(prompt_len), 1000 * (j + 1) + np.arange(n)])
+            requests.append(PutRequest(f"{prefix}{j}", routes, prompt_len, token_ids=tokens))
+        return store.put_many(requests)
 
     def segment(self) -> str:
         return node_store(self.job, LAYOUT).name
@@ -385,12 +397,50 @@ def test_ranges_read_only_their_tokens_on_either_node(cluster):
         np.testing.assert_array_equal(routes, want)
     actors = store_actors(job).values()
     (actor,) = [a for a in actors if ray.get(a.stats.remote())["store"] == refs[2].store]
-    table = ray.get(actor.read.remote(refs[2:], "all", ranges[2:]))
+    before = ray.get(actor.stats.remote())["bytes_served"]
+    wire = ray.get(actor.read.remote(refs[2:], "all", ranges[2:]))
     sent = sum(b - a for pairs in ranges[2:] for a, b in pairs)
-    (chunk,) = table.column("routed_experts").chunks
-    assert chunk.values.values.buffers()[1].size == sent * LAYOUT.bytes_per_token
+    assert wire.routes.nbytes == sent * LAYOUT.bytes_per_token  # only the ranges' tokens
+    assert ray.get(actor.stats.remote())["bytes_served"] - before == wire.nbytes
     with pytest.raises(InvalidArgumentError, match="3 entries for 4 refs"):
         ray.get(reader.fetch.remote(refs, ranges=ranges[:3]))
+    assert ray.get(reader.release.remote(refs)) == 4
+    shutdown_node_stores(job)
+
+
+def test_a_groups_shared_prompt_crosses_the_network_once(cluster):
+    # A GRPO group on the other node: its prompt's full pages are stored once, and a reader
+    # on the head node receives them once per call, however many samples share them.
+    job, (head, other) = f"wire-{uuid.uuid4().hex[:6]}", cluster
+    completions = [20, 45, 31, 50]
+    refs = ray.get(
+        ray.remote(Writer).options(**on(other)).remote(job).put_group.remote("g", 100, completions)
+    )
+    (actor,) = [
+        a for a in store_actors(job).values() if ray.get(a.stats.remote())["store"] == refs[0].store
+    ]
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    before = ray.get(actor.stats.remote())["bytes_served"]
+    got = ray.get(reader.fetch.remote(refs))
+    shipped = ray.get(actor.stats.remote())["bytes_served"] - before
+    prompt = sample_routes(100, 100)
+    for j, (routes, n) in enumerate(zip(got, completions, strict=True)):
+        np.testing.assert_array_equal(routes, np.concatenate([prompt, sample_routes(200 + j, n)]))
+    shared = 96  # 3 full pages of 32 tokens; the prompt's last 4 tokens live in each sample
+    unique = shared + sum(100 + n - shared for n in completions)
+    per_token = LAYOUT.bytes_per_token + 4  # narrow ids and the int32 token id
+    copies = shipped - unique * per_token  # 32 bytes per copy: one or two runs a sample
+    assert copies % 32 == 0 and 4 <= copies // 32 <= 8, shipped
+    whole = sum(100 + n for n in completions) * per_token
+    assert shipped < whole - 2 * shared * per_token  # 3 of 4 copies of the prompt stayed home
+    # With ranges: each sample's tokens 90-110 (the shared page's last 6 + its own 14).
+    before = ray.get(actor.stats.remote())["bytes_served"]
+    got = ray.get(reader.fetch.remote(refs, ranges=[(90, 110)] * 4))
+    wire_routes = ray.get(actor.stats.remote())["bytes_served"] - before
+    for j, routes in enumerate(got):
+        full = np.concatenate([prompt, sample_routes(200 + j, completions[j])])
+        np.testing.assert_array_equal(routes, full[90:110])
+    assert (wire_routes - (6 + 4 * 14) * per_token) % 32 == 0
     assert ray.get(reader.release.remote(refs)) == 4
     shutdown_node_stores(job)
 

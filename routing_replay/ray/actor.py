@@ -11,7 +11,8 @@ watches it and unlinks its segment and exits when the job's driver is gone, even
 driver died without `shutdown_node_stores(job)`. It creates the node's segment
 `/dev/shm/rr_<job>.<Ray job id>.<node id[:12]>.<incarnation>` (with `node_id=` Ray's node
 id, so `RoutingRef.node_id` says where a sample lives), serves reads of its samples to
-other nodes as Arrow tables, releases, and unlinks on `shutdown_node_stores(job)`.
+other nodes (in their wire form: each stored token once, shared prompt pages too; Ray
+Data blocks as Arrow tables), releases, and unlinks on `shutdown_node_stores(job)`.
 
 A store actor that dies loses its samples: a restarted actor (the next `node_store` call
 on the node starts one) sweeps the dead incarnation's segment and creates a new one under
@@ -36,7 +37,13 @@ import pyarrow as pa
 from routing_replay.compat.ray import job_table
 from routing_replay.errors import InvalidArgumentError, RoutingReplayError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
-from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingRef, RoutingStore, sweep_stores
+from routing_replay.store import (
+    DEFAULT_PAGE_TOKENS,
+    RoutingRef,
+    RoutingStore,
+    WireBatch,
+    sweep_stores,
+)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -169,22 +176,31 @@ class NodeStoreActor:
 
     def read(
         self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None
-    ) -> pa.Table:
-        """Samples (or their `ranges`) as one Arrow table (one copy out of shm). Reads never
-        release: the caller releases once its whole batch was read (`release`)."""
+    ) -> WireBatch:
+        """Samples (or their `ranges`) in their wire form: each stored token the rows need
+        once (a GRPO group's shared prompt pages travel once), rebuilt into Arrow rows where
+        they arrive (`WireBatch.batch`). Reads never release: the caller releases once its
+        whole batch was read (`release`)."""
         store = self._live()
         _check_refs_in(refs, store.name, self.node_id)
-        batch = store.read(refs, part=part, ranges=ranges)  # type: ignore[arg-type]
-        with self._lock:
-            self.counters["read_calls"] += 1
-            self.counters["samples_served"] += batch.num_rows
-            self.counters["bytes_served"] += batch.nbytes
-        return pa.Table.from_batches([batch])
+        wire = store.read_wire(refs, part=part, ranges=ranges)  # type: ignore[arg-type]
+        self._count(len(refs), wire.nbytes)
+        return wire
 
     def read_block(self, refs: list[RoutingRef | str], part: str = "all") -> tuple[pa.Table, int]:
-        """`read`, plus the row count as a second return (call with num_returns=2)."""
-        table = self.read(refs, part)
-        return table, table.num_rows
+        """A Ray Data block of the samples (Arrow rows, as a Dataset holds them), and its
+        row count as a second return (call with num_returns=2)."""
+        store = self._live()
+        _check_refs_in(refs, store.name, self.node_id)
+        batch = store.read(refs, part=part)  # type: ignore[arg-type]
+        self._count(batch.num_rows, batch.nbytes)
+        return pa.Table.from_batches([batch]), batch.num_rows
+
+    def _count(self, samples: int, nbytes: int) -> None:
+        with self._lock:
+            self.counters["read_calls"] += 1
+            self.counters["samples_served"] += samples
+            self.counters["bytes_served"] += nbytes
 
     def release(self, refs: list[RoutingRef | str]) -> int:
         """Release samples of this store; returns how many."""

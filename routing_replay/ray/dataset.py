@@ -156,7 +156,9 @@ def fetch_batch(
     """The refs' routes as one Arrow batch, in order: local ones from shm, others via actors.
 
     `ranges` (one entry per ref, as in `RoutingStore.read`): only those tokens of each
-    sample are read, and only they cross the network from another node.
+    sample are read, and only they cross the network from another node. What crosses is
+    the stored (narrow) ids of the tokens read, each stored token once: samples that share
+    pages (a GRPO group's prompt, an episode's turns) send those pages once per call.
     With `out` (reused memory, as in `RoutingStore.read`) the batch is built there: refs of
     one same-node store are read straight into it, anything else is copied in once built.
     With `release=True` the samples are released once *all* of them were read: a read that
@@ -182,16 +184,16 @@ def fetch_batch(
         for s, g in zip(remote, remote_groups, strict=True)
     ]
     parts: dict[str, pa.RecordBatch] = {}
-    direct = out if len(groups) == 1 and not remote else None  # read straight into `out`
+    direct = out if len(groups) == 1 else None  # one store: its rows go straight into `out`
     try:
         for store, indices in groups.items():
             if store not in remote:
                 group = [refs[i] for i in indices]
                 parts[store] = _read_local(group, part, direct, ranges_of(indices))
     finally:
-        tables = _get(pending, remote_groups)  # collected (or raised) even if a local read failed
-    for store, table in zip(remote, tables, strict=True):
-        parts[store] = table.combine_chunks().to_batches()[0]
+        wires = _get(pending, remote_groups)  # collected (or raised) even if a local read failed
+    for store, wire in zip(remote, wires, strict=True):
+        parts[store] = wire.batch(direct)  # the rows rebuilt here, in this process's memory
     ordered = [parts[s] for s in groups]
     order = np.concatenate([np.asarray(groups[s]) for s in groups])
     if len(ordered) == 1:

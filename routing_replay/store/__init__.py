@@ -12,7 +12,8 @@ One small object per concept, read in this order:
 - `prefix`: the prefix index and frozen share plans;
 - `refs`: `RoutingRef` (names one put), `PutRequest`, and the checks of their arguments;
 - `put`: `PutTransaction`, the put protocol (one sample or many, all or none);
-- `read`: `ReadPlan`, the read protocol (locate, copy, check, Arrow);
+- `read`: `ReadPlan`, the read protocol (locate, copy, check, Arrow), and `WireBatch`, a
+  read in the form that crosses the network (each stored token once);
 - `verify`: every invariant of the tables, checked at once;
 - `repair`: what a holder or writer that died half-way left, rolled back or reclaimed;
 - `routing_store`: `RoutingStore`, the facade;
@@ -22,6 +23,7 @@ One small object per concept, read in this order:
 
 from routing_replay.store.episode import Episode
 from routing_replay.store.format import DEFAULT_PAGE_TOKENS, DEFAULT_PUT_TIMEOUT_S
+from routing_replay.store.read import WireBatch
 from routing_replay.store.refs import Part, PutRequest, RoutingRef
 from routing_replay.store.routing_store import RoutingStore, StoreStats, default_node_id
 from routing_replay.store.samples import token_digest
@@ -37,6 +39,7 @@ __all__ = [
     "RoutingStore",
     "StoreInfo",
     "StoreStats",
+    "WireBatch",
     "default_node_id",
     "list_stores",
     "sweep_stores",

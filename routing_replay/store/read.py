@@ -8,12 +8,16 @@
 
 Readers pin nothing, so a killed reader leaks nothing; a release that races a read makes
 the read fail, never return another sample's routes.
+
+A read is planned as copies (row, where in the rows, which stored token, how many): run
+here against the segment (`batch`), or, for a reader on another node, run against the
+stored tokens it needs, gathered once each (`wire`: pages samples share travel once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +27,7 @@ from routing_replay.errors import (
     InvalidArgumentError,
     SampleReplacedError,
 )
+from routing_replay.layout import RoutingLayout
 from routing_replay.schema import output_buffer, routes_batch
 from routing_replay.store.format import NO_DIGEST, TOKEN_DTYPE
 from routing_replay.store.prefix import runs
@@ -89,18 +94,21 @@ class ReadPlan:
             )
         return range(0, prompt_len) if part == "prompt" else range(prompt_len, n)
 
-    def copy(self, pages_data: np.ndarray, i: int, span: range, out: np.ndarray) -> None:
-        """Copy tokens `span` of sample `i` from `pages_data` (the routes or the token ids,
-        `[num_pages, P * width]`) into `out` (`[len(span), width]`)."""
-        P, flat = self.store.page_tokens, pages_data.reshape(-1)
-        width = pages_data.shape[1] // P
-        first, stop = span.start, span.stop
-        lo_page, hi_page = first // P, -(-stop // P)
-        for j, page, count in runs(self.chains[i][lo_page:hi_page].tolist()):
-            t0 = max((lo_page + j) * P, first)
-            t1 = min((lo_page + j + count) * P, stop)
-            src = (page * P + t0 - (lo_page + j) * P) * width
-            out[t0 - first : t1 - first] = flat[src : src + (t1 - t0) * width].reshape(-1, width)
+    def copies(self, pieces: list[list[range]]) -> np.ndarray:
+        """The copies that read `pieces[i]` of every sample `i`, rows back to back: int64
+        `[n, 4]` of (row, first token in the rows, first stored token, count); stored token
+        `page * P + offset` (one copy per run of consecutive pages)."""
+        P, out, dst = self.store.page_tokens, [], 0
+        for i, spans in enumerate(pieces):
+            for span in spans:
+                first, stop = span.start, span.stop
+                lo_page, hi_page = first // P, -(-stop // P)
+                for j, page, count in runs(self.chains[i][lo_page:hi_page].tolist()):
+                    t0 = max((lo_page + j) * P, first)
+                    t1 = min((lo_page + j + count) * P, stop)
+                    out.append((i, dst + t0 - first, page * P + t0 - (lo_page + j) * P, t1 - t0))
+                dst += len(span)
+        return np.array(out, dtype=np.int64).reshape(-1, 4)
 
     def check_unchanged(self) -> None:
         """Raise if a located sample was released (or its pages reused) since it was located."""
@@ -125,9 +133,13 @@ class ReadPlan:
         layout = self.store.layout
         span = self.span(0, part)
         stored = np.empty((len(span), layout.values_per_token), dtype=layout.dtype)
-        self.copy(self.store._t.data, 0, span, stored)
+        run_copies(self._stored_routes(), stored, self.copies([[span]]))
         self.check_unchanged()
         return layout.decode(stored.reshape(len(span), layout.num_moe_layers, layout.top_k))
+
+    def _stored_routes(self) -> np.ndarray:
+        """Every stored token's ids, `[num_pages * P, L * K]` (a view of the segment)."""
+        return self.store._t.data.reshape(-1, self.store.layout.values_per_token)
 
     def pieces(self, i: int, part: Part, ranges: Any) -> list[range]:
         """The positions of sample `i` a read copies: `part`'s, or the `ranges` over them."""
@@ -137,12 +149,7 @@ class ReadPlan:
         pairs = token_ranges(ranges, len(span), self.ids[i])
         return [range(span.start + a, span.start + b) for a, b in pairs]
 
-    def batch(
-        self, part: Part, out: Any = None, ranges: Sequence[Any] | None = None
-    ) -> pa.RecordBatch:
-        """Every sample as one Arrow record batch, one copy (into `out` if given); with
-        `ranges` (one entry per sample) only those tokens, and only the pages under them."""
-        store, layout = self.store, self.store.layout
+    def _request(self, part: Part, ranges: Sequence[Any] | None) -> Request:
         if ranges is not None and len(ranges) != len(self.ids):
             raise InvalidArgumentError(
                 f"ranges has {len(ranges)} entries for {len(self.ids)} samples: one per ref"
@@ -151,25 +158,116 @@ class ReadPlan:
             self.pieces(i, part, None if ranges is None else ranges[i])
             for i in range(len(self.ids))
         ]
-        lengths = np.array([sum(len(r) for r in p) for p in pieces], dtype=np.int64)
-        has_tokens = np.array([d != NO_DIGEST for d in self.digests], dtype=bool)
-        nbytes = int(lengths.sum()) * layout.bytes_per_token
-        buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
-        values = np.frombuffer(buf, dtype=layout.dtype).reshape(-1, layout.values_per_token)
-        token_buf = pa.allocate_buffer(int(lengths[has_tokens].sum()) * TOKEN_DTYPE.itemsize)
-        tokens = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
-        row = token_row = 0
-        for i, with_tokens in enumerate(has_tokens.tolist()):
-            for span in pieces[i]:
-                self.copy(store._t.data, i, span, values[row:])
-                if with_tokens:
-                    self.copy(store._t.tokens, i, span, tokens[token_row:])
-                    token_row += len(span)
-                row += len(span)
-        self.check_unchanged()
         # A row's prompt tokens come first (ranges rise): count those it holds.
         prompt = [
             None if p < 0 else sum(max(0, min(r.stop, p) - r.start) for r in pieces[i])
             for i, p in enumerate(self.prompt_lens)
         ]
-        return routes_batch(layout, self.ids, lengths, prompt, buf, (has_tokens, token_buf))
+        return Request(
+            layout=self.store.layout,
+            sample_ids=self.ids,
+            num_tokens=np.array([sum(len(r) for r in p) for p in pieces], dtype=np.int64),
+            prompt_lens=prompt,
+            has_tokens=np.array([d != NO_DIGEST for d in self.digests], dtype=bool),
+            copies=self.copies(pieces),
+        )
+
+    def batch(
+        self, part: Part, out: Any = None, ranges: Sequence[Any] | None = None
+    ) -> pa.RecordBatch:
+        """Every sample as one Arrow record batch, one copy (into `out` if given); with
+        `ranges` (one entry per sample) only those tokens, and only the pages under them."""
+        request = self._request(part, ranges)
+        tokens = self.store._t.tokens.reshape(-1, 1)
+        batch = request.build(self._stored_routes(), tokens, out)
+        self.check_unchanged()
+        return batch
+
+    def wire(self, part: Part, ranges: Sequence[Any] | None = None) -> WireBatch:
+        """The read as it crosses the network: every stored token the rows need once (pages
+        that samples share, a GRPO group's prompt, travel once), and how to rebuild them."""
+        request = self._request(part, ranges)
+        src, count = request.copies[:, 2], request.copies[:, 3]
+        order = np.argsort(src, kind="stable")
+        starts, ends = src[order], (src + count)[order]
+        # Merge the stored-token intervals the copies read: overlapping or touching ones.
+        reach = np.maximum.accumulate(ends) if len(ends) else ends
+        new = np.concatenate([[True], starts[1:] > reach[:-1]]) if len(starts) else starts > 0
+        first = starts[new]
+        last = np.maximum.reduceat(ends, np.flatnonzero(new)) if len(starts) else ends
+        spans = list(zip(first.tolist(), last.tolist(), strict=True))
+        routes = _gather(self._stored_routes(), spans)
+        tokens = _gather(self.store._t.tokens.reshape(-1, 1), spans)
+        self.check_unchanged()
+        if not request.has_tokens.any():
+            tokens = tokens[:0]
+        at = np.concatenate([[0], np.cumsum(last - first)])
+        k = np.searchsorted(first, src, side="right") - 1
+        copies = request.copies.copy()
+        copies[:, 2] = at[k] + src - first[k] if len(k) else src
+        return WireBatch(request._replace(copies=copies), routes, tokens)
+
+
+def _gather(rows: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """`rows[a:b]` of every span, back to back (one copy)."""
+    out = np.empty((sum(b - a for a, b in spans), rows.shape[1]), dtype=rows.dtype)
+    at = 0
+    for a, b in spans:
+        out[at : at + b - a] = rows[a:b]
+        at += b - a
+    return out
+
+
+def run_copies(src: np.ndarray, dst: np.ndarray, copies: np.ndarray) -> None:
+    """`dst[d : d + n] = src[s : s + n]` for each copy (row, d, s, n)."""
+    for _, d, s, n in copies.tolist():
+        dst[d : d + n] = src[s : s + n]
+
+
+class Request(NamedTuple):
+    """What a read returns, before the copy: its rows and the copies that fill them."""
+
+    layout: RoutingLayout
+    sample_ids: list[str]
+    num_tokens: np.ndarray  # int64, per row
+    prompt_lens: list[int | None]
+    has_tokens: np.ndarray  # bool, per row: whether the sample was put with token ids
+    copies: np.ndarray  # int64 [n, 4]: (row, first token in the rows, first source token, n)
+
+    def build(self, routes: np.ndarray, tokens: np.ndarray, out: Any = None) -> pa.RecordBatch:
+        """The Arrow batch, copied out of `routes` `[*, L * K]` and `tokens` `[*, 1]` (the
+        copies' sources), into `out` if given."""
+        layout, lengths, has = self.layout, self.num_tokens, self.has_tokens
+        nbytes = int(lengths.sum()) * layout.bytes_per_token
+        buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
+        values = np.frombuffer(buf, dtype=layout.dtype).reshape(-1, layout.values_per_token)
+        run_copies(routes, values, self.copies)
+        token_buf = pa.allocate_buffer(int(lengths[has].sum()) * TOKEN_DTYPE.itemsize)
+        if has.any():
+            # Token ids are kept for the rows that have them only: shift the others out.
+            skipped = np.where(has, 0, lengths)
+            shift = np.cumsum(skipped) - skipped
+            with_ids = self.copies[has[self.copies[:, 0]]].copy()
+            with_ids[:, 1] -= shift[with_ids[:, 0]]
+            dst = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
+            run_copies(tokens, dst, with_ids)
+        return routes_batch(
+            layout, self.sample_ids, lengths, self.prompt_lens, buf, (has, token_buf)
+        )
+
+
+class WireBatch(NamedTuple):
+    """A read shipped to another node: the stored tokens it needs, each once, and the copies
+    that rebuild its rows there (`batch()`). What crosses is `nbytes`."""
+
+    request: Request
+    routes: np.ndarray  # [U, L * K] stored ids of the U distinct tokens read
+    tokens: np.ndarray  # [U, 1] their token ids ([0, 1] when no sample has any)
+
+    @property
+    def nbytes(self) -> int:
+        return self.routes.nbytes + self.tokens.nbytes + self.request.copies.nbytes
+
+    def batch(self, out: Any = None) -> pa.RecordBatch:
+        """The rows as one Arrow batch in this process's memory (or `out`), one copy."""
+        return self.request.build(self.routes, self.tokens, out)

@@ -48,7 +48,7 @@ from routing_replay.store.lock import CommitLock
 from routing_replay.store.pages import PageAllocator
 from routing_replay.store.prefix import PrefixIndex
 from routing_replay.store.put import PutTransaction
-from routing_replay.store.read import ReadPlan
+from routing_replay.store.read import ReadPlan, WireBatch
 from routing_replay.store.refs import (
     Part,
     PutRequest,
@@ -383,6 +383,18 @@ class RoutingStore:
         do not overwrite it while they are in use.
         """
         return ReadPlan(self, sample_ids).batch(part, out, ranges)
+
+    def read_wire(
+        self,
+        sample_ids: Iterable[str | RoutingRef],
+        part: Part = "all",
+        *,
+        ranges: Sequence[Any] | None = None,
+    ) -> WireBatch:
+        """`read` in the form to send to another node: the stored tokens its rows need, each
+        once (samples that share pages share them), and the copies that rebuild the rows
+        there; `.batch()` is then what `read` returns here, `.nbytes` what travels."""
+        return ReadPlan(self, sample_ids).wire(part, ranges)
 
     def __contains__(self, sample_id: object) -> bool:
         """Whether the id is stored (for a ref: whether the very put it names is)."""
