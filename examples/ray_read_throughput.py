@@ -4,7 +4,7 @@
 
 A writer on each node puts samples of the Qwen3-30B-A3B layout (48 MoE layers, top-8 of
 128 experts: 384 B/token as uint8); a reader on the first node fetches them with
-`fetch_batch` (its own node's from shared memory, the other node's through that node's
+`fetch_batch` + `to_torch` (its own node's from shared memory, the other node's through that node's
 store actor) and with `read_dataset` + `routes_collate_fn`. Prints medians of 5 rounds.
 """
 
@@ -20,8 +20,8 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from routing_replay import (
-    RoutingLayout,
+from routing_replay import RoutingLayout, to_torch
+from routing_replay.ray import (
     fetch_batch,
     node_store,
     read_dataset,
@@ -48,8 +48,8 @@ class Reader:
 
     def fetch(self, refs: list) -> float:
         t = time.perf_counter()
-        batch = fetch_batch(refs)
-        assert batch.num_rows == len(refs)
+        routes = to_torch(fetch_batch(refs))  # what a trainer does with the batch
+        assert routes.shape[0] == sum(r.num_tokens for r in refs)
         return time.perf_counter() - t
 
     def dataset(self, refs: list) -> float:
@@ -93,14 +93,14 @@ def main() -> None:
         )
         ray.get(reader.fetch.remote(local[:1] + remote[:1]))  # warm up imports and mappings
         for label, refs, method in [
-            ("fetch_batch, same node (shm)", local, reader.fetch),
-            ("fetch_batch, other node (actor)", remote, reader.fetch),
+            ("fetch_batch + to_torch, same node (shm)", local, reader.fetch),
+            ("fetch_batch + to_torch, other node", remote, reader.fetch),
             ("read_dataset + collate, same node", local, reader.dataset),
             ("read_dataset + collate, other node", remote, reader.dataset),
         ]:
             times = [ray.get(method.remote(refs)) for _ in range(5)]
             t = statistics.median(times)
-            print(f"{label:38s} {t * 1e3:8.1f} ms  {mb / t:8.0f} MiB/s")
+            print(f"{label:40s} {t * 1e3:8.1f} ms  {mb / t:8.0f} MiB/s")
     finally:
         shutdown_node_stores(JOB)
         ray.shutdown()

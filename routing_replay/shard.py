@@ -15,6 +15,7 @@ where the rank's model sees those tokens, -1 on padding.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -148,5 +149,12 @@ class TokenShard:
         layout = flat.layout
         flat = flat.as_subclass(torch.Tensor)
         out = flat.new_full((*self.index.shape, *flat.shape[1:]), MISSING)
-        out[nonpad] = flat[where]
+        # Copy run by run (positions and held tokens both consecutive): no gathered temporary.
+        at = np.flatnonzero(nonpad.reshape(-1).numpy())
+        src = where.numpy()
+        breaks = np.flatnonzero((np.diff(at) != 1) | (np.diff(src) != 1)) + 1
+        out_flat = out.view(-1, *flat.shape[1:])
+        bounds = np.r_[0, breaks, len(at)].tolist() if len(at) else []
+        for a, b in itertools.pairwise(bounds):
+            out_flat[at[a] : at[a] + b - a] = flat[src[a] : src[a] + b - a]
         return with_layout(out, layout)
