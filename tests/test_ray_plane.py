@@ -152,12 +152,17 @@ class Reader:
         ).data_ptr() == out.data_ptr()
 
     def dataset(
-        self, refs: list, release: bool = False, layout: RoutingLayout | None = None, **bound
+        self,
+        refs: list,
+        release: bool = False,
+        layout: RoutingLayout | None = None,
+        ranges=None,
+        **bound,
     ):
         if bound:
             refs, stale = split_stale(refs, **bound)
             release_refs(stale)
-        ds = read_dataset(refs, release=release)
+        ds = read_dataset(refs, release=release, ranges=ranges)
         out = {}
         for batch in ds.iter_torch_batches(batch_size=7, collate_fn=routes_collate_fn(layout)):
             cu = batch["cu_seqlens"].tolist()
@@ -395,6 +400,11 @@ def test_ranges_read_only_their_tokens_on_either_node(cluster):
         pairs = [pairs] if isinstance(pairs[0], int) else pairs
         want = np.concatenate([sample_routes(i)[a:b] for a, b in pairs])
         np.testing.assert_array_equal(routes, want)
+    by_id = ray.get(reader.dataset.remote(refs, ranges=ranges))  # a Ray Data dataset too
+    for i, pairs in zip((1, 2, 3, 4), ranges, strict=True):
+        pairs = [pairs] if isinstance(pairs[0], int) else pairs
+        want = np.concatenate([sample_routes(i)[a:b] for a, b in pairs])
+        np.testing.assert_array_equal(by_id[refs[i - 1].sample_id], want)
     actors = store_actors(job).values()
     (actor,) = [a for a in actors if ray.get(a.stats.remote())["store"] == refs[2].store]
     before = ray.get(actor.stats.remote())["bytes_served"]

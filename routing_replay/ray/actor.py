@@ -187,12 +187,14 @@ class NodeStoreActor:
         self._count(len(refs), wire.nbytes)
         return wire
 
-    def read_block(self, refs: list[RoutingRef | str], part: str = "all") -> tuple[pa.Table, int]:
-        """A Ray Data block of the samples (Arrow rows, as a Dataset holds them), and its
-        row count as a second return (call with num_returns=2)."""
+    def read_block(
+        self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None
+    ) -> tuple[pa.Table, int]:
+        """A Ray Data block of the samples or their `ranges` (Arrow rows, as a Dataset holds
+        them), and its row count as a second return (call with num_returns=2)."""
         store = self._live()
         _check_refs_in(refs, store.name, self.node_id)
-        batch = store.read(refs, part=part)  # type: ignore[arg-type]
+        batch = store.read(refs, part=part, ranges=ranges)  # type: ignore[arg-type]
         self._count(batch.num_rows, batch.nbytes)
         return pa.Table.from_batches([batch]), batch.num_rows
 

@@ -136,6 +136,13 @@ def _no_staleness_args(what: str, policy_version: Any, max_staleness: Any) -> No
         )
 
 
+def _check_ranges(ranges: Sequence[Any] | None, refs: list[RoutingRef]) -> None:
+    if ranges is not None and len(ranges) != len(refs):
+        raise InvalidArgumentError(
+            f"ranges has {len(ranges)} entries for {len(refs)} refs: one per ref"
+        )
+
+
 def _refs_list(refs: Sequence[RoutingRef], what: str) -> list[RoutingRef]:
     refs = list(refs)
     if not refs:
@@ -166,10 +173,7 @@ def fetch_batch(
     """
     _no_staleness_args("fetch_batch", policy_version, max_staleness)
     refs = _refs_list(refs, "fetch_batch")
-    if ranges is not None and len(ranges) != len(refs):
-        raise InvalidArgumentError(
-            f"ranges has {len(ranges)} entries for {len(refs)} refs: one per ref"
-        )
+    _check_ranges(ranges, refs)
     here = current_node_id()
     groups = _by_store(refs)
 
@@ -225,6 +229,7 @@ def read_dataset(
     part: Part = "all",
     release: bool = False,
     samples_per_block: int = 256,
+    ranges: Sequence[Any] | None = None,
     policy_version: None = None,
     max_staleness: None = None,
 ) -> ray.data.Dataset:
@@ -235,25 +240,29 @@ def read_dataset(
     than the driver, samples on the caller's node are read straight from shm and `ray.put`
     here. Rows are grouped by store (order within a store kept): align on `sample_id`.
     With `release=True` the samples are released from their stores once every one of them
-    was read (the dataset holds copies); a failed read leaves all of them stored.
+    was read (the dataset holds copies); a failed read leaves all of them stored. `ranges`
+    (one entry per ref, as in `fetch_batch`): only those tokens of each sample (e.g. cut
+    to the trainer's maximum length) are read into the dataset.
     """
     import ray
 
     _no_staleness_args("read_dataset", policy_version, max_staleness)
     refs = _refs_list(refs, "read_dataset")
+    _check_ranges(ranges, refs)
     here = None if _is_driver() else current_node_id()
     blocks, block_groups = [], []
     local_tables = []
     for indices in _by_store(refs).values():
-        group = [refs[i] for i in indices]
-        for lo in range(0, len(group), samples_per_block):
-            chunk = group[lo : lo + samples_per_block]
+        for lo in range(0, len(indices), samples_per_block):
+            block = indices[lo : lo + samples_per_block]
+            chunk = [refs[i] for i in block]
+            spans = None if ranges is None else [ranges[i] for i in block]
             if chunk[0].node_id == here:
-                batch = _read_local(chunk, part)
+                batch = _read_local(chunk, part, ranges=spans)
                 local_tables.append(ray.put(pa.Table.from_batches([batch])))
             else:
                 actor = _actor_for(chunk).read_block.options(num_returns=2)
-                blocks.append(actor.remote(chunk, part=part))
+                blocks.append(actor.remote(chunk, part=part, ranges=spans))
                 block_groups.append(chunk)
     # Surface a lost store here, not at the first iteration: wait for the small second
     # return of each read (its row count), not for the table, which stays on its node.
