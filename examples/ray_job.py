@@ -33,7 +33,7 @@ from routing_replay.ray import (
     shutdown_node_stores,
     store_actors,
 )
-from routing_replay.testing import tiny_moe
+from routing_replay.testing import group_advantages, grpo_loss, right_padded, tiny_moe
 
 VOCAB = 128  # tiny_moe's vocabulary; token ids >= 3 are ordinary tokens
 
@@ -64,36 +64,6 @@ def reward(tokens: np.ndarray, prompt_len: int) -> float:
     """Toy reward: the fraction of completion tokens in the lower half of the vocabulary."""
     completion = tokens[prompt_len:]
     return float((completion < VOCAB // 2).mean()) if len(completion) else 0.0
-
-
-def group_advantages(rewards: np.ndarray, n: int) -> np.ndarray:
-    """GRPO advantages: rewards normalised within each prompt's group of n samples."""
-    groups = rewards.reshape(-1, n)
-    adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6)
-    return adv.reshape(-1)
-
-
-def right_padded(sequences: list[np.ndarray], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[B, S]` input ids and attention mask, right padded."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        mask[b, : len(seq)] = 1
-    return ids, mask
-
-
-def grpo_loss(
-    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, prompt_lens: list[int], adv: Any
-) -> torch.Tensor:
-    """Policy-gradient loss over completion tokens: -mean(advantage * log p(token))."""
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    completion = mask[:, 1:].clone()
-    for b, p in enumerate(prompt_lens):
-        completion[b, : max(p - 1, 0)] = 0
-    weights = torch.as_tensor(adv, dtype=torch.float32)[:, None] * completion
-    return -(logp * weights).sum() / completion.sum().clamp(min=1)
 
 
 class Trainer:

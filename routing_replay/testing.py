@@ -4,13 +4,15 @@ One builder, so that every place that needs "a small real MoE model" gets the sa
 `seeded_moe` builds any transformers MoE config (nothing is downloaded) with its routers
 spread by a seeded init, so that the input, not the init, decides routing; `tiny_moe` is
 the demo's Qwen3-MoE, whose shape keyword arguments change (vLLM's CPU attention needs
-`head_dim=32`; benchmarks widen it).
+`head_dim=32`; benchmarks widen it). The toy GRPO pieces the Ray examples share
+(`group_advantages`, `right_padded`, `grpo_loss`) live here too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 # The demo model's shape: 4 MoE layers, top-4 of 32 experts, a 128-token vocabulary.
@@ -109,3 +111,33 @@ def tiny_tokenizer() -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
     )
+
+
+def group_advantages(rewards: np.ndarray, n: int) -> np.ndarray:
+    """GRPO advantages: rewards normalised within each prompt's group of n samples."""
+    groups = rewards.reshape(-1, n)
+    adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6)
+    return adv.reshape(-1)
+
+
+def right_padded(sequences: list[np.ndarray], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, S]` input ids and attention mask, right padded."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[b, : len(seq)] = 1
+    return ids, mask
+
+
+def grpo_loss(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, prompt_lens: list[int], adv: Any
+) -> torch.Tensor:
+    """Policy-gradient loss over completion tokens: -mean(advantage * log p(token))."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    completion = mask[:, 1:].clone()
+    for b, p in enumerate(prompt_lens):
+        completion[b, : max(p - 1, 0)] = 0
+    weights = torch.as_tensor(adv, dtype=torch.float32)[:, None] * completion
+    return -(logp * weights).sum() / completion.sum().clamp(min=1)
