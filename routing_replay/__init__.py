@@ -14,6 +14,7 @@ The data path, top to bottom, and where each part lives:
 from routing_replay._moved import forwarder
 from routing_replay.errors import (
     ConcurrentReleaseError,
+    CorruptArchiveError,
     CorruptStoreError,
     DuplicateSampleError,
     InvalidArgumentError,
@@ -46,6 +47,8 @@ from routing_replay.store import (
     StoreInfo,
     StoreStats,
     list_stores,
+    load_routes,
+    save_routes,
     sweep_stores,
 )
 
@@ -54,6 +57,7 @@ __all__ = [
     "UNCHECKED",
     "Agreement",
     "ConcurrentReleaseError",
+    "CorruptArchiveError",
     "CorruptStoreError",
     "DuplicateSampleError",
     "Episode",
@@ -81,11 +85,13 @@ __all__ = [
     "layout_of",
     "list_stores",
     "load_balancing_loss",
+    "load_routes",
     "prepare_replay",
     "register_router",
     "replay",
     "routes_schema",
     "routing_agreement",
+    "save_routes",
     "sweep_stores",
     "to_torch",
     "with_layout",

@@ -58,6 +58,10 @@ class CorruptStoreError(RoutingReplayError):
     """A store segment's tables are inconsistent: its routes cannot be trusted."""
 
 
+class CorruptArchiveError(RoutingReplayError):
+    """A route archive is truncated, damaged or not an archive: nothing is loaded from it."""
+
+
 class StoreBusyError(RoutingReplayError, TimeoutError):
     """A store's lock stayed held by another process past the operation's timeout."""
 

@@ -18,9 +18,11 @@ One small object per concept, read in this order:
 - `repair`: what a holder or writer that died half-way left, rolled back or reclaimed;
 - `routing_store`: `RoutingStore`, the facade;
 - `sweep`: `list_stores`, `sweep_stores`;
-- `episode`: `Episode`, a multi-turn episode built from puts.
+- `episode`: `Episode`, a multi-turn episode built from puts;
+- `archive`: `save_routes` / `load_routes`, routes in an Arrow IPC file across restarts.
 """
 
+from routing_replay.store.archive import RouteArchive, load_routes, save_routes
 from routing_replay.store.episode import Episode
 from routing_replay.store.format import DEFAULT_PAGE_TOKENS, DEFAULT_PUT_TIMEOUT_S
 from routing_replay.store.read import WireBatch
@@ -35,6 +37,7 @@ __all__ = [
     "Episode",
     "Part",
     "PutRequest",
+    "RouteArchive",
     "RoutingRef",
     "RoutingStore",
     "StoreInfo",
@@ -42,6 +45,8 @@ __all__ = [
     "WireBatch",
     "default_node_id",
     "list_stores",
+    "load_routes",
+    "save_routes",
     "sweep_stores",
     "token_digest",
 ]

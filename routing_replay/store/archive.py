@@ -1,0 +1,278 @@
+"""Routes that outlive the store: save refs' samples to an Arrow IPC file, load them back.
+
+A route archive is one Arrow IPC *file* (footer and all: a truncated file does not open):
+the routes schema (`routing_replay.schema`, the layout in its metadata) plus each sample's
+policy-version spans, token digest and put serial; every record batch carries a CRC-32 of
+its buffers in its custom metadata. `save_routes` streams: it reads `chunk_tokens` tokens
+at a time and writes them, so saving 10 GB needs one chunk of memory; it writes to a
+temporary name and renames, so a crash never leaves a partial archive under the name.
+`load_routes` checks the whole file first (CRCs, layout, the refs asked for) and then puts
+its samples batch by batch with `put_many`; any failure releases what it had put, so a
+load is all or nothing. Old refs map to new ones by sample id, checked against the saved
+serial and token digest (a ref of another put of that id is refused).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from routing_replay.errors import (
+    CorruptArchiveError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    SampleNotFoundError,
+    SampleReplacedError,
+)
+from routing_replay.reader import _stored_ids
+from routing_replay.schema import (
+    NUM_TOKENS,
+    PROMPT_LEN,
+    SAMPLE_ID,
+    TOKEN_IDS,
+    layout_of,
+    routes_schema,
+)
+from routing_replay.store.format import NO_DIGEST
+from routing_replay.store.refs import PutRequest, RoutingRef
+
+if TYPE_CHECKING:
+    from routing_replay.layout import RoutingLayout
+    from routing_replay.store.routing_store import RoutingStore
+
+ARCHIVE_KEY = b"routing_replay.archive"  # schema metadata: the archive format's version
+ARCHIVE_VERSION = b"1"
+CRC_KEY = b"crc32"  # record batch metadata: CRC-32 of the batch's buffers
+POLICY_VERSIONS, TOKENS_DIGEST, SERIAL = "policy_versions", "tokens_digest", "serial"
+DEFAULT_CHUNK_TOKENS = 1 << 18  # tokens read and written at a time (~100 MB of Qwen3 routes)
+SPANS = pa.list_(pa.struct([("start", pa.int64()), ("version", pa.int64())]))
+
+
+def archive_schema(layout: RoutingLayout) -> pa.Schema:
+    """The routes schema plus each sample's spans, digest and serial; versioned metadata."""
+    base = routes_schema(layout)
+    extra = [
+        pa.field(POLICY_VERSIONS, SPANS, nullable=False),
+        pa.field(TOKENS_DIGEST, pa.uint64(), nullable=False),
+        pa.field(SERIAL, pa.uint64(), nullable=False),
+    ]
+    schema = pa.schema([*base, *extra], metadata=base.metadata)
+    return schema.with_metadata({**schema.metadata, ARCHIVE_KEY: ARCHIVE_VERSION})
+
+
+def batch_crc(batch: pa.RecordBatch) -> int:
+    """CRC-32 over every buffer of every column, in order (validity, offsets, values)."""
+    crc = 0
+    for column in batch.columns:
+        for buf in column.buffers():
+            if buf is not None:
+                crc = zlib.crc32(memoryview(buf), crc)
+    return crc
+
+
+def save_routes(
+    path: str | os.PathLike,
+    refs: Sequence[RoutingRef],
+    *,
+    read: Callable[[list[RoutingRef]], pa.RecordBatch],
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> int:
+    """Save the refs' samples to the archive `path`; returns the bytes written.
+
+    `read(refs)` returns their Arrow batch (`store.read` in one process,
+    `routing_replay.ray.fetch_batch` on Ray). Samples are read and written `chunk_tokens`
+    tokens at a time; the file appears under `path` only once complete (fsynced).
+    """
+    refs = list(refs)
+    if not refs or not all(isinstance(r, RoutingRef) for r in refs):
+        raise InvalidArgumentError("save_routes needs a non-empty list of RoutingRefs")
+    if len({r.sample_id for r in refs}) != len(refs):
+        raise InvalidArgumentError("save_routes names a sample more than once")
+    if chunk_tokens < 1:
+        raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    path = os.fspath(path)
+    tmp = f"{path}.partial-{os.getpid()}"
+    writer = None
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in _chunks(refs, chunk_tokens):
+                batch = _archive_batch(read(chunk), chunk)
+                if writer is None:
+                    writer = ipc.new_file(f, batch.schema)
+                writer.write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch))})
+            writer.close()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return os.path.getsize(path)
+
+
+def _chunks(refs: list[RoutingRef], chunk_tokens: int) -> Iterator[list[RoutingRef]]:
+    chunk: list[RoutingRef] = []
+    tokens = 0
+    for ref in refs:
+        if chunk and tokens + ref.num_tokens > chunk_tokens:
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(ref)
+        tokens += ref.num_tokens
+    yield chunk
+
+
+def _archive_batch(batch: pa.RecordBatch, refs: list[RoutingRef]) -> pa.RecordBatch:
+    """A read's batch with the refs' spans, digests and serials added (checked to match)."""
+    if batch.column(SAMPLE_ID).to_pylist() != [r.sample_id for r in refs]:
+        raise InvalidArgumentError("read(refs) must return the refs' samples, in order")
+    counts = batch.column(NUM_TOKENS).to_pylist()
+    if counts != [r.num_tokens for r in refs]:
+        raise InvalidArgumentError(f"read(refs) returned {counts} tokens, the refs hold others")
+    spans = [[{"start": s, "version": v} for s, v in r.policy_versions] for r in refs]
+    schema = archive_schema(layout_of(batch))
+    columns = [
+        *batch.columns,
+        pa.array(spans, type=SPANS),
+        pa.array([r.tokens_digest for r in refs], type=pa.uint64()),
+        pa.array([r.serial for r in refs], type=pa.uint64()),
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+class RouteArchive:
+    """An archive opened for reading (memory-mapped): its layout, samples and batches, each
+    batch checked against its CRC as it is read."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._reader = ipc.open_file(pa.memory_map(self.path))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CorruptArchiveError(
+                f"{self.path} is not a complete route archive ({e}): truncated or not written "
+                "by save_routes; save the routes again from their store"
+            ) from None
+        schema = self._reader.schema
+        if (schema.metadata or {}).get(ARCHIVE_KEY) != ARCHIVE_VERSION:
+            raise CorruptArchiveError(
+                f"{self.path} is an Arrow file but not a route archive of version "
+                f"{ARCHIVE_VERSION.decode()}: write it with routing_replay.save_routes"
+            )
+        self.layout = layout_of(schema)
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        """Every record batch, after its CRC check."""
+        for i in range(self._reader.num_record_batches):
+            try:
+                batch, meta = self._reader.get_batch_with_custom_metadata(i)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise CorruptArchiveError(
+                    f"record batch {i} of {self.path} does not read ({e}); nothing was loaded"
+                ) from None
+            want = (meta or {}).get(CRC_KEY)
+            if want is None or int(want) != batch_crc(batch):
+                raise CorruptArchiveError(
+                    f"record batch {i} of {self.path} fails its CRC check: the file was "
+                    "damaged after it was written; nothing was loaded"
+                )
+            yield batch
+
+    def check(self, layout: RoutingLayout, refs: Sequence[RoutingRef] | None) -> dict[str, int]:
+        """Read the whole file once: CRCs, layout, the refs asked for; sample id -> its
+        batch index. Raises before anything is loaded."""
+        if layout != self.layout:
+            raise LayoutMismatchError(
+                f"{self.path} holds routes of {self.layout}, the store is for {layout}: load "
+                "it into a store of the archive's layout"
+            )
+        where: dict[str, int] = {}
+        saved: dict[str, tuple[int, int, int]] = {}
+        for i, batch in enumerate(self.batches()):
+            ids = batch.column(SAMPLE_ID).to_pylist()
+            for sid, n, digest, serial in zip(
+                ids,
+                batch.column(NUM_TOKENS).to_pylist(),
+                batch.column(TOKENS_DIGEST).to_pylist(),
+                batch.column(SERIAL).to_pylist(),
+                strict=True,
+            ):
+                if sid in where:
+                    raise CorruptArchiveError(f"{self.path} holds sample {sid!r} twice")
+                where[sid], saved[sid] = i, (n, digest, serial)
+        for ref in refs or ():
+            if ref.sample_id not in saved:
+                raise SampleNotFoundError(
+                    f"sample {ref.sample_id!r} is not in {self.path}: it was not saved "
+                    "there; nothing was loaded"
+                )
+            if (ref.num_tokens, ref.tokens_digest, ref.serial) != saved[ref.sample_id]:
+                raise SampleReplacedError(
+                    f"ref {ref.sample_id!r} names another put of that id than the one saved "
+                    f"in {self.path}; nothing was loaded"
+                )
+        return where
+
+
+def load_routes(
+    path: str | os.PathLike,
+    store: RoutingStore,
+    refs: Sequence[RoutingRef] | None = None,
+    *,
+    timeout: float | None = None,
+) -> list[RoutingRef]:
+    """Put the archive's samples (or those of `refs`, the old refs) into `store`, all or
+    nothing; returns the new refs, in file order (or aligned with `refs`)."""
+    archive = RouteArchive(path)
+    wanted = None if refs is None else {r.sample_id for r in refs}
+    archive.check(store.layout, refs)
+    loaded: list[RoutingRef] = []
+    try:
+        for batch in archive.batches():
+            requests = [r for r in _requests(batch, archive.layout) if not wanted or r[0] in wanted]
+            if requests:
+                new = store.put_many([r[1] for r in requests], timeout=timeout)
+                for (_, _, digest), ref in zip(requests, new, strict=True):
+                    if digest != ref.tokens_digest:  # the file's ids hash to the saved digest
+                        raise CorruptArchiveError(
+                            f"sample {ref.sample_id!r} of {archive.path}: its token ids do not "
+                            "match the digest saved with them"
+                        )
+                loaded += new
+    except BaseException:
+        if loaded:
+            store.release(loaded)
+        raise
+    if refs is None:
+        return loaded
+    by_id = {r.sample_id: r for r in loaded}
+    return [by_id[r.sample_id] for r in refs]
+
+
+def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[str, Any, int]]:
+    """(sample id, PutRequest, saved digest) of each row."""
+    L, K = layout.num_moe_layers, layout.top_k
+    routes = layout.decode(_stored_ids(batch, layout).reshape(-1, L, K))
+    offsets = np.concatenate([[0], np.cumsum(batch.column(NUM_TOKENS).to_numpy())])
+    tokens = batch.column(TOKEN_IDS)
+    for i, (sid, prompt, spans, digest) in enumerate(
+        zip(
+            batch.column(SAMPLE_ID).to_pylist(),
+            batch.column(PROMPT_LEN).to_pylist(),
+            batch.column(POLICY_VERSIONS).to_pylist(),
+            batch.column(TOKENS_DIGEST).to_pylist(),
+            strict=True,
+        )
+    ):
+        ids = None if not tokens[i].is_valid else tokens[i].values.to_numpy()
+        version = [(s["start"], s["version"]) for s in spans] or None
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        request = PutRequest(sid, routes[a:b], prompt, ids, version)
+        yield sid, request, digest if ids is not None else NO_DIGEST
