@@ -37,6 +37,17 @@ def global_step(trainer: Any) -> int:
     return trainer._step
 
 
+def generation_buffer(trainer: Any) -> tuple[int, list[dict] | None]:
+    """The micro-step counter and the buffered micro-batches of the last generation
+    (`_step`, `_buffered_inputs`; TRL regenerates when the buffer is None, as on resume)."""
+    return trainer._step, trainer._buffered_inputs
+
+
+def restore_generation_buffer(trainer: Any, step: int, inputs: list[dict]) -> None:
+    """Put a saved buffer back: TRL then trains its remaining micro-batches, not new ones."""
+    trainer._step, trainer._buffered_inputs = step, inputs
+
+
 def colocated_generation(trainer: Any) -> Any:
     """The colocated vLLM generation object (`vllm_generation`: `.llm`, `.sync_weights`)."""
     return trainer.vllm_generation

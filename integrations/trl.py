@@ -21,6 +21,11 @@ What the subclass does, in TRL's own steps (trl 1.16):
 - **Release**: a generation's refs are released right after the last micro-step that uses
   them (`steps_per_generation x num_iterations` steps), and evaluation refs right after
   their loss: the store is empty between optimizer steps and nothing grows across steps.
+- **Checkpoints**: a checkpoint saved while a generation still has micro-batches to train
+  (`steps_per_generation` or `num_iterations` > 1) keeps them and their routes
+  (`routing_replay_buffer-<process>.pt`, `routing_replay_routes-<process>.arrow`); on
+  `train(resume_from_checkpoint=...)` they are loaded back and trained, where TRL alone
+  would drop them and generate again.
 
 The store defaults to one this trainer owns (per process: TRL's processes each generate
 and train their own rows), sized at the first rollout and grown while empty; pass
@@ -42,6 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from routing_replay import (
@@ -53,15 +60,18 @@ from routing_replay import (
     RoutingStore,
     UnsupportedModelError,
     capture,
+    load_routes,
     prepare_replay,
     replay,
     routing_agreement,
+    save_routes,
     to_torch,
 )
 from routing_replay.integrations import _compat_trl, _compat_vllm
 from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
+BUFFER_FILE, ROUTES_FILE = "routing_replay_buffer", "routing_replay_routes"  # in checkpoints
 _MM_KEYS = (  # vision inputs of _get_per_token_logps_and_entropies: not replayed here
     "pixel_values",
     "image_grid_thw",
@@ -158,6 +168,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         self._step_blocks: contextlib.ExitStack | None = None  # open during training_step
         self._replaying = False
         self._run = f"trl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.add_callback(_SaveBuffer(self))
 
     # -- the store ----------------------------------------------------------------------
 
@@ -396,6 +407,57 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             self._release(self._train_refs)  # that was the generation's last micro-step
         return loss
 
+    # -- checkpoints --------------------------------------------------------------------
+
+    def _save_buffer(self, checkpoint_dir: str) -> None:
+        """Keep the generation's untrained micro-batches and their routes in the checkpoint."""
+        step, inputs = _compat_trl.generation_buffer(self)
+        if not inputs or not self._train_refs or step % _compat_trl.steps_per_rollout(self) == 0:
+            return  # no generation in flight: resuming generates, as it would have anyway
+        rank = self.accelerator.process_index
+        save_routes(
+            os.path.join(checkpoint_dir, f"{ROUTES_FILE}-{rank}.arrow"),
+            self._train_refs,
+            read=self._store.read,
+        )
+        rows = [{**b, REFS_KEY: [r.sample_id for r in b[REFS_KEY]]} for b in inputs]
+        torch.save(
+            {"step": step, "inputs": rows}, os.path.join(checkpoint_dir, f"{BUFFER_FILE}-{rank}.pt")
+        )
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """TRL's `train`; resuming from a checkpoint that kept a generation's untrained
+        micro-batches loads them and their routes first, so they are trained, not dropped."""
+        path = resume_from_checkpoint
+        if path is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            path = get_last_checkpoint(self.args.output_dir)
+        if isinstance(path, (str, os.PathLike)):
+            self._load_buffer(os.fspath(path))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_buffer(self, checkpoint_dir: str) -> None:
+        rank = self.accelerator.process_index
+        buffer = os.path.join(checkpoint_dir, f"{BUFFER_FILE}-{rank}.pt")
+        if not os.path.exists(buffer):
+            return
+        saved = torch.load(buffer, weights_only=False)
+        archive = os.path.join(checkpoint_dir, f"{ROUTES_FILE}-{rank}.arrow")
+        ids = [sid for b in saved["inputs"] for sid in b[REFS_KEY]]
+        lengths = [int(m.sum()) for b in saved["inputs"] for m in _row_masks(b)]
+        refs = load_routes(archive, self._store_for(lengths))
+        by_id = {r.sample_id: r for r in refs}
+        if sorted(by_id) != sorted(ids):
+            self._store.release(refs)
+            raise InvalidRoutesError(
+                f"{archive} holds other samples than the buffered micro-batches of "
+                f"{buffer}: the checkpoint's files do not belong together"
+            )
+        inputs = [{**b, REFS_KEY: [by_id[sid] for sid in b[REFS_KEY]]} for b in saved["inputs"]]
+        self._train_refs = refs
+        _compat_trl.restore_generation_buffer(self, saved["step"], inputs)
+
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's evaluation step; its rollout's refs are released after it."""
         try:
@@ -470,6 +532,24 @@ def _vllm_returning_routes(config: Any) -> Iterator[None]:
         extra["enforce_eager"] = True
     with _compat_trl.llm_kwargs(**extra):
         yield
+
+
+def _row_masks(inputs: dict[str, Any]) -> torch.Tensor:
+    """Each row's prompt + completion mask, `[B, S]`."""
+    return torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+
+
+class _SaveBuffer(TrainerCallback):
+    """After the Trainer writes a checkpoint, add the generation buffer to it."""
+
+    def __init__(self, trainer: RoutingReplayGRPOTrainer) -> None:
+        self.trainer = weakref.ref(trainer)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer()
+        if trainer is not None:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            trainer._save_buffer(folder)
 
 
 def _remove(store: RoutingStore) -> None:

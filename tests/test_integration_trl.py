@@ -358,3 +358,43 @@ def test_peft_reference_pass_routes_natively(checkpoint, monkeypatch):
     finally:
         trainer.spy.remove()
         trainer.close_routing_store()
+
+
+def test_resume_trains_the_generation_buffer_the_checkpoint_kept(checkpoint, monkeypatch, tmp_path):
+    # One generation every 2 optimizer steps, a checkpoint every step: checkpoint-1 falls
+    # inside a generation. Resumed from it, step 2 trains the kept micro-batch with its
+    # routes, as the uninterrupted run did, and generates nothing (TRL alone would
+    # regenerate, and the routes of the kept rows would be gone with the first process).
+    a, recorded, _ = run(
+        checkpoint, monkeypatch, output_dir=str(tmp_path / "a"), steps_per_generation=2,
+        max_steps=2, save_strategy="steps", save_steps=1,
+    )  # fmt: skip
+    kept = tmp_path / "a" / "checkpoint-1"
+    assert (kept / "routing_replay_buffer-0.pt").exists()
+    assert (kept / "routing_replay_routes-0.arrow").exists()
+    assert not (tmp_path / "a" / "checkpoint-2" / "routing_replay_buffer-0.pt").exists()
+    step2 = [p for p in a.passes if p["kind"] == "loss"][1]
+    a.close_routing_store()
+
+    generated = []
+    real_generate = RoutingReplayGRPOTrainer._generate
+    monkeypatch.setattr(
+        RoutingReplayGRPOTrainer,
+        "_generate",
+        lambda self, p: generated.append(p) or real_generate(self, p),
+    )
+    b = Checked(
+        model=checkpoint, reward_funcs=reward_len, train_dataset=prompts(),
+        args=config(output_dir=str(tmp_path / "b"), steps_per_generation=2, max_steps=2),
+    )  # fmt: skip
+    b.train(resume_from_checkpoint=str(kept))
+    assert generated == []  # nothing regenerated
+    (resumed,) = [p for p in b.passes if p["kind"] == "loss"]
+    assert [r.sample_id for r in resumed["refs"]] == [r.sample_id for r in step2["refs"]]
+    assert torch.equal(resumed["input_ids"], step2["input_ids"])
+    L = b.routing_layout.num_moe_layers
+    assert_forced(resumed, recorded, L)  # the experts got the routes run A recorded
+    # (The log-probs are not compared: transformers' resume of this Qwen3-MoE checkpoint
+    # reports its per-expert weights as unexpected keys and leaves the experts as built.)
+    assert b.routing_store.stats().samples == 0  # released after its last micro-step
+    b.close_routing_store()
