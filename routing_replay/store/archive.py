@@ -4,12 +4,13 @@ A route archive is one Arrow IPC *file* (footer and all: a truncated file does n
 the routes schema (`routing_replay.schema`, the layout in its metadata) plus each sample's
 policy-version spans, token digest and put serial; every record batch carries a CRC-32 of
 its buffers in its custom metadata. `save_routes` streams: it reads `chunk_tokens` tokens
-at a time and writes them, so saving 10 GB needs one chunk of memory; it writes to a
-temporary name and renames, so a crash never leaves a partial archive under the name.
-`load_routes` checks the whole file first (CRCs, layout, the refs asked for) and then puts
-its samples batch by batch with `put_many`; any failure releases what it had put, so a
-load is all or nothing. Old refs map to new ones by sample id, checked against the saved
-serial and token digest (a ref of another put of that id is refused).
+at a time (reading the next chunk while a thread checksums and writes the last), so saving
+10 GB needs two chunks of memory; it writes to a temporary name and renames, so a crash
+never leaves a partial archive under the name. `load_routes` checks the layout and the
+refs asked for first (reading only the id columns), then checks each batch's CRC and puts
+its samples with `put_many`; any failure (a damaged batch, a full store) releases what it
+had put, so a load is all or nothing. Old refs map to new ones by sample id, checked
+against the saved serial and token digest (a ref of another put of that id is refused).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,15 +100,19 @@ def save_routes(
         raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     path = os.fspath(path)
     tmp = f"{path}.partial-{os.getpid()}"
-    writer = None
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(1, "save_routes") as pool:
+            writer: list = []
+            pending = None
+            # Two stages, two chunks in flight: read the next chunk here while a thread
+            # checksums and writes the last (zlib and Arrow's file writes release the GIL).
             for chunk in _chunks(refs, chunk_tokens):
                 batch = _archive_batch(read(chunk), chunk)
-                if writer is None:
-                    writer = ipc.new_file(f, batch.schema)
-                writer.write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch))})
-            writer.close()
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(_write, f, writer, batch)
+            pending.result()
+            writer[0].close()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -115,6 +121,13 @@ def save_routes(
             os.unlink(tmp)
         raise
     return os.path.getsize(path)
+
+
+def _write(f: Any, writer: list, batch: pa.RecordBatch) -> None:
+    """Append `batch` with its CRC (the IPC writer is made at the first batch)."""
+    if not writer:
+        writer.append(ipc.new_file(f, batch.schema))
+    writer[0].write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch))})
 
 
 def _chunks(refs: list[RoutingRef], chunk_tokens: int) -> Iterator[list[RoutingRef]]:
@@ -171,12 +184,7 @@ class RouteArchive:
     def batches(self) -> Iterator[pa.RecordBatch]:
         """Every record batch, after its CRC check."""
         for i in range(self._reader.num_record_batches):
-            try:
-                batch, meta = self._reader.get_batch_with_custom_metadata(i)
-            except (pa.ArrowInvalid, OSError) as e:
-                raise CorruptArchiveError(
-                    f"record batch {i} of {self.path} does not read ({e}); nothing was loaded"
-                ) from None
+            batch, meta = self._batch(i, with_metadata=True)
             want = (meta or {}).get(CRC_KEY)
             if want is None or int(want) != batch_crc(batch):
                 raise CorruptArchiveError(
@@ -185,9 +193,19 @@ class RouteArchive:
                 )
             yield batch
 
+    def _batch(self, i: int, with_metadata: bool = False) -> Any:
+        try:
+            batch, meta = self._reader.get_batch_with_custom_metadata(i)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CorruptArchiveError(
+                f"record batch {i} of {self.path} does not read ({e}); nothing was loaded"
+            ) from None
+        return (batch, meta) if with_metadata else batch
+
     def check(self, layout: RoutingLayout, refs: Sequence[RoutingRef] | None) -> dict[str, int]:
-        """Read the whole file once: CRCs, layout, the refs asked for; sample id -> its
-        batch index. Raises before anything is loaded."""
+        """The layout, and the refs asked for against the samples' ids, serials and digests
+        (only those columns are read); sample id -> its batch index. Raises before
+        anything is loaded. (The routes' CRCs are checked as `load_routes` puts them.)"""
         if layout != self.layout:
             raise LayoutMismatchError(
                 f"{self.path} holds routes of {self.layout}, the store is for {layout}: load "
@@ -195,7 +213,8 @@ class RouteArchive:
             )
         where: dict[str, int] = {}
         saved: dict[str, tuple[int, int, int]] = {}
-        for i, batch in enumerate(self.batches()):
+        for i in range(self._reader.num_record_batches):
+            batch = self._batch(i)
             ids = batch.column(SAMPLE_ID).to_pylist()
             for sid, n, digest, serial in zip(
                 ids,
@@ -259,7 +278,7 @@ def load_routes(
 def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[str, Any, int]]:
     """(sample id, PutRequest, saved digest) of each row."""
     L, K = layout.num_moe_layers, layout.top_k
-    routes = layout.decode(_stored_ids(batch, layout).reshape(-1, L, K))
+    routes = _stored_ids(batch, layout).reshape(-1, L, K)  # narrow, as put stores them
     offsets = np.concatenate([[0], np.cumsum(batch.column(NUM_TOKENS).to_numpy())])
     tokens = batch.column(TOKEN_IDS)
     for i, (sid, prompt, spans, digest) in enumerate(
