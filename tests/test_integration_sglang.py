@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout, RoutingStore
-from routing_replay.integrations.sglang import decode_routed_experts, put_sglang, routes_from_sglang
+from routing_replay.integrations.sglang import (
+    decode_routed_experts,
+    put_sglang,
+    put_sglang_openai,
+    routes_from_sglang,
+)
 from routing_replay.store.segment import segment_path
 
 # 4 hidden layers, layer 1 dense (Qwen3-MoE mlp_only_layers style), top-2 of 8 experts.
@@ -242,3 +247,241 @@ def test_three_turn_episode_from_sglang_payloads(store):
     )
     with pytest.raises(TokenMismatchError, match=r"episode 'sg2' turn 2: token 1 of the"):
         drifted.check_history([10, 99, 12, 13])
+
+
+# -- OpenAI-compatible endpoints (/v1/completions, /v1/chat/completions) ---------------
+#
+# Responses built as SGLang 0.5.23 (PyPI wheel sglang-0.5.23-cp311, read for this test)
+# builds them in python/sglang/srt/entrypoints/openai/:
+# - serving_completions.py `_build_completion_response` and serving_chat.py
+#   `_build_chat_response`: `sglext=SglExt(routed_experts=...)` at the *response* level,
+#   from `ret[0]` only ("from first ret_item"); per choice, completions `token_ids` /
+#   `prompt_token_ids` and chat `prompt_token_ids` / `response_token_ids`
+#   (request `return_token_ids=True`); chat `meta_info=ret_item["meta_info"]` per choice
+#   with `return_meta_info=True` (routes per choice; 0.5.21+ then leaves sglext's out).
+# - protocol.py: `SglExt(routed_experts: Optional[str], input_ids, output_ids, ...)` and
+#   the response/choice models, whose serializers drop None extension fields.
+# - the payload: the same `meta_info["routed_experts"]` string as /generate
+#   (detokenizer_manager.py `_b64_encode_per_request`: b64 of int32 `tobytes()`).
+# SGLang's docs describe `sgl_ext` on each choice; no release up to 0.5.23 sends that, but
+# it is read as well. `test_responses_match_sglang_protocol_classes` checks these dicts
+# against SGLang's own pydantic classes where they import.
+
+USAGE_NONE = {
+    "prompt_tokens_details": None,
+    "reasoning_tokens": 0,
+    "completion_tokens_details": None,
+}
+
+
+def openai_response(kind: str, choices: list[dict], prompt_len: int, sglext=None) -> dict:
+    completion = sum(len(c.get("token_ids", c.get("response_token_ids", []))) for c in choices)
+    body = {
+        "id": "req-0",
+        "object": "text_completion" if kind == "completions" else "chat.completion",
+        "created": 1700000000,
+        "model": "default",
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_len,
+            "total_tokens": prompt_len + completion,
+            "completion_tokens": completion,
+            **USAGE_NONE,
+        },
+        "metadata": None,
+    }
+    if sglext is not None:
+        body["sglext"] = sglext
+    return body
+
+
+def openai_choice(kind: str, index: int, prompt: list[int], output: list[int], **extra) -> dict:
+    """One choice with return_token_ids=True; `extra`: meta_info (chat return_meta_info)."""
+    if kind == "completions":
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": "length"}
+        choice |= {"matched_stop": None, "token_ids": output, "prompt_token_ids": prompt}
+    else:
+        message = {"role": "assistant", "content": "", "reasoning_content": None}
+        choice = {"index": index, "message": message, "logprobs": None, "finish_reason": "length"}
+        choice |= {"matched_stop": None, "prompt_token_ids": prompt, "response_token_ids": output}
+    return choice | extra
+
+
+def single_choice(kind: str, rows: np.ndarray, prompt: list[int], output: list[int], **ext):
+    """The default form: n=1, routes in the response-level sglext."""
+    sglext = {"routed_experts": as_b64(rows), **ext}
+    return openai_response(kind, [openai_choice(kind, 0, prompt, output)], len(prompt), sglext)
+
+
+def stored_tokens(store: RoutingStore, sample_id: str) -> list[int]:
+    return store.read([sample_id]).column("token_ids")[0].as_py()
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("dtype", ["int32", "uint16", "uint8", "int16"])
+def test_openai_payloads_are_exact_in_every_dtype(store, kind, dtype):
+    prompt, output = [5, 6, 7, 8, 9], [10, 11, 12]
+    rows = engine_rows(7, seed=50)
+    ext = {} if dtype == "int32" else {"routed_experts_dtype": dtype}  # int32: SGLang's own
+    response = single_choice(kind, rows.astype(dtype), prompt, output, **ext)
+    (ref,) = put_sglang_openai(store, ["s0"], response)
+    assert (ref.num_tokens, ref.prompt_len) == (8, 5)
+    got = store.get("s0")
+    np.testing.assert_array_equal(got[:7], moe_only(rows))
+    assert (got[7] == -1).all()  # the last sampled token was never forwarded
+    assert stored_tokens(store, "s0") == prompt + output  # rows aligned to these ids
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_openai_start_len_suffix_and_second_turn_prefix(store, kind):
+    turn1_prompt, turn1_out = list(range(10, 18)), [20, 21, 22, 23]  # 12 tokens
+    turn1_rows = engine_rows(11, seed=51)
+    response = single_choice(kind, turn1_rows, turn1_prompt, turn1_out)
+    (first,) = put_sglang_openai(store, ["t0"], response)
+    # Turn 2 asks routed_experts_start_len=11: SGLang returns rows [11, seqlen - 1) only.
+    turn2_prompt, turn2_out = [*turn1_prompt, *turn1_out, 30, 31, 32, 33], [40, 41, 42, 43]
+    suffix = engine_rows(20 - 1 - 11, seed=52)
+    response = single_choice(kind, suffix, turn2_prompt, turn2_out)
+    put_sglang_openai(store, ["t1-alone"], response, start_len=11)
+    got = store.get("t1-alone")
+    assert (got[:11] == -1).all() and (got[19] == -1).all()
+    np.testing.assert_array_equal(got[11:19], moe_only(suffix))
+    put_sglang_openai(store, ["t1"], response, start_len=11, prefix=first)
+    got = store.get("t1")
+    np.testing.assert_array_equal(got[:11], moe_only(turn1_rows))  # from turn 1
+    np.testing.assert_array_equal(got[11:19], moe_only(suffix))
+    assert stored_tokens(store, "t1") == turn2_prompt + turn2_out
+
+
+def per_choice_response(kind: str, where: str, prompt: list[int], n: int, seed: int):
+    """n choices of one prompt, routes per choice: chat `meta_info` (return_meta_info=True),
+    or `sgl_ext` (the form SGLang's docs describe); and each choice's engine rows."""
+    prompt_rows = engine_rows(len(prompt), seed=seed)
+    choices, all_rows = [], []
+    for i in range(n):
+        output = [60 + i, 61, 62, 63, 64 + i]
+        rows = np.concatenate([prompt_rows, engine_rows(4, seed=seed + 1 + i)])
+        if where == "meta_info":
+            carrier = sglang_response(rows, len(prompt), output)["meta_info"]
+        else:
+            carrier = {"routed_experts": as_b64(rows)}
+        choices.append(openai_choice(kind, i, prompt, output, **{where: carrier}))
+        all_rows.append(rows)
+    return openai_response(kind, choices, len(prompt)), all_rows
+
+
+@pytest.mark.parametrize("kind,where", [("chat", "meta_info"), ("completions", "sgl_ext")])
+def test_openai_n_choices_share_the_prompt_pages(store, kind, where):
+    prompt = list(range(40, 52))  # 12 tokens: 3 full pages of 4
+    response, rows = per_choice_response(kind, where, prompt, n=4, seed=60)
+    refs = put_sglang_openai(store, [f"p0-s{i}" for i in range(4)], response)
+    assert [r.sample_id for r in refs] == [f"p0-s{i}" for i in range(4)]
+    for i in range(4):
+        np.testing.assert_array_equal(store.get(f"p0-s{i}")[:16], moe_only(rows[i]))
+        assert stored_tokens(store, f"p0-s{i}") == [*prompt, 60 + i, 61, 62, 63, 64 + i]
+    s = store.stats()
+    # each sample: 17 tokens = 5 pages; the 3 prompt pages are stored once.
+    assert (s.samples, s.pages_used) == (4, 3 + 4 * 2)
+
+
+def test_openai_ids_from_sglext_and_from_the_caller(store):
+    # chat return_input_ids_in_sglext / return_output_ids_in_sglext, no per-choice ids.
+    prompt, output = [1, 2, 3, 4], [5, 6]
+    rows = engine_rows(5, seed=70)
+    choice = openai_choice("chat", 0, prompt, output)
+    del choice["prompt_token_ids"], choice["response_token_ids"]
+    sglext = {"routed_experts": as_b64(rows), "input_ids": prompt, "output_ids": [output]}
+    put_sglang_openai(store, ["ext"], openai_response("chat", [choice], 4, sglext))
+    assert stored_tokens(store, "ext") == prompt + output
+    # without return_token_ids the caller passes them.
+    bare = openai_response("chat", [choice], 4, {"routed_experts": as_b64(rows)})
+    put_sglang_openai(store, ["given"], bare, prompt_ids=prompt, output_ids=[output])
+    np.testing.assert_array_equal(store.get("given"), store.get("ext"))
+
+
+def test_openai_response_as_a_pydantic_object(store):
+    """The openai client's objects keep SGLang's extra fields (`sglext`, token ids)."""
+    from pydantic import BaseModel, ConfigDict
+
+    class ClientObject(BaseModel):  # what openai.types.Completion does with extra fields
+        model_config = ConfigDict(extra="allow")
+
+    prompt, output = [3, 4, 5], [6, 7]
+    rows = engine_rows(4, seed=71)
+    response = ClientObject(**single_choice("completions", rows, prompt, output))
+    put_sglang_openai(store, ["obj"], response)
+    np.testing.assert_array_equal(store.get("obj")[:4], moe_only(rows))
+
+
+def openai_bad_cases():
+    prompt, output = [5, 6, 7, 8], [9, 10, 11]
+    rows = engine_rows(6, seed=72)
+    good = single_choice("chat", rows, prompt, output)
+
+    def edit(response=good, **sglext):
+        r = {**response, "sglext": {**response["sglext"], **sglext}}
+        return r
+
+    no_ext = {k: v for k, v in good.items() if k != "sglext"}
+    yield "missing sglext", no_ext, "no routes for choice 0", InvalidRoutesError
+    yield "routes None", edit(routed_experts=None), r"sglext\['routed_experts'\] is None", None
+    yield "wrong length", edit(routed_experts=as_b64(rows[:5])), "6 rows", None
+    yield "unknown dtype", edit(routed_experts_dtype="float16"), "routed_experts_dtype", None
+    bad_b64 = good["sglext"]["routed_experts"][:-4] + "!!!!"
+    yield "bad base64", edit(routed_experts=bad_b64), "not valid base64", None
+    yield "truncated", edit(routed_experts=good["sglext"]["routed_experts"][:-3]), "base64", None
+    narrow = edit(routed_experts=as_b64(rows.astype(np.uint8)))  # no dtype: read as int32
+    yield "uint8 sent as int32", narrow, "bytes", None
+    no_ids = {**good, "choices": [openai_choice("chat", 0, prompt, output)]}
+    del no_ids["choices"][0]["response_token_ids"]
+    yield "no output ids", no_ids, "return_token_ids=True", InvalidRoutesError
+    per_choice, _ = per_choice_response("chat", "meta_info", prompt, n=2, seed=73)
+    per_choice["choices"][1]["meta_info"]["routed_experts"] = as_b64(rows[:3])
+    yield "second choice bad", per_choice, r"choices\[1\].meta_info", None
+    shared = openai_response(
+        "completions",
+        [openai_choice("completions", i, prompt, output) for i in range(2)],
+        4,
+        {"routed_experts": as_b64(rows)},
+    )
+    yield "n=2, one response-level payload", shared, "first choice only", InvalidRoutesError
+
+
+@pytest.mark.parametrize(
+    "response,message,error", [pytest.param(*case[1:], id=case[0]) for case in openai_bad_cases()]
+)
+def test_bad_openai_payloads_raise_and_leave_store_unharmed(store, response, message, error):
+    ids = [f"bad-{i}" for i in range(len(response["choices"]))]
+    with pytest.raises(error or (InvalidRoutesError, LayoutMismatchError), match=message):
+        put_sglang_openai(store, ids, response)
+    assert_untouched(store)
+
+
+def test_openai_ids_that_disagree_are_refused(store):
+    from routing_replay import TokenMismatchError
+
+    prompt, output = [5, 6, 7, 8], [9, 10, 11]
+    response = single_choice("completions", engine_rows(6, seed=74), prompt, output)
+    with pytest.raises(TokenMismatchError, match="prompt_token_ids given for choices"):
+        put_sglang_openai(store, ["x"], response, prompt_ids=[5, 6, 7, 99])
+    with pytest.raises(InvalidRoutesError, match="2 sample ids for 1 choices"):
+        put_sglang_openai(store, ["x", "y"], response)
+    assert_untouched(store)
+
+
+def test_responses_match_sglang_protocol_classes(store):
+    """Where SGLang's own protocol classes import (a side venv with openai + msgspec and
+    SGLang's protocol.py), the dicts above are exactly what they serialize, and their
+    objects go in directly."""
+    protocol = pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+    models = {"completions": protocol.CompletionResponse, "chat": protocol.ChatCompletionResponse}
+    prompt, output = [5, 6, 7, 8, 9], [10, 11, 12]
+    rows = engine_rows(7, seed=75)
+    cases = [(kind, single_choice(kind, rows, prompt, output)) for kind in models]
+    cases.append(("chat", per_choice_response("chat", "meta_info", prompt, n=3, seed=76)[0]))
+    for n, (kind, body) in enumerate(cases):
+        model = models[kind].model_validate(body)
+        assert model.model_dump() == body
+        ids = [f"proto{n}-{i}" for i in range(len(body["choices"]))]
+        put_sglang_openai(store, ids, model)
+    np.testing.assert_array_equal(store.get("proto0-0")[:7], moe_only(rows))
