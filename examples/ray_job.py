@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import pickle
 import sys
 import time
@@ -33,31 +32,16 @@ from routing_replay.ray import (
     shutdown_node_stores,
     store_actors,
 )
-from routing_replay.testing import group_advantages, grpo_loss, right_padded, tiny_moe
+from routing_replay.testing import (
+    group_advantages,
+    grpo_loss,
+    make_prompts,
+    right_padded,
+    start_ray,
+    tiny_moe,
+)
 
 VOCAB = 128  # tiny_moe's vocabulary; token ids >= 3 are ordinary tokens
-
-
-def start_ray(num_cpus: int = 2) -> None:
-    """Join the cluster `ray job submit` runs us on, or start a small local one."""
-    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
-        ray.init(address="auto", log_to_driver=False)
-    else:
-        ray.init(
-            address="local",  # a new Ray even if another local cluster is running
-            num_cpus=num_cpus,
-            object_store_memory=100 * 2**20,  # Ray's object store lives in /dev/shm too
-            include_dashboard=False,
-            log_to_driver=False,
-        )
-
-
-def make_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
-    """Random prompts of 6-40 tokens, each starting with BOS (2)."""
-    rng = np.random.default_rng(seed)
-    return [
-        [2, *rng.integers(3, VOCAB, int(rng.integers(6, 41))).tolist()] for _ in range(num_prompts)
-    ]
 
 
 def reward(tokens: np.ndarray, prompt_len: int) -> float:

@@ -5,7 +5,8 @@ One builder, so that every place that needs "a small real MoE model" gets the sa
 spread by a seeded init, so that the input, not the init, decides routing; `tiny_moe` is
 the demo's Qwen3-MoE, whose shape keyword arguments change (vLLM's CPU attention needs
 `head_dim=32`; benchmarks widen it). The toy GRPO pieces the Ray examples share
-(`group_advantages`, `right_padded`, `grpo_loss`) live here too.
+(`start_ray`, `make_prompts`, `group_advantages`, `right_padded`, `grpo_loss`) live
+here too.
 """
 
 from __future__ import annotations
@@ -141,3 +142,31 @@ def grpo_loss(
         completion[b, : max(p - 1, 0)] = 0
     weights = torch.as_tensor(adv, dtype=torch.float32)[:, None] * completion
     return -(logp * weights).sum() / completion.sum().clamp(min=1)
+
+
+def start_ray(num_cpus: int = 2) -> None:
+    """The examples' Ray: join the cluster `ray job submit` runs them on, or start a small
+    local one (its own, even if another local cluster runs)."""
+    import os
+
+    import ray
+
+    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
+        ray.init(address="auto", log_to_driver=False)
+    else:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            object_store_memory=100 * 2**20,  # Ray's object store lives in /dev/shm too
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+
+
+def make_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of 6-40 tokens of `tiny_moe`'s vocabulary, each starting with BOS (2)."""
+    rng = np.random.default_rng(seed)
+    vocab = TINY_MOE["vocab_size"]
+    return [
+        [2, *rng.integers(3, vocab, int(rng.integers(6, 41))).tolist()] for _ in range(num_prompts)
+    ]
