@@ -374,6 +374,7 @@ def test_resume_trains_the_generation_buffer_the_checkpoint_kept(checkpoint, mon
     assert (kept / "routing_replay_routes-0.arrow").exists()
     assert not (tmp_path / "a" / "checkpoint-2" / "routing_replay_buffer-0.pt").exists()
     step2 = [p for p in a.passes if p["kind"] == "loss"][1]
+    recorded = dict(recorded)  # run A's puts (the loads below are recorded too, narrow)
     a.close_routing_store()
 
     generated = []
