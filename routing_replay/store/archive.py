@@ -7,10 +7,11 @@ its buffers in its custom metadata. `save_routes` streams: it reads `chunk_token
 at a time (reading the next chunk while a thread checksums and writes the last), so saving
 10 GB needs two chunks of memory; it writes to a temporary name and renames, so a crash
 never leaves a partial archive under the name. `load_routes` checks the layout and the
-refs asked for first (reading only the id columns), then checks each batch's CRC and puts
-its samples with `put_many`; any failure (a damaged batch, a full store) releases what it
-had put, so a load is all or nothing. Old refs map to new ones by sample id, checked
-against the saved serial and token digest (a ref of another put of that id is refused).
+refs asked for first (reading only the id columns), then every batch's CRC, then puts all
+its samples with one `put_many` (the routes are views of the memory-mapped file), so a
+load is all or nothing, even if the loading process dies in the middle. Old refs map to
+new ones by sample id, checked against the saved serial and token digest (a ref of
+another put of that id is refused).
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class RouteArchive:
     def check(self, layout: RoutingLayout, refs: Sequence[RoutingRef] | None) -> dict[str, int]:
         """The layout, and the refs asked for against the samples' ids, serials and digests
         (only those columns are read); sample id -> its batch index. Raises before
-        anything is loaded. (The routes' CRCs are checked as `load_routes` puts them.)"""
+        anything is loaded (`load_routes` then checks every batch's CRC before its one put)."""
         if layout != self.layout:
             raise LayoutMismatchError(
                 f"{self.path} holds routes of {self.layout}, the store is for {layout}: load "
@@ -252,23 +253,21 @@ def load_routes(
     archive = RouteArchive(path)
     wanted = None if refs is None else {r.sample_id for r in refs}
     archive.check(store.layout, refs)
-    loaded: list[RoutingRef] = []
-    try:
-        for batch in archive.batches():
-            requests = [r for r in _requests(batch, archive.layout) if not wanted or r[0] in wanted]
-            if requests:
-                new = store.put_many([r[1] for r in requests], timeout=timeout)
-                for (_, _, digest), ref in zip(requests, new, strict=True):
-                    if digest != ref.tokens_digest:  # the file's ids hash to the saved digest
-                        raise CorruptArchiveError(
-                            f"sample {ref.sample_id!r} of {archive.path}: its token ids do not "
-                            "match the digest saved with them"
-                        )
-                loaded += new
-    except BaseException:
-        if loaded:
-            store.release(loaded)
-        raise
+    # Every batch's CRC first, then one put_many: the whole load is one commit in the
+    # store, so not even a crash of this process half-loads it. The routes are views of
+    # the memory-mapped file: the requests cost no memory.
+    requests = [
+        r for batch in archive.batches() for r in _requests(batch, archive.layout)
+        if not wanted or r[0] in wanted
+    ]  # fmt: skip
+    loaded = store.put_many([r[1] for r in requests], timeout=timeout)
+    bad = [ref for (_, _, d), ref in zip(requests, loaded, strict=True) if d != ref.tokens_digest]
+    if bad:  # the file's token ids must hash to the digest saved with them
+        store.release(loaded)
+        raise CorruptArchiveError(
+            f"sample {bad[0].sample_id!r} of {archive.path}: its token ids do not match the "
+            "digest saved with them; nothing was loaded"
+        )
     if refs is None:
         return loaded
     by_id = {r.sample_id: r for r in loaded}
