@@ -34,7 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from routing_replay import RoutingLayout, RoutingStore, capture, replay, routing_agreement
+from routing_replay import (
+    RoutingLayout,
+    RoutingStore,
+    capture,
+    replay,
+    routing_agreement,
+    to_torch,
+)
 from routing_replay.testing import make_prompts, tiny_moe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,8 +105,6 @@ def pinned_read(tokens: int) -> dict:
         routes = layout.random_routes(rng, tokens, np.uint8)
         ref = store.put("s0", routes)
         out = torch.empty(tokens * layout.bytes_per_token, dtype=torch.uint8, pin_memory=True)
-        from routing_replay import to_torch
-
         t0 = time.perf_counter()
         host = to_torch(store.read([ref], out=out))
         read_s = time.perf_counter() - t0

@@ -297,7 +297,9 @@ def read_rank_routes(
     )
     ids, cu = input_ids, None
     if pack_multiple is not None:
-        packed_ids = pack(batch, multiple=pack_multiple)
+        packed_ids = pack(
+            {"input_ids": input_ids, "input_lengths": lengths}, multiple=pack_multiple
+        )
         ids, cu = packed_ids["input_ids"], packed_ids["cu_seqlens"]
         shard = shard.map(
             lambda index: pack(

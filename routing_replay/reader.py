@@ -39,7 +39,7 @@ from routing_replay.schema import (
 )
 
 
-def _stored_ids(batch: pa.RecordBatch | pa.Table, layout: RoutingLayout) -> np.ndarray:
+def stored_ids(batch: pa.RecordBatch | pa.Table, layout: RoutingLayout) -> np.ndarray:
     """The narrow ids of every token of a batch, `[sum_T, L*K]`, without copying."""
     column = batch.column(ROUTED_EXPERTS)
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
@@ -102,7 +102,7 @@ def to_torch(
     """
     layout = layout_of(batch)
     L, K = layout.num_moe_layers, layout.top_k
-    stored = _stored_ids(batch, layout)
+    stored = stored_ids(batch, layout)
     lengths = int32_values(batch.column(NUM_TOKENS))
     if attention_mask is None:
         if input_ids is not None:

@@ -47,8 +47,10 @@ class TokenShard:
                 f"a token index {int(self.index[bad][0])} is outside the {total} tokens of "
                 f"the samples ({MISSING} marks padding): pad with {MISSING} when slicing a shard"
             )
-        # The tokens the shard holds, rising: the order a ranged read returns them in.
+        # The tokens the shard holds, rising: the order a ranged read returns them in; and
+        # the sample each belongs to.
         self._held = torch.unique(self.index[self.index != MISSING]).numpy()
+        self._held_sample = np.searchsorted(self.offsets, self._held, side="right") - 1
 
     @classmethod
     def padded(cls, lengths: Sequence[int], seq_len: int | None = None) -> TokenShard:
@@ -101,7 +103,7 @@ class TokenShard:
         held = self._held
         out: list[list[tuple[int, int]]] = [[] for _ in self.lengths]
         if len(held):
-            sample = np.searchsorted(self.offsets, held, side="right") - 1
+            sample = self._held_sample
             breaks = np.flatnonzero((np.diff(held) != 1) | (np.diff(sample) != 0)) + 1
             firsts = np.concatenate([[0], breaks])
             lasts = np.concatenate([breaks, [len(held)]]) - 1
@@ -113,8 +115,7 @@ class TokenShard:
 
     def num_tokens(self) -> list[int]:
         """How many of each sample's tokens the shard holds (a ranged read's row lengths)."""
-        sample = np.searchsorted(self.offsets, self._held, side="right") - 1
-        return np.bincount(sample, minlength=len(self.lengths)).tolist()
+        return np.bincount(self._held_sample, minlength=len(self.lengths)).tolist()
 
     def place(
         self, batch: pa.RecordBatch | pa.Table, input_ids: torch.Tensor | None = None
@@ -142,8 +143,7 @@ class TokenShard:
                 )
             expected = np.zeros(len(self._held), dtype=np.int64)
             expected[where.numpy()] = ids[nonpad].numpy()
-            sample = np.searchsorted(self.offsets, self._held, side="right") - 1
-            positions = self._held - self.offsets[sample]
+            positions = self._held - self.offsets[self._held_sample]
             check_tokens(batch, expected, np.zeros(len(self.lengths)), None, positions)
         flat = to_torch(batch)
         layout = flat.layout

@@ -91,9 +91,6 @@ def test_ranged_read_placed_equals_the_same_cut_of_a_full_read(filled, cut):
     got = shard.place(store.read(refs, ranges=shard.ranges()), input_ids=fn(ids))
     assert torch.equal(got, fn(want_routes))
     assert got.layout == LAYOUT
-    held = (fn(want_routes) != MISSING).any(-1).any(-1)  # tokens with a route on this rank
-    assert sum(shard.num_tokens()) == len(torch.unique(shard.index[shard.index >= 0]))
-    assert int(held.sum()) <= shard.index.ge(0).sum()
 
 
 def test_ranges_are_the_zigzag_chunks_clipped_to_each_sample(filled):

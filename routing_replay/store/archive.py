@@ -33,7 +33,7 @@ from routing_replay.errors import (
     SampleNotFoundError,
     SampleReplacedError,
 )
-from routing_replay.reader import _stored_ids
+from routing_replay.reader import stored_ids
 from routing_replay.schema import (
     NUM_TOKENS,
     PROMPT_LEN,
@@ -103,17 +103,17 @@ def save_routes(
     tmp = f"{path}.partial-{os.getpid()}"
     try:
         with open(tmp, "wb") as f, ThreadPoolExecutor(1, "save_routes") as pool:
-            writer: list = []
-            pending = None
+            writer, pending = None, None
             # Two stages, two chunks in flight: read the next chunk here while a thread
             # checksums and writes the last (zlib and Arrow's file writes release the GIL).
             for chunk in _chunks(refs, chunk_tokens):
                 batch = _archive_batch(read(chunk), chunk)
                 if pending is not None:
                     pending.result()
-                pending = pool.submit(_write, f, writer, batch)
+                writer = writer or ipc.new_file(f, batch.schema)
+                pending = pool.submit(_write, writer, batch)
             pending.result()
-            writer[0].close()
+            writer.close()
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -124,11 +124,9 @@ def save_routes(
     return os.path.getsize(path)
 
 
-def _write(f: Any, writer: list, batch: pa.RecordBatch) -> None:
-    """Append `batch` with its CRC (the IPC writer is made at the first batch)."""
-    if not writer:
-        writer.append(ipc.new_file(f, batch.schema))
-    writer[0].write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch))})
+def _write(writer: Any, batch: pa.RecordBatch) -> None:
+    """Append `batch` with its CRC."""
+    writer.write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch))})
 
 
 def _chunks(refs: list[RoutingRef], chunk_tokens: int) -> Iterator[list[RoutingRef]]:
@@ -203,16 +201,15 @@ class RouteArchive:
             ) from None
         return (batch, meta) if with_metadata else batch
 
-    def check(self, layout: RoutingLayout, refs: Sequence[RoutingRef] | None) -> dict[str, int]:
+    def check(self, layout: RoutingLayout, refs: Sequence[RoutingRef] | None) -> None:
         """The layout, and the refs asked for against the samples' ids, serials and digests
-        (only those columns are read); sample id -> its batch index. Raises before
-        anything is loaded (`load_routes` then checks every batch's CRC before its one put)."""
+        (only those columns are read). Raises before anything is loaded (`load_routes` then
+        checks every batch's CRC before its one put)."""
         if layout != self.layout:
             raise LayoutMismatchError(
                 f"{self.path} holds routes of {self.layout}, the store is for {layout}: load "
                 "it into a store of the archive's layout"
             )
-        where: dict[str, int] = {}
         saved: dict[str, tuple[int, int, int]] = {}
         for i in range(self._reader.num_record_batches):
             batch = self._batch(i)
@@ -224,9 +221,9 @@ class RouteArchive:
                 batch.column(SERIAL).to_pylist(),
                 strict=True,
             ):
-                if sid in where:
+                if sid in saved:
                     raise CorruptArchiveError(f"{self.path} holds sample {sid!r} twice")
-                where[sid], saved[sid] = i, (n, digest, serial)
+                saved[sid] = (n, digest, serial)
         for ref in refs or ():
             if ref.sample_id not in saved:
                 raise SampleNotFoundError(
@@ -238,7 +235,6 @@ class RouteArchive:
                     f"ref {ref.sample_id!r} names another put of that id than the one saved "
                     f"in {self.path}; nothing was loaded"
                 )
-        return where
 
 
 def load_routes(
@@ -277,7 +273,7 @@ def load_routes(
 def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[str, Any, int]]:
     """(sample id, PutRequest, saved digest) of each row."""
     L, K = layout.num_moe_layers, layout.top_k
-    routes = _stored_ids(batch, layout).reshape(-1, L, K)  # narrow, as put stores them
+    routes = stored_ids(batch, layout).reshape(-1, L, K)  # narrow, as put stores them
     offsets = np.concatenate([[0], np.cumsum(batch.column(NUM_TOKENS).to_numpy())])
     tokens = batch.column(TOKEN_IDS)
     for i, (sid, prompt, spans, digest) in enumerate(

@@ -187,25 +187,30 @@ class ReadPlan:
         """The read as it crosses the network: every stored token the rows need once (pages
         that samples share, a GRPO group's prompt, travel once), and how to rebuild them."""
         request = self._request(part, ranges)
-        src, count = request.copies[:, 2], request.copies[:, 3]
-        order = np.argsort(src, kind="stable")
-        starts, ends = src[order], (src + count)[order]
-        # Merge the stored-token intervals the copies read: overlapping or touching ones.
-        reach = np.maximum.accumulate(ends) if len(ends) else ends
-        new = np.concatenate([[True], starts[1:] > reach[:-1]]) if len(starts) else starts > 0
-        first = starts[new]
-        last = np.maximum.reduceat(ends, np.flatnonzero(new)) if len(starts) else ends
+        src = request.copies[:, 2]
+        first, last = _union(src, src + request.copies[:, 3])
         spans = list(zip(first.tolist(), last.tolist(), strict=True))
         routes = _gather(self._stored_routes(), spans)
-        tokens = _gather(self.store._t.tokens.reshape(-1, 1), spans)
+        tokens = _gather(
+            self.store._t.tokens.reshape(-1, 1), spans if request.has_tokens.any() else []
+        )
         self.check_unchanged()
-        if not request.has_tokens.any():
-            tokens = tokens[:0]
         at = np.concatenate([[0], np.cumsum(last - first)])
         k = np.searchsorted(first, src, side="right") - 1
         copies = request.copies.copy()
-        copies[:, 2] = at[k] + src - first[k] if len(k) else src
+        copies[:, 2] = at[k] + src - first[k]  # the same tokens, at their place in `routes`
         return WireBatch(request._replace(copies=copies), routes, tokens)
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the intervals `[starts, ends)`: sorted, disjoint (first, last) arrays
+    (overlapping and touching intervals merged)."""
+    if not len(starts):
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    new = np.r_[True, starts[1:] > np.maximum.accumulate(ends)[:-1]]
+    return starts[new], np.maximum.reduceat(ends, np.flatnonzero(new))
 
 
 def _gather(rows: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
