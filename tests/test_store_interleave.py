@@ -79,6 +79,8 @@ def _serve(conn) -> None:
                 store.release(args)
             elif op == "reclaim":
                 store.reclaim()
+            elif op == "read":
+                store.read(args)
             elif op == "die_mid_put":
                 pid = os.fork()
                 if pid == 0:
@@ -214,7 +216,17 @@ def reclaim(w: World) -> None:
     assert w.other("reclaim", w.store.name) is None
 
 
-INTERFERENCES = [release_and_reuse, put_twins, put_same_id, dead_writer, reclaim]
+def fill(w: World) -> None:
+    """Put a store's worth of new samples, reading each: in a spilling store, every sample
+    put before goes to disk (oldest first) and its pages to the new ones; an operation that
+    located one copies pages given to another sample (without spill, the puts find it full)."""
+    for _ in range(4):
+        w.put_there(sample_id := w.new_id(), w.routes(PAGES // 4))
+        if sample_id in w.expected:
+            assert w.other("read", w.store.name, [sample_id]) is None
+
+
+INTERFERENCES = [release_and_reuse, put_twins, put_same_id, dead_writer, reclaim, fill]
 REF_INTERFERENCES = [*INTERFERENCES, reput_same_ids]
 
 
@@ -389,6 +401,32 @@ def release_by_ref(w: World) -> Callable[[], None]:
     return op
 
 
+def put_spills(w: World) -> Callable[[], None]:
+    """The store is full: b's put spills a (unread) to disk, or a and c."""
+    w.put("a", w.routes(6))
+    w.put("c", w.routes(6))
+    w.store.get("c")
+    return _main_put(w, "b", w.routes(7))
+
+
+def release_spilled(w: World) -> Callable[[], None]:
+    """Release a sample in a spill file."""
+    w.put("a", w.routes(8))
+    w.put("c", w.routes(8))
+    w.put("d", w.routes(4))  # spills a
+
+    def op() -> None:
+        try:
+            w.store.release(["a"])
+        except SampleNotFoundError:
+            w.log.append("main release: SampleNotFoundError")
+            return
+        del w.expected["a"]
+
+    return op
+
+
+SPILL_SCENARIOS = [put_spills, release_spilled]  # on a spilling store only
 SCENARIOS = [
     put_many_shared,
     prefix_hit,
@@ -412,12 +450,18 @@ def _check(w: World) -> None:
     store.reclaim()
     stats = store.stats()
     assert stats.pages_pending == 0, "pages left reserved after a reclaim"
+    if stats.spill_budget:  # every file is a spilled sample's: none left by a dead spiller
+        assert len(os.listdir(store._spill.dir)) == stats.samples_spilled, "stray spill files"
     store.verify()
 
 
-def _run(name: str, other: Other, scenario, interference, at: int | None) -> list[str]:
-    """Set up, run the operation with `interference` at lock point `at`; the points seen."""
-    with RoutingStore.create(name, LAYOUT, capacity_tokens=PAGES * P, page_tokens=P) as store:
+def _run(name: str, other: Other, scenario, interference, at: int | None, spill) -> list[str]:
+    """Set up, run the operation with `interference` at lock point `at`; the points seen.
+    `spill`: a directory for a spilling store, or None."""
+    spilling = {} if spill is None else {"spill_dir": spill, "spill_budget": 1 << 24}
+    with RoutingStore.create(
+        name, LAYOUT, capacity_tokens=PAGES * P, page_tokens=P, **spilling
+    ) as store:
         try:
             w = World(store, other, np.random.default_rng(at or 0))
             op = scenario(w)
@@ -430,6 +474,9 @@ def _run(name: str, other: Other, scenario, interference, at: int | None) -> lis
 
             with interleave(hook):
                 op()
+            released = any(line.startswith("other release") for line in w.log)
+            failed = any(line == "main read: ConcurrentReleaseError" for line in w.log)
+            assert released or not failed, "a read failed though nothing was released"
             _check(w)
             return points
         except AssertionError as e:
@@ -441,23 +488,31 @@ def _run(name: str, other: Other, scenario, interference, at: int | None) -> lis
             other("close", name)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__)
-def test_every_interleaving_reads_back_exactly(name, other, scenario):
-    points = _run(name, other, scenario, reclaim, None)  # no interference: list the points
-    assert len(points) >= 2 and len(points) % 2 == 0, points
-    for interference in INTERFERENCES:
-        for at in range(len(points)):
-            _run(f"{name}-{interference.__name__}-{at}", other, scenario, interference, at)
+SPILL = pytest.mark.parametrize("spill", [False, True], ids=["in-memory", "spilling"])
 
 
+@pytest.mark.parametrize(
+    ("scenario", "spill"),
+    [(s, False) for s in SCENARIOS] + [(s, True) for s in SCENARIOS + SPILL_SCENARIOS],
+    ids=lambda x: x.__name__ if callable(x) else ("spilling" if x else "in-memory"),
+)
+def test_every_interleaving_reads_back_exactly(name, other, scenario, spill, tmp_path):
+    _every_interleaving(name, other, scenario, INTERFERENCES, tmp_path if spill else None)
+
+
+@SPILL
 @pytest.mark.parametrize("scenario", [read_by_refs, release_by_ref], ids=lambda s: s.__name__)
-def test_refs_name_one_put_at_every_interleaving(name, other, scenario):
+def test_refs_name_one_put_at_every_interleaving(name, other, scenario, spill, tmp_path):
     # Among the interferences: every id released and put again, same tokens, other routes.
-    points = _run(name, other, scenario, reclaim, None)
+    _every_interleaving(name, other, scenario, REF_INTERFERENCES, tmp_path if spill else None)
+
+
+def _every_interleaving(name, other, scenario, interferences, spill) -> None:
+    points = _run(name, other, scenario, reclaim, None, spill)  # no interference: the points
     assert len(points) >= 2 and len(points) % 2 == 0, points
-    for interference in REF_INTERFERENCES:
+    for interference in interferences:
         for at in range(len(points)):
-            _run(f"{name}-{interference.__name__}-{at}", other, scenario, interference, at)
+            _run(f"{name}-{interference.__name__}-{at}", other, scenario, interference, at, spill)
 
 
 # -- async exceptions ---------------------------------------------------------------------

@@ -116,6 +116,8 @@ class NodeStoreActor:
         page_tokens: int = DEFAULT_PAGE_TOKENS,
         max_samples: int | None = None,
         job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
+        spill_dir: str | None = None,
+        spill_budget: int | None = None,
     ) -> None:
 
         self.job = _check_job(job)
@@ -130,6 +132,8 @@ class NodeStoreActor:
             page_tokens=page_tokens,
             max_samples=max_samples,
             node_id=self.node_id,
+            spill_dir=spill_dir,
+            spill_budget=spill_budget,
         )
         self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
         self._lock = threading.Lock()
@@ -275,9 +279,12 @@ def store_actor(
     page_tokens: int = DEFAULT_PAGE_TOKENS,
     max_samples: int | None = None,
     job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
+    spill_dir: str | None = None,
+    spill_budget: int | None = None,
 ) -> ActorHandle:
     """The store actor of `job` on `node_id` (default: this node) of Ray job `ray_job`
-    (default: this process's); starts it given a layout."""
+    (default: this process's); starts it given a layout (and the store's options:
+    `RoutingStore.create`'s, `spill_dir` a path on that node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -304,7 +311,16 @@ def store_actor(
             max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(job, layout.to_json(), capacity_tokens, page_tokens, max_samples, job_watch_s)
+        .remote(
+            job,
+            layout.to_json(),
+            capacity_tokens,
+            page_tokens,
+            max_samples,
+            job_watch_s,
+            spill_dir,
+            spill_budget,
+        )
     )
 
 

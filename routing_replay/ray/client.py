@@ -35,12 +35,15 @@ def node_store(
     page_tokens: int = DEFAULT_PAGE_TOKENS,
     max_samples: int | None = None,
     job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
+    spill_dir: str | None = None,
+    spill_budget: int | None = None,
 ) -> RoutingStore:
     """This node's RoutingStore for `job` (attached), starting the node's store actor if needed.
 
     Call it in any Ray task, actor or driver, once per step rather than once per process: it
     asks the actor which segment is current, so a writer never keeps putting into the
-    segment of a store actor that died. Capacity arguments apply when the actor starts;
+    segment of a store actor that died. Capacity and spill arguments (`RoutingStore.create`'s;
+    `spill_dir` a local disk of each node) apply when the actor starts;
     so does `job_watch_s`: how often the actor checks that the Ray job that started it is
     alive (it unlinks and exits when not); None keeps it until `shutdown_node_stores`.
     """
@@ -51,6 +54,8 @@ def node_store(
         "page_tokens": page_tokens,
         "max_samples": max_samples,
         "job_watch_s": job_watch_s,
+        "spill_dir": spill_dir,
+        "spill_budget": spill_budget,
     }
     for attempt in range(START_ATTEMPTS):
         # A store actor killed a moment ago may still hold its name: get_if_exists then

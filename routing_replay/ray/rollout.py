@@ -50,6 +50,8 @@ class RolloutWorker:
         *,
         capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
         page_tokens: int = DEFAULT_PAGE_TOKENS,
+        spill_dir: str | None = None,
+        spill_budget: int | None = None,
         torch_threads: int | None = 1,
     ) -> None:
         if torch_threads:
@@ -58,7 +60,12 @@ class RolloutWorker:
         self.model = model_fn()
         self.layout = RoutingLayout.from_hf_config(self.model.config)
         self.node_id = current_node_id()
-        self._store_options = {"capacity_tokens": capacity_tokens, "page_tokens": page_tokens}
+        self._store_options = {
+            "capacity_tokens": capacity_tokens,
+            "page_tokens": page_tokens,
+            "spill_dir": spill_dir,
+            "spill_budget": spill_budget,
+        }
 
     def info(self) -> dict[str, Any]:
         """Node id and routing layout of this worker."""

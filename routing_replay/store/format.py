@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 5  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials
+VERSION = 6  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
+# 6: spill to disk
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -43,6 +44,9 @@ NO_DIGEST = 0  # a sample put without token ids
 FIRST_SERIAL = 1  # serials start here
 NO_SERIAL = 0  # on a ref: the put is not checked (made by hand); in a slot: a free slot
 TOKEN_DTYPE = np.dtype("<i4")  # token ids as stored, read and compared
+MAX_SPILL_DIR_BYTES = 1024
+READ = 1  # slot flag: read since put. A hint for the spill order, set without the dirty flag
+NOT_SPILLED = 0  # slot spill field: the routes are in the segment's pages
 
 HEADER_DTYPE = np.dtype(
     [
@@ -68,8 +72,12 @@ HEADER_DTYPE = np.dtype(
         # Serial of the next put. Raising it is the commit point of a publish holding: a
         # slot whose serial is not below it was published by a holding that never ended.
         ("next_serial", "<u8"),
+        ("spill_budget", "<i8"),  # bytes of spill files allowed; 0: the store does not spill
+        ("spilled", "<i8"),  # published samples whose routes are in a spill file
+        ("spilled_bytes", "<i8"),  # the size of their files
         ("node_id", "S128"),
         ("layout", "S2048"),
+        ("spill_dir", f"S{MAX_SPILL_DIR_BYTES}"),  # this store's own directory of spill files
     ]
 )
 PAGE_DTYPE = np.dtype(
@@ -92,9 +100,12 @@ SLOT_DTYPE = np.dtype(
         ("last_page", "<i4"),
         ("num_pages", "<i4"),
         ("check", "<u4"),  # crc32 of the fields, the chain's pages and generations
-        ("spare", "<u4"),
+        ("flags", "<u4"),  # READ; a hint only: not in the checksum, never trusted
         ("digest", "<u8"),  # token_digest of the sample's token ids; NO_DIGEST: put without
         ("serial", "<u8"),  # the put's serial: refs name it, a re-put of the id gets another
+        # NOT_SPILLED, or the routes are in this store's spill file `spill_name(serial, spill)`
+        # (the writer that spilled them): setting it is the commit point of a spill.
+        ("spill", "<u8"),
         ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
     ]
 )

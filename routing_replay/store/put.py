@@ -58,7 +58,7 @@ from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.samples import token_digest
 
 if TYPE_CHECKING:
-    from routing_replay.store.routing_store import RoutingStore
+    from routing_replay.store.routing_store import RoutingStore, StoreStats
 
 
 NO_PLAN = SharePlan()
@@ -249,6 +249,8 @@ class PutTransaction:
                             return self._publish(hold, resv)
                         store._pages.unreserve(hold, resv)  # a shared page was released: again
                     continue
+                if store._spill.enabled and store._spill.make_room(count, lock_deadline):
+                    continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:
                     raise self._full_error(count)
                 time.sleep(wait)
@@ -366,8 +368,18 @@ class PutTransaction:
             f"tokens, {s.segment_bytes / 2**20:.1f} MiB) are in use by {s.samples} samples; "
             f"{what} needs {needed_pages} more page{'s' if needed_pages != 1 else ''} and none "
             f"were released within "
-            f"{self.timeout:.1f}s; nothing of it was stored. Release consumed samples with "
-            "store.release(refs), or create the store with a larger capacity_tokens"
+            f"{self.timeout:.1f}s; {self._spill_state(s)}nothing of it was stored. Release "
+            "consumed samples with store.release(refs), or create the store with a larger "
+            "capacity_tokens (or spill_dir and spill_budget)"
+        )
+
+    @staticmethod
+    def _spill_state(s: StoreStats) -> str:
+        if not s.spill_budget:
+            return ""
+        return (
+            f"its spill files ({s.samples_spilled} samples) take {s.spilled_bytes} of their "
+            f"{s.spill_budget}-byte budget, too full for more; "
         )
 
 

@@ -6,6 +6,9 @@
 3. lock: every page is still at its generation and every slot still holds the same put,
    else `ConcurrentReleaseError` (the copy may be torn); unlock.
 
+A spilled sample (`spill`) is copied from its file instead, mapped after step 1; one spilled
+between steps 1 and 3 (same put, its pages taken) is read again (`read_settled`).
+
 Readers pin nothing, so a killed reader leaks nothing; a release that races a read makes
 the read fail, never return another sample's routes.
 
@@ -16,7 +19,8 @@ stored tokens it needs, gathered once each (`wire`: pages samples share travel o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -24,12 +28,13 @@ import pyarrow as pa
 
 from routing_replay.errors import (
     ConcurrentReleaseError,
+    CorruptStoreError,
     InvalidArgumentError,
     SampleReplacedError,
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.schema import output_buffer, routes_batch
-from routing_replay.store.format import NO_DIGEST, TOKEN_DTYPE
+from routing_replay.store.format import NO_DIGEST, NOT_SPILLED, TOKEN_DTYPE
 from routing_replay.store.prefix import runs
 from routing_replay.store.refs import (
     Part,
@@ -41,6 +46,7 @@ from routing_replay.store.refs import (
     sample_id_bytes,
     token_ranges,
 )
+from routing_replay.store.spill import SpillFile
 
 if TYPE_CHECKING:
     from routing_replay.store.routing_store import RoutingStore
@@ -61,6 +67,7 @@ class ReadPlan:
         self.prompt_lens: list[int] = []
         self.digests: list[int] = []
         self.serials: list[int] = []  # the put each slot held (`resolve` checked the refs')
+        spills: list[int] = []
         with store._lock.held("read.locate", store._deadline()):
             self.slots = resolve(samples, store.name, refs, raw_ids, "read")
             for s in self.slots:
@@ -71,7 +78,13 @@ class ReadPlan:
                 self.prompt_lens.append(prompt_len)
                 self.digests.append(samples.digest(s))
                 self.serials.append(samples.serial(s))
+                spills.append(samples.spill(s))
+            samples.mark_read(self.slots)
         self.ids = [r.decode() for r in raw_ids]
+        self.files: dict[int, SpillFile] = {}  # sample -> its spill file
+        for i, code in enumerate(spills):
+            if code != NOT_SPILLED:
+                self.files[i] = self._open(i, code)
         for ref, n, digest in zip(refs, self.num_tokens, self.digests, strict=True):
             if isinstance(ref, RoutingRef) and (
                 ref.num_tokens != n or ref.tokens_digest not in (NO_DIGEST, digest)
@@ -82,6 +95,19 @@ class ReadPlan:
                     "sample was released and put again. Refs must not outlive their release; "
                     "give every rollout sample a unique id"
                 )
+
+    def _open(self, i: int, code: int) -> SpillFile:
+        """Map sample `i`'s spill file; if it is gone, the sample was released (or the disk
+        was cleaned under the store)."""
+        path = self.store._spill.path(self.serials[i], code)
+        try:
+            return SpillFile(self.store, path, self.serials[i], self.digests[i], self.num_tokens[i])
+        except FileNotFoundError:
+            self.check_unchanged()
+            raise CorruptStoreError(
+                f"spill file {path} of sample {self.ids[i]!r} is missing: something removed "
+                "files from the store's spill directory. Release the sample and regenerate it"
+            ) from None
 
     def span(self, i: int, part: Part) -> range:
         """The token positions of sample `i` that `part` names."""
@@ -99,9 +125,15 @@ class ReadPlan:
         `[n, 4]` of (row, first token in the rows, first stored token, count); stored token
         `page * P + offset` (one copy per run of consecutive pages)."""
         P, out, dst = self.store.page_tokens, [], 0
+        bases = self._file_bases()
         for i, spans in enumerate(pieces):
             for span in spans:
                 first, stop = span.start, span.stop
+                if i in bases:  # one run in the sample's file
+                    if stop > first:
+                        out.append((i, dst, bases[i] + first, stop - first))
+                    dst += len(span)
+                    continue
                 lo_page, hi_page = first // P, -(-stop // P)
                 for j, page, count in runs(self.chains[i][lo_page:hi_page].tolist()):
                     t0 = max((lo_page + j) * P, first)
@@ -122,11 +154,13 @@ class ReadPlan:
             # A released slot's serial is 0: one compare says "still the same put".
             serials_now = t.s_serial[self.slots].tolist()
         gens = self.gens[0] if one else np.concatenate(self.gens)
-        if serials_now != self.serials or (gens_now != gens).any():
+        if serials_now != self.serials:
             raise ConcurrentReleaseError(
                 f"a sample among {self.ids[:5]} was released (and its pages or id reused) while "
                 "being read: release samples only after every reader is done with them"
             )
+        if (gens_now != gens).any():  # same puts, other pages: one was spilled meanwhile
+            raise SpilledMeanwhile
 
     def routes(self, part: Part) -> np.ndarray:
         """Sample 0's routes `[T, L, K]` (`layout.signed_dtype`, -1 missing), a copy."""
@@ -137,9 +171,36 @@ class ReadPlan:
         self.check_unchanged()
         return layout.decode(stored.reshape(len(span), layout.num_moe_layers, layout.top_k))
 
-    def _stored_routes(self) -> np.ndarray:
-        """Every stored token's ids, `[num_pages * P, L * K]` (a view of the segment)."""
-        return self.store._t.data.reshape(-1, self.store.layout.values_per_token)
+    def _stored_routes(self) -> np.ndarray | Rows:
+        """Every stored token's ids, `[num_pages * P, L * K]` (a view of the segment), then
+        the spilled samples' (`_file_bases`)."""
+        rows = self.store._t.data.reshape(-1, self.store.layout.values_per_token)
+        return (
+            Rows(rows, [f.routes for f in self.files.values()], self._checks())
+            if self.files
+            else rows
+        )
+
+    def _stored_tokens(self) -> np.ndarray | Rows:
+        """`_stored_routes`' token ids, `[*, 1]`."""
+        tokens = self.store._t.tokens.reshape(-1, 1)
+        return (
+            Rows(tokens, [f.tokens for f in self.files.values()], self._checks())
+            if self.files
+            else tokens
+        )
+
+    def _checks(self) -> list:
+        return [f.check for f in self.files.values()]
+
+    def _file_bases(self) -> dict[int, int]:
+        """Sample -> where its file's rows start in `_stored_routes`: after the segment's, one
+        row apart (a copy or a union of copies never spans two sources)."""
+        at, bases = len(self.store._t.tokens.reshape(-1)) + 1, {}
+        for i in self.files:
+            bases[i] = at
+            at += self.num_tokens[i] + 1
+        return bases
 
     def pieces(self, i: int, part: Part, ranges: Any) -> list[range]:
         """The positions of sample `i` a read copies: `part`'s, or the `ranges` over them."""
@@ -178,8 +239,7 @@ class ReadPlan:
         """Every sample as one Arrow record batch, one copy (into `out` if given); with
         `ranges` (one entry per sample) only those tokens, and only the pages under them."""
         request = self._request(part, ranges)
-        tokens = self.store._t.tokens.reshape(-1, 1)
-        batch = request.build(self._stored_routes(), tokens, out)
+        batch = request.build(self._stored_routes(), self._stored_tokens(), out)
         self.check_unchanged()
         return batch
 
@@ -191,15 +251,55 @@ class ReadPlan:
         first, last = _union(src, src + request.copies[:, 3])
         spans = list(zip(first.tolist(), last.tolist(), strict=True))
         routes = _gather(self._stored_routes(), spans)
-        tokens = _gather(
-            self.store._t.tokens.reshape(-1, 1), spans if request.has_tokens.any() else []
-        )
+        tokens = _gather(self._stored_tokens(), spans if request.has_tokens.any() else [])
         self.check_unchanged()
         at = np.concatenate([[0], np.cumsum(last - first)])
         k = np.searchsorted(first, src, side="right") - 1
         copies = request.copies.copy()
         copies[:, 2] = at[k] + src - first[k]  # the same tokens, at their place in `routes`
         return WireBatch(request._replace(copies=copies), routes, tokens)
+
+
+class SpilledMeanwhile(Exception):
+    """A located sample was spilled before the read checked it (same put): read it again."""
+
+
+def read_settled(
+    store: RoutingStore, sample_ids: Iterable[str | RoutingRef], read: Callable[[ReadPlan], Any]
+) -> Any:
+    """`read(ReadPlan(...))`, again while a sample was spilled under it: each sample spills
+    at most once, so this ends."""
+    refs = as_list(sample_ids)
+    for _ in range(len(refs) + 1):
+        try:
+            return read(ReadPlan(store, refs))
+        except SpilledMeanwhile:
+            continue
+    return read(ReadPlan(store, refs))
+
+
+class Rows:
+    """Stored rows from several sources at one index space: the segment's, then each spill
+    file's after a gap of one row; `rows[a:b]` is a view of the one source holding them
+    (a file's chunks checked on first use)."""
+
+    def __init__(self, segment: np.ndarray, files: list[np.ndarray], checks: list) -> None:
+        self._parts = [(0, segment, None)]
+        at = len(segment) + 1
+        for rows, check in zip(files, checks, strict=True):
+            self._parts.append((at, rows, check))
+            at += len(rows) + 1
+        self._starts = [p[0] for p in self._parts]
+        self.shape, self.dtype = (at, segment.shape[1]), segment.dtype
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        base, rows, check = self._parts[bisect.bisect_right(self._starts, index.start) - 1]
+        a, b = index.start - base, index.stop - base
+        if b > len(rows):
+            raise IndexError(f"rows {index.start}:{index.stop} span two sources")
+        if check is not None:
+            check(a, b)
+        return rows[a:b]
 
 
 def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

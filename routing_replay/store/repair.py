@@ -28,6 +28,7 @@ def repair(store: RoutingStore) -> None:
     """
     t = store._t
     store._samples.roll_back_uncommitted()  # a publish holding cut short: none of it stays
+    store._samples.finish_spills()  # a spill holding cut short after its commit point
     published = store._samples.published()
     chains = [store._samples.chain(int(s))[0] for s in published]
     flat = np.concatenate(chains) if chains else np.empty(0, dtype=np.int64)
@@ -41,6 +42,7 @@ def repair(store: RoutingStore) -> None:
     store._pages.rebuild(referenced, keep)
     store._prefix.rebuild(referenced)
     store._samples.rebuild(published, chains)
+    store._spill.rebuild()
     for i in store._leases.dead_holders():
         store._leases.mark_free(i)
     t.set_dirty(False)

@@ -8,6 +8,7 @@ writers is a kernel lease, never a pid.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import socket
@@ -48,7 +49,7 @@ from routing_replay.store.lock import CommitLock
 from routing_replay.store.pages import PageAllocator
 from routing_replay.store.prefix import PrefixIndex
 from routing_replay.store.put import PutTransaction
-from routing_replay.store.read import ReadPlan, WireBatch
+from routing_replay.store.read import WireBatch, read_settled
 from routing_replay.store.refs import (
     Part,
     PutRequest,
@@ -62,6 +63,7 @@ from routing_replay.store.refs import (
 from routing_replay.store.repair import reclaim_dead, repair
 from routing_replay.store.samples import SampleIndex
 from routing_replay.store.segment import Segment
+from routing_replay.store.spill import Spiller, make_spill_dir, remove_spill_dir
 from routing_replay.store.tables import Tables, initialise
 from routing_replay.store.verify import verify
 
@@ -81,6 +83,9 @@ class StoreStats:
     bytes_unshared: int  # page bytes the same samples would take without sharing
     dedup_saved_bytes: int
     segment_bytes: int
+    samples_spilled: int = 0  # samples whose routes are in spill files (among `samples`)
+    spilled_bytes: int = 0  # the size of those files
+    spill_budget: int = 0  # the most they may take; 0: the store does not spill
 
 
 def default_node_id() -> str:
@@ -111,6 +116,7 @@ class RoutingStore:
         self._pages = PageAllocator(self._t)
         self._samples = SampleIndex(self._t)
         self._prefix = PrefixIndex(self._t)
+        self._spill = Spiller(self)
         self._puts_running: list[None] = []  # one entry per put in flight (append/pop: atomic)
 
     @classmethod
@@ -125,8 +131,16 @@ class RoutingStore:
         max_writers: int = DEFAULT_MAX_WRITERS,
         node_id: str | None = None,
         put_timeout: float = DEFAULT_PUT_TIMEOUT_S,
+        spill_dir: str | os.PathLike | None = None,
+        spill_budget: int | None = None,
     ) -> RoutingStore:
-        """Create and own the store `name` with room for `capacity_tokens` routed tokens."""
+        """Create and own the store `name` with room for `capacity_tokens` routed tokens.
+
+        `spill_dir` (a local disk): when a put finds the store full, it moves samples, unread
+        first, oldest put first, into files there instead of waiting (`store.spill`), up to
+        `spill_budget` bytes (default: half the disk's free space); reads of spilled samples
+        map their files. The store's files live in a directory of their own, removed with it.
+        """
         for what, value, hi in (
             ("capacity_tokens", capacity_tokens, MAX_TABLE * MAX_PAGE_TOKENS),
             ("page_tokens", page_tokens, MAX_PAGE_TOKENS),
@@ -139,7 +153,13 @@ class RoutingStore:
             ):
                 raise InvalidArgumentError(f"{what} must be an int in [1, {hi}], got {value!r}")
         num_pages = -(-int(capacity_tokens) // page_tokens)
-        max_samples = int(max_samples or num_pages + 64)
+        uid = int.from_bytes(os.urandom(8), "little") | 1
+        spill_path, budget = "", 0
+        if spill_dir is not None:
+            spill_path, budget = make_spill_dir(os.fspath(spill_dir), name, uid, spill_budget)
+        # A spilling store holds samples beyond its pages: slots for up to 4x more.
+        spill_pages = min(budget // (page_tokens * layout.bytes_per_token), 4 * num_pages)
+        max_samples = int(max_samples or min(num_pages + 64 + spill_pages, MAX_TABLE))
         if num_pages > MAX_TABLE or not 0 < max_samples <= MAX_TABLE:
             raise InvalidArgumentError(
                 f"capacity_tokens={capacity_tokens} needs {num_pages} pages of {page_tokens} "
@@ -162,18 +182,25 @@ class RoutingStore:
         fields = {
             **sizes,
             "version": VERSION,
-            "store_uid": int.from_bytes(os.urandom(8), "little") | 1,
+            "store_uid": uid,
+            "spill_dir": spill_path.encode(),
+            "spill_budget": budget,
             "owner_pid": os.getpid(),
             "created": time.time(),
             "node_id": node,
             "layout": layout_json,
         }
-        seg = Segment.create(name, offsets["end"], OWNER_LEASE)
+        try:
+            seg = Segment.create(name, offsets["end"], OWNER_LEASE)
+        except BaseException:
+            remove_spill_dir(spill_path)
+            raise
         try:
             initialise(seg.mmap, offsets, fields)
             return cls(seg, put_timeout)
         except BaseException:
             seg.unlink()  # nothing half-made stays behind
+            remove_spill_dir(spill_path)
             raise
 
     @classmethod
@@ -255,21 +282,24 @@ class RoutingStore:
         return self._seg.is_current()
 
     def unlink(self) -> None:
-        """Remove the segment (owner only); processes that mapped it keep their view."""
+        """Remove the segment and its spill files (owner only); processes that mapped it keep
+        their view of the segment."""
         if not self._seg.owner:
             raise RoutingReplayError(
                 f"only the process that created store {self.name!r} unlinks it; call close()"
             )
         self._seg.unlink()
+        remove_spill_dir(self._spill.dir)
 
     def __enter__(self) -> RoutingStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        owner = self._seg.owner
+        owner, spill_dir = self._seg.owner, self._spill.dir
         self.close()
         if owner:
             self._seg.unlink()
+            remove_spill_dir(spill_dir)
 
     def __repr__(self) -> str:
         return f"RoutingStore({self.name!r}, {self.layout}, capacity_tokens={self.capacity_tokens})"
@@ -282,9 +312,10 @@ class RoutingStore:
     # -- repair -----------------------------------------------------------------------
 
     def reclaim(self) -> int:
-        """Free pages reserved by writers that died mid-put (and this handle's orphans);
-        returns how many were freed."""
+        """Free pages reserved by writers that died mid-put (and this handle's orphans), and
+        spill files no sample holds; returns how many pages were freed."""
         with self._lock.held("reclaim", self._deadline()) as hold:
+            self._spill.clean()
             return reclaim_dead(self, hold, 0)
 
     # -- writing ----------------------------------------------------------------------
@@ -344,22 +375,28 @@ class RoutingStore:
         check_store(refs, self.name, self.store_uid)
         raw_ids = [sample_id_bytes(s) for s in refs]
         check_distinct(raw_ids, "release")
+        files = []
         with self._lock.held("release", self._deadline()) as hold:
             found = resolve(self._samples, self.name, refs, raw_ids, "release")
             chains = [self._samples.chain(s)[0] for s in found]
             hold.write()
             for raw_id, slot, chain in zip(raw_ids, found, chains, strict=True):
+                files.append(self._spill.forget(slot))
                 self._samples.remove(slot, raw_id, len(chain))
                 freed = self._pages.dereference(chain)
                 for p in freed.tolist():
                     self._prefix.unlink(p)
                 self._pages.push(freed)
+        for path in files:
+            if path is not None:  # after the commit: a crash here leaves a file `clean` removes
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     # -- reading ----------------------------------------------------------------------
 
     def get(self, sample_id: str | RoutingRef, part: Part = "all") -> np.ndarray:
         """One sample's routes `[T, L, K]` (`layout.signed_dtype`, -1 missing), a copy."""
-        return ReadPlan(self, [sample_id]).routes(part)
+        return read_settled(self, [sample_id], lambda plan: plan.routes(part))
 
     def read(
         self,
@@ -382,7 +419,7 @@ class RoutingStore:
         page faults of fresh memory. The batch (and `to_torch` of it) are views of `out`:
         do not overwrite it while they are in use.
         """
-        return ReadPlan(self, sample_ids).batch(part, out, ranges)
+        return read_settled(self, sample_ids, lambda plan: plan.batch(part, out, ranges))
 
     def read_wire(
         self,
@@ -394,7 +431,7 @@ class RoutingStore:
         """`read` in the form to send to another node: the stored tokens its rows need, each
         once (samples that share pages share them), and the copies that rebuild the rows
         there; `.batch()` is then what `read` returns here, `.nbytes` what travels."""
-        return ReadPlan(self, sample_ids).wire(part, ranges)
+        return read_settled(self, sample_ids, lambda plan: plan.wire(part, ranges))
 
     def __contains__(self, sample_id: object) -> bool:
         """Whether the id is stored (for a ref: whether the very put it names is)."""
@@ -421,8 +458,11 @@ class RoutingStore:
             used = t.counter("pages_used", t.num_pages)
             pending = t.counter("pages_reserved", t.num_pages)
             referenced = t.counter("pages_referenced", MAX_TABLE * t.max_samples)
-            tokens = t.counter("tokens", referenced * t.page_tokens)
             samples = t.counter("samples", t.max_samples)
+            spilled = t.counter("spilled", samples)
+            spilled_bytes = t.counter("spilled_bytes", 1 << 62)
+            in_files = spilled_bytes // self.layout.bytes_per_token
+            tokens = t.counter("tokens", referenced * t.page_tokens + in_files)
         page_bytes = self.page_tokens * self.layout.bytes_per_token
         return StoreStats(
             capacity_tokens=self.capacity_tokens,
@@ -436,4 +476,7 @@ class RoutingStore:
             bytes_unshared=referenced * page_bytes,
             dedup_saved_bytes=(referenced - used) * page_bytes,
             segment_bytes=self._seg.size,
+            samples_spilled=spilled,
+            spilled_bytes=spilled_bytes,
+            spill_budget=self._spill.budget,
         )

@@ -22,17 +22,21 @@ import zlib
 
 import numpy as np
 
-from routing_replay.errors import StoreFullError
+from routing_replay.errors import CorruptStoreError, StoreFullError
 from routing_replay.store.format import (
     FIRST_SERIAL,
     FREE,
     NO_PAGE,
     NO_SERIAL,
+    NOT_SPILLED,
     PUBLISHED,
+    READ,
     TOKEN_DTYPE,
 )
 from routing_replay.store.lock import Hold
 from routing_replay.store.tables import Tables, checked_index, unlink_from_chain
+
+EMPTY = np.empty(0, dtype=np.int64)
 
 
 def token_digest(token_ids: np.ndarray) -> int:
@@ -49,10 +53,12 @@ def checksum(
     digest: int,
     chain: np.ndarray,
     gens: np.ndarray,
+    spill: int = NOT_SPILLED,
 ) -> int:
-    """crc32 of a sample's fields, chain pages and their generations."""
+    """crc32 of a sample's fields, chain pages and their generations (a spilled sample: its
+    spill field and no chain)."""
     fields = np.array([num_tokens, prompt_len, len(chain)], dtype="<i4").tobytes()
-    words = np.array([digest, serial], dtype="<u8").tobytes()
+    words = np.array([digest, serial, spill], dtype="<u8").tobytes()
     crc = zlib.crc32(fields + words + raw_id)
     crc = zlib.crc32(np.ascontiguousarray(chain, dtype="<i4"), crc)
     return zlib.crc32(np.ascontiguousarray(gens, dtype="<u4"), crc)
@@ -97,6 +103,9 @@ class SampleIndex:
         t = self._t
         n, tokens = int(t.s_num_pages[slot]), int(t.s_num_tokens[slot])
         prompt_len = int(t.s_prompt_len[slot])
+        spill = self.spill(slot)
+        if spill != NOT_SPILLED:  # its routes are in its spill file
+            return self._checked(slot, EMPTY, EMPTY.astype(np.uint32), tokens, prompt_len, spill)
         if not (
             0 < n <= t.num_pages
             and (n - 1) * t.page_tokens < tokens <= n * t.page_tokens
@@ -112,15 +121,74 @@ class SampleIndex:
             p = int(t.p_parent[p])
         if p != NO_PAGE:
             raise t.corrupt(f"slot {slot}: its chain's first page has a parent")
-        gens = t.p_gen[pages]
+        return self._checked(slot, pages, t.p_gen[pages], tokens, prompt_len, NOT_SPILLED)
+
+    def _checked(
+        self,
+        slot: int,
+        pages: np.ndarray,
+        gens: np.ndarray,
+        tokens: int,
+        prompt_len: int,
+        spill: int,
+    ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        t = self._t
+        if not (tokens > 0 and -1 <= prompt_len <= tokens):
+            raise t.corrupt(f"slot {slot}: {tokens} tokens, prompt_len {prompt_len}")
         raw_id, digest, serial = self.sample_id(slot), self.digest(slot), self.serial(slot)
-        check = checksum(raw_id, serial, tokens, prompt_len, digest, pages, gens)
+        check = checksum(raw_id, serial, tokens, prompt_len, digest, pages, gens, spill)
         if check != int(t.s_check[slot]):
             raise t.corrupt(
                 f"sample {raw_id.decode(errors='replace')!r} (slot {slot}) fails its checksum: "
                 "its chain or a page generation changed after it was published"
             )
         return pages, gens, tokens, prompt_len
+
+    def spill(self, slot: int) -> int:
+        """NOT_SPILLED, or the code naming the slot's spill file; `chain` checks it."""
+        return int(self._t.s_spill[slot])
+
+    def mark_read(self, slots: list[int]) -> None:
+        """Flag slots as read (under the lock, no write: a hint, never trusted)."""
+        self._t.s_flags[slots] |= READ
+
+    def spilled(self, slot: int, code: int) -> None:
+        """Record that a published slot's routes are in spill file `code` (inside a write):
+        the field is the commit point; the slot then holds no pages (the caller drops them)."""
+        t = self._t
+        raw_id, serial = self.sample_id(slot), self.serial(slot)
+        tokens, prompt_len, digest = (
+            int(t.s_num_tokens[slot]),
+            int(t.s_prompt_len[slot]),
+            self.digest(slot),
+        )
+        t.s_spill[slot] = code  # the commit point
+        t.s_num_pages[slot] = 0
+        t.s_last_page[slot] = NO_PAGE
+        t.s_check[slot] = checksum(
+            raw_id, serial, tokens, prompt_len, digest, EMPTY, EMPTY.astype(np.uint32), code
+        )
+
+    def finish_spills(self) -> int:
+        """Repair: complete spills cut short after their commit point; returns how many.
+
+        `spilled` writes the spill field, the checksum, then the chain fields: a slot whose
+        checksum is not yet the spilled one still has the chain it was published with (its
+        pages are not reused before the holding ends), checked as put before it is finished.
+        """
+        t, P = self._t, self._t.page_tokens
+        torn = 0
+        for slot in np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill != NOT_SPILLED)).tolist():
+            code = self.spill(slot)
+            try:
+                self.chain(slot)
+            except CorruptStoreError:
+                t.s_spill[slot] = NOT_SPILLED
+                t.s_num_pages[slot] = -(-int(t.s_num_tokens[slot]) // P)
+                self.chain(slot)  # corrupt unless the chain it was published with is intact
+                torn += 1
+            self.spilled(slot, code)
+        return torn
 
     def free_count(self) -> int:
         """Slots on the free-slot stack (under the lock)."""
@@ -168,6 +236,8 @@ class SampleIndex:
         t.s_last_page[slot] = chain[-1]
         t.s_num_pages[slot] = len(chain)
         t.s_sample_id[slot] = raw_id
+        t.s_spill[slot] = NOT_SPILLED
+        t.s_flags[slot] = 0
         t.s_check[slot] = checksum(raw_id, serial, num_tokens, prompt_len, digest, chain, gens)
         b = self._bucket(raw_id)
         t.s_next[slot] = t.sample_heads[b]
@@ -182,6 +252,7 @@ class SampleIndex:
         t = self._t
         t.s_state[slot] = FREE  # the commit point
         t.s_serial[slot] = NO_SERIAL  # a reader that located it sees the change
+        t.s_spill[slot] = NOT_SPILLED
         t.add("samples", -1)
         t.add("tokens", -int(t.s_num_tokens[slot]))
         t.add("pages_referenced", -num_pages)
@@ -225,6 +296,7 @@ class SampleIndex:
         free = np.flatnonzero(t.s_state != PUBLISHED)
         t.s_state[free] = FREE
         t.s_serial[free] = NO_SERIAL
+        t.s_spill[free] = NOT_SPILLED
         t.free_slots[: len(free)] = free[::-1]
         t.hdr["free_slots"] = len(free)
         t.hdr["samples"] = len(published)

@@ -25,6 +25,7 @@ from routing_replay.store.segment import (
     lease_held,
     untrusted_reason,
 )
+from routing_replay.store.spill import remove_spill_dir
 from routing_replay.store.tables import header_info
 
 
@@ -45,6 +46,7 @@ class StoreInfo:
     problem: str | None = None  # why it cannot be used or judged (another user's, ...)
     corrupt: bool = False  # this user's store, but its header or tables are broken
     inode: tuple[int, int] = (0, 0)  # (device, inode) of the file judged: sweep removes only it
+    spill_dir: str = ""  # the store's own directory of spill files ("": it does not spill)
 
 
 def _read_info(path: str) -> StoreInfo:
@@ -99,7 +101,7 @@ def _read_info(path: str) -> StoreInfo:
     return StoreInfo(
         **base, owner_pid=info["owner_pid"], owner_alive=alive, node_id=info["node_id"],
         layout=info["layout"], stats=stats, owner_uid=st.st_uid, problem=problem,
-        corrupt=corrupt,
+        corrupt=corrupt, spill_dir=info["spill_dir"],
     )  # fmt: skip
 
 
@@ -173,6 +175,8 @@ def _unlink_judged(info: StoreInfo) -> bool:
         if (now.st_dev, now.st_ino) != info.inode:
             return False
         os.unlink(info.path)
+        if os.path.basename(info.spill_dir).startswith(f"rr_{info.name}-"):
+            remove_spill_dir(info.spill_dir)  # its spill files die with it
         return True
     except FileNotFoundError:
         return False

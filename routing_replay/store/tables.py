@@ -228,8 +228,9 @@ def header_info(raw: bytes) -> dict[str, Any] | None:
     try:
         info["node_id"] = hdr["node_id"].decode()
         info["layout"] = RoutingLayout.from_json(hdr["layout"])
+        info["spill_dir"] = hdr["spill_dir"].decode() if "spill_dir" in hdr.dtype.names else ""
     except UNREADABLE:
-        info["node_id"], info["layout"] = "", None
+        info["node_id"], info["layout"], info["spill_dir"] = "", None, ""
     return info
 
 

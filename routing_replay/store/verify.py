@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routing_replay.store.format import FIRST_SERIAL, NO_SERIAL, PUBLISHED
+from routing_replay.store.format import FIRST_SERIAL, NO_PAGE, NO_SERIAL, NOT_SPILLED, PUBLISHED
+from routing_replay.store.spill import file_bytes
 
 if TYPE_CHECKING:
     from routing_replay.store.routing_store import RoutingStore
@@ -19,7 +21,8 @@ def verify(store: RoutingStore) -> None:
     serial, each once; refcounts equal the references of published chains; a page is
     referenced, reserved by a writer (a dead one's until reclaimed), or on the free stack
     (exactly once); shareable pages are findable in their bucket and free pages carry no
-    key; free slots are on the free-slot stack; the header counters agree.
+    key; free slots are on the free-slot stack; a spilled sample holds no pages and its
+    file is there, whole; the header counters agree.
     """
     t, samples, prefix = store._t, store._samples, store._prefix
     with store._lock.held("verify", store._deadline()):
@@ -60,7 +63,23 @@ def verify(store: RoutingStore) -> None:
         top = t.counter("free_slots", t.max_samples)
         if not np.array_equal(np.sort(t.free_slots[:top]), np.flatnonzero(t.s_state == 0)):
             raise t.corrupt("the free-slot stack is not exactly the free slots")
+        spilled = published[t.s_spill[published] != NOT_SPILLED]
+        spilled_bytes = 0
+        for s in spilled.tolist():
+            path = store._spill.path(int(t.s_serial[s]), int(t.s_spill[s]))
+            size = file_bytes(
+                store.layout, t.page_tokens, int(t.s_num_tokens[s]), int(t.s_digest[s])
+            )
+            if t.s_num_pages[s] != 0 or t.s_last_page[s] != NO_PAGE:
+                raise t.corrupt(f"spilled slot {s} still names pages")
+            if not os.path.isfile(path) or os.path.getsize(path) != size:
+                raise t.corrupt(f"spilled slot {s}: {path} is missing or not {size} bytes")
+            spilled_bytes += size
+        if (t.s_spill[t.s_state != PUBLISHED] != NOT_SPILLED).any():
+            raise t.corrupt("a free slot still names a spill file")
         counters = {
+            "spilled": len(spilled),
+            "spilled_bytes": spilled_bytes,
             "samples": len(published),
             "tokens": int(t.s_num_tokens[published].astype(np.int64).sum()),
             "pages_used": int((referenced > 0).sum()),

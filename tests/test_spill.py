@@ -1,0 +1,340 @@
+"""Spill to disk: a full store moves samples to files and every read stays exact.
+
+Expected values are the arrays the tests put, never a read of the store; each spilled
+sample is found by its file name (its put serial), so the tests see which went where.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from routing_replay import (
+    CorruptStoreError,
+    Episode,
+    PutRequest,
+    RoutingLayout,
+    RoutingStore,
+    StoreFullError,
+    to_torch,
+)
+from routing_replay.store import spill as spill_module
+from routing_replay.store.lock import interleave
+from routing_replay.store.samples import SampleIndex
+
+FORK = mp.get_context("fork")
+LAYOUTS = [
+    RoutingLayout(num_layers=3, top_k=2, num_experts=16),  # uint8 stored
+    RoutingLayout(num_layers=4, top_k=3, num_experts=300, moe_layers=(1, 3)),  # uint16
+]
+P = 8
+C = LAYOUTS[0].random_routes(np.random.default_rng(9), 4 * P)
+
+
+def spilled_serials(store: RoutingStore) -> set[int]:
+    """Put serials of the samples in spill files (from the files' names)."""
+    return {int(n[:16], 16) for n in os.listdir(store._spill.dir) if n.endswith(".spill")}
+
+
+def make(name, tmp_path, layout=LAYOUTS[0], pages=16, budget=10**7, **kw) -> RoutingStore:
+    return RoutingStore.create(
+        name, layout, pages * P, page_tokens=P, spill_dir=tmp_path, spill_budget=budget, **kw
+    )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["uint8", "uint16"])
+def test_round_trip_exact(name, tmp_path, layout):
+    rng = np.random.default_rng(0)
+    with make(name, tmp_path, layout, pages=24, put_timeout=0.5) as store:
+        expected, tokens, refs = {}, {}, []
+        for step in range(6):
+            # A GRPO group: 4 samples of one 2-page prompt (shared pages), put at once.
+            prompt = rng.integers(0, 1000, 2 * P)
+            prompt_routes = layout.random_routes(rng, 2 * P)
+            requests = []
+            for j in range(4):
+                T = 2 * P + int(rng.integers(1, 3 * P))
+                r = np.concatenate([prompt_routes, layout.random_routes(rng, T - 2 * P)])
+                r[-1] = -1  # a missing row stays missing
+                t = np.concatenate([prompt, rng.integers(0, 1000, T - 2 * P)])
+                sid = f"g{step}-{j}"
+                requests.append(
+                    PutRequest(sid, r, 2 * P, t, policy_version=[(0, step), (T - 1, step + 1)])
+                )
+                expected[sid], tokens[sid] = r, t
+            refs += store.put_many(requests)
+        # A 3-turn episode, put turn by turn.
+        ep = Episode(store, "ep", prompt_len=P)
+        ep_tokens = rng.integers(0, 1000, 5 * P)
+        ep_routes = layout.random_routes(rng, 5 * P)
+        for end in (2 * P, 3 * P + 3, 5 * P):
+            ep.add_turn(ep_tokens[:end], ep_routes[:end], policy_version=end)
+        refs.append(ep.close())
+        expected["ep-t3"], tokens["ep-t3"] = ep_routes, ep_tokens
+        spilled = spilled_serials(store)
+        assert spilled and len(spilled) < len(refs)  # both kinds are read below
+        store.verify()
+        # Every sample, alone and together, in memory or spilled: exact routes and tokens.
+        for ref in refs:
+            assert np.array_equal(store.get(ref), expected[ref.sample_id]), ref
+        batch = store.read(refs)
+        assert np.array_equal(
+            to_torch(batch).numpy(), np.concatenate([expected[r.sample_id] for r in refs])
+        )
+        for row, ref in zip(batch.column("token_ids").to_pylist(), refs, strict=True):
+            assert row == tokens[ref.sample_id].tolist()
+        assert batch.column("prompt_len").to_pylist() == [r.prompt_len for r in refs]
+        assert refs[0].policy_versions == ((0, 0), (len(expected["g0-0"]) - 1, 1))
+        # Ranges (a context-parallel rank's two chunks) and the wire form, on both kinds.
+        ranges = [
+            [(1, 3), (len(expected[r.sample_id]) - 4, len(expected[r.sample_id]))] for r in refs
+        ]
+        want = np.concatenate(
+            [np.concatenate([expected[r.sample_id][1:3], expected[r.sample_id][-4:]]) for r in refs]
+        )
+        assert np.array_equal(to_torch(store.read(refs, ranges=ranges)).numpy(), want)
+        wire = store.read_wire(refs, part="completion")
+        want = np.concatenate([expected[r.sample_id][r.prompt_len :] for r in refs])
+        assert np.array_equal(to_torch(wire.batch()).numpy(), want)
+        # Releases remove the files of spilled samples; the store is empty after.
+        store.release(refs)
+        assert os.listdir(store._spill.dir) == []
+        stats = store.stats()
+        assert (stats.samples, stats.samples_spilled, stats.spilled_bytes, stats.pages_used) == (
+            0,
+            0,
+            0,
+            0,
+        )
+        store.verify()
+        spill_dir = store._spill.dir
+    assert not os.path.exists(spill_dir)  # the owner's unlink removes the directory
+
+
+def test_unread_oldest_first(name, tmp_path):
+    rng = np.random.default_rng(1)
+    with make(name, tmp_path, pages=8) as store:
+        refs = {f"s{i}": store.put(f"s{i}", LAYOUTS[0].random_routes(rng, 2 * P)) for i in range(4)}
+        store.get(refs["s2"])  # read: spilled after every unread sample
+        store.get(refs["s0"])
+        order = []
+
+        def put(sid: str) -> None:  # each 2-page put needs one sample's pages
+            refs[sid] = store.put(sid, LAYOUTS[0].random_routes(rng, 2 * P))
+            by_serial = {r.serial: i for i, r in refs.items()}
+            order.append(sorted(by_serial[s] for s in spilled_serials(store)))
+
+        put("n0")
+        put("n1")
+        put("n2")  # unread n0 goes before the read s0 and s2
+        store.read([refs["n1"], refs["n2"]])  # now every sample in memory was read
+        put("n3")  # the oldest read one goes: s0, put before s2
+        put("n4")  # unread n3 first
+        assert order == [
+            ["s1"],
+            ["s1", "s3"],
+            ["n0", "s1", "s3"],
+            ["n0", "s0", "s1", "s3"],
+            ["n0", "n3", "s0", "s1", "s3"],
+        ]
+
+
+def test_both_full_refuses_and_loses_nothing(name, tmp_path):
+    rng = np.random.default_rng(2)
+    layout = LAYOUTS[0]
+    one_file = spill_module.file_bytes(layout, P, 4 * P, 0)
+    with make(name, tmp_path, pages=8, budget=2 * one_file, put_timeout=0.2) as store:
+        kept = {f"s{i}": layout.random_routes(rng, 4 * P) for i in range(4)}
+        for sid, r in kept.items():
+            store.put(sid, r)  # the last two spill the first two: the budget is spent
+        assert store.stats().spilled_bytes == 2 * one_file
+        with pytest.raises(StoreFullError, match=r"spill files \(2 samples\) take .* budget"):
+            store.put_many(
+                [
+                    PutRequest("x", layout.random_routes(rng, P)),
+                    PutRequest("y", layout.random_routes(rng, P)),
+                ]
+            )
+        assert "x" not in store and "y" not in store
+        for sid, r in kept.items():
+            assert np.array_equal(store.get(sid), r)
+        store.verify()
+
+
+def test_damaged_files_raise(name, tmp_path):
+    rng = np.random.default_rng(3)
+    with make(name, tmp_path, pages=4) as store:
+        a = LAYOUTS[0].random_routes(rng, 3 * P)
+        ref = store.put("a", a, token_ids=np.arange(3 * P))
+        store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # a goes to disk
+        (file,) = os.listdir(store._spill.dir)
+        path = os.path.join(store._spill.dir, file)
+        data = bytearray(Path(path).read_bytes())
+        data[-1] ^= 1  # the last route byte: the last chunk's CRC fails, the first's not
+        Path(path).write_bytes(data)
+        assert np.array_equal(to_torch(store.read([ref], ranges=[(0, P)])).numpy(), a[:P])
+        with pytest.raises(CorruptStoreError, match="rows 16-24 fail their CRC"):
+            store.get(ref)
+        Path(path).write_bytes(data[:-1])
+        with pytest.raises(CorruptStoreError, match=r"bytes, \d+ expected"):
+            store.get(ref)
+        os.unlink(path)
+        with pytest.raises(CorruptStoreError, match="is missing"):
+            store.get(ref)
+
+
+# -- a spiller killed at every step --------------------------------------------------------
+
+
+def _spill_and_die(name: str, where: str) -> None:
+    """Put a sample that needs a spill; SIGKILL this process at `where` in the spill."""
+    store = RoutingStore.attach(name)
+
+    def die(*_: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "mid-write":
+        real_write = spill_module._write_all
+        spill_module._write_all = lambda fd, data: (real_write(fd, data[: len(data) // 2]), die())
+    elif where == "commit-field":  # inside the commit holding: its commit point only
+        SampleIndex.spilled = lambda self, slot, code: (
+            self._t.s_spill.__setitem__(slot, code),
+            die(),
+        )
+    elif where == "commit-checksum":  # the checksum too, not the chain fields
+        real_spilled = SampleIndex.spilled
+
+        def spilled_then_die(self, slot, code):
+            real_spilled(self, slot, code)
+            self._t.s_num_pages[slot] = 4
+            die()
+
+        SampleIndex.spilled = spilled_then_die
+    with interleave(lambda point: point == where and die()):
+        store.put("c", C)
+    os._exit(3)  # not reached
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["spill.pick:drop", "mid-write", "spill.commit:take", "commit-field", "commit-checksum"],
+)
+def test_spiller_killed_mid_spill(name, tmp_path, where):
+    rng = np.random.default_rng(4)
+    with make(name, tmp_path, pages=8) as store:
+        a, b = (LAYOUTS[0].random_routes(rng, 4 * P) for _ in range(2))
+        ref_a = store.put("a", a, token_ids=np.arange(4 * P))
+        store.put("b", b)
+        p = FORK.Process(target=_spill_and_die, args=(name, where))
+        p.start()
+        p.join()
+        assert p.exitcode == -signal.SIGKILL
+        committed = where.startswith("commit")
+        written = committed or where in ("mid-write", "spill.commit:take")  # a's file is there
+        assert spilled_serials(store) == ({ref_a.serial} if written else set())
+        # The next holder repairs a cut-short commit; every sample reads back exactly.
+        assert np.array_equal(store.get(ref_a), a) and np.array_equal(store.get("b"), b)
+        assert "c" not in store
+        store.reclaim()  # the dead spiller's uncommitted file goes
+        assert spilled_serials(store) == ({ref_a.serial} if committed else set())
+        stats = store.stats()
+        assert (stats.samples_spilled, stats.pages_used, stats.pages_pending) == (
+            int(committed),
+            4 if committed else 8,
+            0,
+        )
+        store.verify()
+        store.put("c", C)  # room again, by spilling
+        for sid, r in (("a", a), ("b", b), ("c", C)):
+            assert np.array_equal(store.get(sid), r)
+        store.verify()
+
+
+# -- writers producing 3x the store, slow trainers reading every sample ---------------------
+
+
+def content(sample_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """The routes and token ids a sample id always stands for (any process checks them)."""
+    rng = np.random.default_rng(zlib.crc32(sample_id.encode()))
+    T = int(rng.integers(P, 12 * P))
+    group = sample_id.rsplit("-", 1)[0]  # samples of a group share a 2-page prompt
+    g = np.random.default_rng(zlib.crc32(group.encode()))
+    routes = LAYOUTS[0].random_routes(rng, T + 2 * P)
+    routes[: 2 * P] = LAYOUTS[0].random_routes(g, 2 * P)
+    tokens = np.concatenate([g.integers(0, 1000, 2 * P), rng.integers(0, 1000, T)])
+    return routes, tokens
+
+
+def _writer(name: str, w: int, groups: int, queue, spilled) -> None:
+    store = RoutingStore.attach(name, put_timeout=5.0)
+    for g in range(groups):
+        ids = [f"w{w}g{g}-{j}" for j in range(4)]
+        requests = [PutRequest(i, *(c := content(i))[:1], token_ids=c[1]) for i in ids]
+        store.put_many(requests)
+        spilled.value = max(spilled.value, store.stats().samples_spilled)
+        for i in ids:
+            queue.put(i)
+    queue.put(None)  # one per trainer: each stops after two
+    queue.put(None)
+
+
+def _trainer(name: str, queue, done, bad) -> None:
+    store = RoutingStore.attach(name)
+    writers_left = 2
+    while writers_left:
+        ids = []
+        while len(ids) < 4 and writers_left:
+            i = queue.get()
+            if i is None:
+                writers_left -= 1
+            else:
+                ids.append(i)
+        if not ids:
+            break
+        batch = store.read(ids)
+        rows = to_torch(batch).numpy()
+        want = np.concatenate([content(i)[0] for i in ids])
+        tokens = batch.column("token_ids").to_pylist()
+        if not np.array_equal(rows, want) or tokens != [content(i)[1].tolist() for i in ids]:
+            bad.value += 1
+        store.release(ids)
+        done.value += len(ids)
+        time.sleep(0.02)  # a slow trainer: the writers run ahead, the store spills
+
+
+@pytest.mark.stress
+def test_rollout_of_three_stores_with_slow_trainers(name, tmp_path):
+    groups = 25  # 2 writers x 25 groups x 4 samples of ~9 pages: >3x the store's 128 pages
+    with make(name, tmp_path, pages=128, budget=1 << 26) as store:
+        queue, done, bad = FORK.Queue(), FORK.Value("q", 0), FORK.Value("q", 0)
+        pages_put = sum(
+            -(-len(content(f"w{w}g{g}-{j}")[1]) // P)
+            for w in range(2)
+            for g in range(groups)
+            for j in range(4)
+        )
+        assert pages_put > 3 * 128
+        spilled = [FORK.Value("q", 0) for _ in range(2)]
+        writers = [
+            FORK.Process(target=_writer, args=(name, w, groups, queue, spilled[w]))
+            for w in range(2)
+        ]
+        trainers = [FORK.Process(target=_trainer, args=(name, queue, done, bad)) for _ in range(2)]
+        for p in [*writers, *trainers]:
+            p.start()
+        for p in [*writers, *trainers]:
+            p.join(120)
+            assert p.exitcode == 0, p
+        assert (done.value, bad.value) == (2 * groups * 4, 0)
+        assert max(s.value for s in spilled) > 20, [s.value for s in spilled]  # it did spill
+        stats = store.stats()
+        assert (stats.samples, stats.samples_spilled, stats.pages_used) == (0, 0, 0)
+        assert os.listdir(store._spill.dir) == []
+        store.verify()
