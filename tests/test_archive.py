@@ -3,7 +3,9 @@ exactly; damaged files, other layouts and missing refs raise and load nothing.""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import signal
 import uuid
 
 import numpy as np
@@ -22,6 +24,7 @@ from routing_replay import (
     load_routes,
     save_routes,
 )
+from routing_replay.store.lock import interleave
 from routing_replay.store.segment import segment_path
 
 NARROW = RoutingLayout(num_layers=3, top_k=2, num_experts=16, moe_layers=(0, 2))
@@ -188,3 +191,47 @@ def pa_file(f, schema):
     import pyarrow.ipc as ipc
 
     return ipc.new_file(f, schema)
+
+
+def _load_and_die(name: str, path: str, at: int) -> None:
+    """Load the archive into the store `name`; SIGKILL this process at its `at`-th lock point."""
+    store, seen = RoutingStore.attach(name), []
+
+    def die(point: str) -> None:
+        seen.append(point)
+        if len(seen) - 1 == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with interleave(die):
+        load_routes(path, store)
+    os._exit(3)  # not reached
+
+
+def test_a_loader_killed_at_any_point_loads_all_or_nothing(stores, tmp_path):
+    src = stores(NARROW)
+    refs = fill(src, np.random.default_rng(3))
+    want = [src.get(r).tolist() for r in refs]
+    path = tmp_path / "routes.arrow"
+    save_routes(path, refs, read=src.read)
+    points = []
+    with interleave(points.append):
+        load_routes(path, stores(NARROW))
+    assert len(points) >= 6  # look up, reserve, publish: each taken and dropped
+    for at in range(len(points)):
+        dst = stores(NARROW)
+        dst.put("kept", kept := NARROW.random_routes(np.random.default_rng(4), 30))
+        child = mp.get_context("fork").Process(target=_load_and_die, args=(dst.name, path, at))
+        child.start()
+        child.join()
+        assert child.exitcode == -signal.SIGKILL, points[at]
+        loaded = [r.sample_id in dst for r in refs]
+        assert not any(loaded) or all(loaded), f"killed at {points[at]}: {loaded}"
+        assert np.array_equal(dst.get("kept"), kept)
+        if all(loaded):
+            assert [dst.get(r.sample_id).tolist() for r in refs] == want
+        dst.reclaim()
+        assert dst.stats().pages_pending == 0
+        dst.verify()
+        if not any(loaded):  # and the same archive loads after
+            new = load_routes(path, dst)
+            assert [dst.get(r).tolist() for r in new] == want
