@@ -98,12 +98,15 @@ def sample_routes(i: int, T: int | None = None) -> np.ndarray:
 class Writer:
     """Puts deterministic samples into its node's store (as an inference worker would)."""
 
-    def __init__(self, job: str, capacity_tokens: int = 1 << 15) -> None:
+    def __init__(self, job: str, capacity_tokens: int = 1 << 15, **spill) -> None:
         self.job = job
         self.capacity_tokens = capacity_tokens
+        self.spill = spill  # spill_dir, spill_budget
 
     def put(self, ids: list[int], prefix: str = "x", T: int | None = None, version=None) -> list:
-        store = node_store(self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32)
+        store = node_store(
+            self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32, **self.spill
+        )
         return [
             store.put(f"{prefix}{i}", sample_routes(i, T), prompt_len=2, policy_version=version)
             for i in ids
@@ -453,6 +456,28 @@ def test_a_groups_shared_prompt_crosses_the_network_once(cluster):
     assert (wire_routes - (6 + 4 * 14) * per_token) % 32 == 0
     assert ray.get(reader.release.remote(refs)) == 4
     shutdown_node_stores(job)
+
+
+def test_a_spilling_node_store_serves_spilled_samples_to_the_other_node(cluster, tmp_path):
+    # 8 samples of 96 tokens into room for 4 on the other node: 4 go to files there, and a
+    # reader on the head node reads all 8 (whole and ranged) exactly; releases remove them.
+    job, (head, other) = f"spill-{uuid.uuid4().hex[:6]}", cluster
+    writer = ray.remote(Writer).options(**on(other)).remote(job, 4 * 96, spill_dir=str(tmp_path))
+    refs = ray.get(writer.put.remote(list(range(8)), T=96))
+    (actor,) = store_actors(job).values()
+    assert ray.get(actor.info.remote())["node_id"] == other
+    stats = ray.get(actor.stats.remote())
+    assert stats["samples_spilled"] == 4 and len(list(tmp_path.iterdir())) == 1
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    for i, routes in enumerate(ray.get(reader.fetch.remote(refs))):
+        np.testing.assert_array_equal(routes, sample_routes(i, 96))
+    for i, routes in enumerate(ray.get(reader.fetch.remote(refs, ranges=[(40, 70)] * 8))):
+        np.testing.assert_array_equal(routes, sample_routes(i, 96)[40:70])
+    assert ray.get(reader.release.remote(refs)) == 8
+    (store_dir,) = tmp_path.iterdir()
+    assert list(store_dir.iterdir()) == []
+    shutdown_node_stores(job)
+    assert list(tmp_path.iterdir()) == []  # the owner's unlink removed the store's directory
 
 
 def test_routes_tensors_never_write_into_the_object_store(cluster):
