@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -33,20 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from archive import drop_cache
+
 from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUT = RoutingLayout(num_layers=48, top_k=8, num_experts=128)  # Qwen3-30B-A3B
 FORK = mp.get_context("fork")
 MB = 2**20
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def routes(rng: np.random.Generator, tokens: int) -> np.ndarray:

@@ -305,16 +305,7 @@ def release_shared(w: World) -> Callable[[], None]:
     a = w.routes(3)
     w.put("a", a)
     w.put("b", np.concatenate([a[: 2 * P], w.routes(1)]))
-
-    def op() -> None:
-        try:
-            w.store.release(["a"])
-        except SampleNotFoundError:
-            w.log.append("main release: SampleNotFoundError")
-            return
-        del w.expected["a"]
-
-    return op
+    return _release_a(w)
 
 
 def reclaim_dead(w: World) -> Callable[[], None]:
@@ -414,6 +405,11 @@ def release_spilled(w: World) -> Callable[[], None]:
     w.put("a", w.routes(8))
     w.put("c", w.routes(8))
     w.put("d", w.routes(4))  # spills a
+    return _release_a(w)
+
+
+def _release_a(w: World) -> Callable[[], None]:
+    """The operation: release "a"."""
 
     def op() -> None:
         try:
