@@ -58,11 +58,13 @@ def reclaim_dead(store: RoutingStore, hold: Hold, puts_of_caller: int) -> int:
     from inside a put that holds no pages, 0 from `reclaim`); the count of puts in
     flight can only err high, which skips the clean-up, never frees a live put's pages.
     """
-    freed = 0
-    for i in store._leases.dead_holders():
+    freed, dead = 0, store._leases.dead_holders()
+    for i in dead:
         hold.write()
         freed += store._pages.reclaim_lease(hold, i)
         store._leases.mark_free(i)
+    if dead:
+        store._spill.clean()  # a spiller among them may have left files no sample names
     mine = store._leases.mine()
     if mine is not None and len(store._puts_running) == puts_of_caller:
         freed += store._pages.reclaim_lease(hold, *mine)

@@ -17,7 +17,8 @@ A spill, in the putting process:
    other files are removed. Unlock.
 
 A file is complete before its slot names it, so a killed spiller leaves at most files no
-slot names, removed by the next `clean` (a failing spill, `reclaim`, the owner's unlink).
+slot names, removed by `clean` (when a dead writer's lease is reclaimed, by `reclaim`, and
+with the directory at the owner's unlink).
 Nothing is fsynced: a spill file matters only while the segment lives, and both are lost
 together in a power cut, while a killed process loses nothing the page cache holds.
 A reader that located a sample in memory and copied it while it was spilled (its pages
