@@ -187,8 +187,7 @@ class Spiller:
 
     def __init__(self, store: RoutingStore) -> None:
         self.store = store
-        self.dir = store._t.hdr["spill_dir"].item().decode()
-        self.budget = int(store._t.hdr["spill_budget"])
+        self.dir, self.budget = store._t.spill_dir, store._t.spill_budget
 
     @property
     def enabled(self) -> bool:

@@ -84,6 +84,13 @@ class Tables:
             node_id = hdr["node_id"].item().decode()
         except UNREADABLE as e:
             raise corrupt_error(name, f"header layout or node id unreadable: {e}") from None
+        try:
+            spill_dir = hdr["spill_dir"].item().decode()
+        except UNREADABLE as e:
+            raise corrupt_error(name, f"header spill dir unreadable: {e}") from None
+        spill_budget = int(hdr["spill_budget"])
+        if spill_budget < 0 or bool(spill_budget) != bool(spill_dir):
+            raise corrupt_error(name, f"header spill budget {spill_budget} for dir {spill_dir!r}")
         sizes = {}
         for field, lo, hi in (
             ("page_tokens", 1, MAX_PAGE_TOKENS),
@@ -103,6 +110,7 @@ class Tables:
                 name, f"segment is {len(buf)} bytes, its header describes {offsets['end']}"
             )
         self.layout, self.node_id = layout, node_id
+        self.spill_dir, self.spill_budget = spill_dir, spill_budget
         self.hdr = view(buf, HEADER_DTYPE, (), 0)
         self.page_tokens = sizes["page_tokens"]
         self.num_pages = sizes["num_pages"]
