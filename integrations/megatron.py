@@ -1,4 +1,4 @@
-"""Megatron-core: feed routing_replay routes to `RouterReplay` (megatron-core 0.16).
+"""Megatron-core: feed routing_replay routes to `RouterReplay` (megatron-core 0.16 - 0.19).
 
 Megatron-core replays routes when `TransformerConfig(moe_enable_routing_replay=True)`:
 every `TopKRouter` appends a `RouterReplay` to a class-level list in build order (the list
@@ -7,8 +7,8 @@ int64 tensor per router of this rank (rows seq-major, as the router flattens its
 `[S, B, H]` input), and `REPLAY_FORWARD` / `REPLAY_BACKWARD` pick the ids; every
 `set_replay_data` also queues the tensors for the recompute in backward, a queue that only
 `clear_global_indices()` empties. Megatron checks none of it: a wrong k, int32 ids, a
-batch-major order or too few rows replay silently wrong, and with `moe_router_fusion`
-replay is skipped without a word.
+batch-major order or too few rows replay silently wrong, and with `moe_router_fusion`, or
+the sinkhorn or quantile-balancing routing types, replay is skipped without a word.
 
 `MegatronRouterFeed` does the conversion and the checks: routes `[B, S, L, K]` (or packed
 `[1, T, L, K]`, a rank's CP / SP slice: `nemo_rl.read_rank_routes` reads just its tokens)
@@ -17,7 +17,8 @@ the model -> this pipeline stage's (or model chunk's) MoE layers (dense layers h
 router) -> one int64 `[S * B, K]` tensor per router, set on exactly the routers of the
 model it was given (each chunk of a virtual pipeline gets its own feed, set when that
 chunk runs a micro-batch); shape, dtype, top-k, id range, each router's layer and row
-count (checked when it runs) are validated, fusion is refused, the backward queue is
+count (checked when it runs) are validated, fusion and routing that bypasses replay are
+refused, the backward queue is
 cleared at step boundaries. Megatron is imported lazily.
 
 Rows without routes: `RouterReplay` has no per-row native routing (`REPLAY_FORWARD` gathers
@@ -351,11 +352,23 @@ class MegatronRouterFeed:
         self._handles.clear()
 
 
+# TopKRouter routing types that never call RouterReplay (`sinkhorn_load_balancing`, and
+# `quantile_balancing` from megatron-core 0.17): replay would be skipped without a word.
+_BYPASSING_ROUTING = ("sinkhorn", "quantile_balancing")
+
+
 def _check_config(layout: RoutingLayout, config: Any) -> None:
     if getattr(config, "moe_router_fusion", False):
         raise LayoutMismatchError(
             "moe_router_fusion=True: Megatron's fused top-k kernel skips RouterReplay "
             "silently, so nothing would be replayed; set moe_router_fusion=False"
+        )
+    kind = getattr(config, "moe_router_load_balancing_type", None)
+    if isinstance(kind, str) and kind in _BYPASSING_ROUTING:
+        raise LayoutMismatchError(
+            f"moe_router_load_balancing_type={kind!r}: Megatron's {kind} routing picks the "
+            "experts without asking RouterReplay (megatron-core 0.16 - 0.19), so nothing would "
+            "be replayed; use 'aux_loss', 'seq_aux_loss', 'global_aux_loss' or 'none'"
         )
     if not getattr(config, "moe_enable_routing_replay", False):
         raise LayoutMismatchError(

@@ -1,4 +1,5 @@
-"""The feed into a real megatron-core 0.16.1 `TopKRouter` / `RouterReplay`, on CPU.
+"""The feed into a real megatron-core `TopKRouter` / `RouterReplay`, on CPU: 0.16.1 in the main
+suite (Python < 3.12), 0.19.2 by `.ci/newest` (0.17+ need Python >= 3.12).
 
 Two adjustments let Megatron's router run without CUDA or Transformer Engine: a
 `gating()` that keeps the weights where they are (Megatron's moves them to CUDA), and
@@ -13,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("megatron.core", reason="pip install megatron-core==0.16.1 (extra: megatron)")
+pytest.importorskip("megatron.core", reason="pip install megatron-core (extra: megatron)")
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 import torch.distributed as dist  # noqa: E402
@@ -22,7 +23,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: 
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E402
+from megatron.core.transformer.moe.router_replay import (  # noqa: E402
+    RouterReplay,
+    RouterReplayAction,
+)
 from megatron_cpu import B, H, S, allgather_moe_layers, config, cpu_gating  # noqa: E402
 
 from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
@@ -361,6 +365,25 @@ def test_validation_megatron_lacks():
     TopKRouter(cfg, ProcessGroupCollection.use_mpu_process_groups())  # joins the class list
     with pytest.raises(LayoutMismatchError, match="clear_global_router_replay_instances"):
         MegatronRouterFeed(LAYOUT, cfg)
+
+
+def test_routing_that_bypasses_router_replay_is_refused():
+    # Megatron's sinkhorn routing (and quantile_balancing, megatron-core 0.17+) picks the
+    # experts without asking RouterReplay: targets set on the router never reach its map.
+    cfg = config(moe_router_load_balancing_type="sinkhorn")
+    (router,) = build_stage(cfg, [0])
+    targets = distinct_routes(3)[:, :, 0].transpose(0, 1).reshape(S * B, 2)  # seq-major
+    router.router_replay.set_target_indices(targets)
+    router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    _, routing_map = router(torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)))
+    router.router_replay.clear_router_replay_action()
+    chosen = routing_map.nonzero()[:, 1].view(S * B, 2)  # each row's 2 experts, ascending
+    assert int((chosen == targets.sort(-1).values).all(-1).sum()) == 0  # not one row replayed
+    for kind in ("sinkhorn", "quantile_balancing"):
+        with pytest.raises(LayoutMismatchError, match=f"moe_router_load_balancing_type='{kind}'"):
+            MegatronRouterFeed(LAYOUT, config(moe_router_load_balancing_type=kind))
+    cfg = config(moe_router_load_balancing_type="seq_aux_loss")  # routes through RouterReplay
+    MegatronRouterFeed(LAYOUT, cfg, model=build_stage(cfg, [0, 2, 3])).close()
 
 
 def test_moe_layer_allgather_dispatches_tokens_to_the_forced_experts():

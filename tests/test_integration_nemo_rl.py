@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import uuid
 import warnings
@@ -40,6 +41,36 @@ class Group:
 
     def rank(self) -> int:
         return self._rank
+
+
+def megatron_cp_batch(batch: dict, group) -> dict:
+    """Megatron's own `get_batch_on_this_cp_rank` of `batch` on CP group `group`.
+
+    megatron-core <= 0.16 takes `(batch, cp_group)` and reads `group.size()` / `.rank()` (a
+    `Group` will do). 0.17+ takes `(batch, is_hybrid_cp, cp_group)` and asks torch.distributed
+    for the group's size and rank: a `Group` is then stood in for by a real CP world of its
+    size (the fake backend: ranks, no transport) in place of this process's default group for
+    the call; a real group is passed as it is.
+    """
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" not in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, group)
+    if not isinstance(group, Group):
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    had_default = dist.is_initialized()
+    if had_default:  # the gloo fixture's one-rank group: put back afterwards
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=group.rank(), world_size=group.size(), store=FakeStore())
+    try:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False)
+    finally:
+        dist.destroy_process_group()
+        if had_default:
+            init = f"file:///tmp/rr-pg-{uuid.uuid4().hex}"
+            dist.init_process_group("gloo", init_method=init, world_size=1, rank=0)
 
 
 @pytest.fixture
@@ -231,7 +262,6 @@ def test_sp_slice_is_contiguous_per_tp_rank(gloo):
 def test_every_rank_routes_stay_aligned_with_its_tokens(filled, gloo, packed):
     # Each (CP, TP) rank's routes and ids must be exactly what Megatron gives that rank:
     # `get_batch_on_this_cp_rank` (padded) or its THD positions (packed), then its SP scatter.
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     store, batch = filled
     attach_routes(batch, fetch=store.read)
@@ -248,7 +278,7 @@ def test_every_rank_routes_stay_aligned_with_its_tokens(filled, gloo, packed):
             pos = megatron_thd_positions(batch["cu_seqlens"], Group(cp, cp_rank))
             mcore = {k: batch[k][:, pos] for k in ("input_ids", "routed_experts")}
         else:
-            mcore = get_batch_on_this_cp_rank(
+            mcore = megatron_cp_batch(
                 {k: batch[k].clone() for k in ("input_ids", "routed_experts")}, Group(cp, cp_rank)
             )
         ids = input_ids_for_rank(batch, cp_size=cp, cp_rank=cp_rank)
@@ -274,7 +304,6 @@ def test_read_rank_routes_reads_only_the_ranks_tokens(filled, gloo, packed, sequ
     # slicing gives it of the whole batch's routes (get_batch_on_this_cp_rank / THD
     # positions, then the SP scatter); together the ranks read each routed token once
     # (with SP; TP times without: every TP rank holds the CP chunk).
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     store, batch = filled
     cp, tp = 2, 2
@@ -294,7 +323,7 @@ def test_read_rank_routes_reads_only_the_ranks_tokens(filled, gloo, packed, sequ
             pos = megatron_thd_positions(whole["cu_seqlens"], Group(cp, cp_rank))
             mcore = whole["routed_experts"][:, pos]
         else:
-            mcore = get_batch_on_this_cp_rank(
+            mcore = megatron_cp_batch(
                 {"routed_experts": whole["routed_experts"].clone()}, Group(cp, cp_rank)
             )["routed_experts"]
         for tp_rank in range(tp):
@@ -321,13 +350,12 @@ def test_read_rank_routes_checks_the_ranks_tokens(filled):
 
 
 def test_cp_slice_matches_megatron_get_batch_on_this_cp_rank(gloo):
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     ids = torch.arange(2 * 24).view(2, 24)
     routes = torch.randint(0, 8, (2, 24, 2, 2))
     for cp in (2, 3):
         for r in range(cp):
-            want = get_batch_on_this_cp_rank(
+            want = megatron_cp_batch(
                 {"input_ids": ids.clone(), "routed_experts": routes.clone()}, Group(cp, r)
             )
             assert torch.equal(cp_slice(ids, cp, r), want["input_ids"])
@@ -343,7 +371,6 @@ def test_every_rank_matches_megatron_parallel_state_groups(tp, cp):
     pytest.importorskip("megatron.core", reason="pip install megatron-core (extra: megatron)")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
-    from megatron.core.utils import get_batch_on_this_cp_rank
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -368,7 +395,9 @@ def test_every_rank_matches_megatron_parallel_state_groups(tp, cp):
             seen.append((tp_rank, cp_rank))
             pos = megatron_thd_positions(packed["cu_seqlens"], ps.get_context_parallel_group())
             mcore = {
-                "padded": get_batch_on_this_cp_rank({k: v.clone() for k, v in padded.items()}),
+                "padded": megatron_cp_batch(
+                    {k: v.clone() for k, v in padded.items()}, ps.get_context_parallel_group()
+                ),
                 "packed": {k: packed[k][:, pos] for k in ("input_ids", "routed_experts")},
             }
             for name, batch in (("padded", padded), ("packed", packed)):

@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import Tensor
 
+from routing_replay.compat.transformers import keeps_no_tokens
+
 
 def is_2d_mask(mask: Any) -> bool:
     """True for a [batch, columns] attention mask (not a 4-D one, not None)."""
@@ -45,6 +47,8 @@ def cache_lengths(cache: Any) -> list[Any]:
         return []
     lengths = []
     for layer in range(max(len(cache), 1) if hasattr(cache, "__len__") else 1):
+        if keeps_no_tokens(cache, layer):  # linear attention: its length is no column count
+            continue
         with contextlib.suppress(ValueError, IndexError):  # a layer that tracks no length
             lengths.append(cache.get_seq_length(layer))
     return lengths

@@ -1,0 +1,25 @@
+"""transformers' cache internals that capture reads. Checked on transformers 5.0 - 5.25."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def keeps_no_tokens(cache: Any, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` of `cache` holds no attention tokens, so that its
+    `get_seq_length` is not the number of columns forwarded before.
+
+    A `transformers.cache_utils.Cache` holds one layer object per decoder layer; only a
+    `CacheLayerMixin` (Dynamic*, Static*, the hybrid LinearAttentionAnd*Attention layers)
+    keeps keys and values. The others keep none: a linear-attention layer's recurrent state
+    (`LinearAttentionLayer`: transformers <= 5.24 raises for its length, or answers the first
+    attention layer's; 5.25 answers its own token counter, a device tensor, reading which is a
+    device sync) and 5.25's `DummyLayer` (no length at all). False where the cache has no such
+    layer list or transformers' cache module was never imported (no cache of it exists)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    mixin = getattr(cache_utils, "CacheLayerMixin", None)
+    layers = getattr(cache, "layers", None)
+    if mixin is None or not isinstance(layers, list) or not 0 <= layer_idx < len(layers):
+        return False
+    return not isinstance(layers[layer_idx], mixin)
