@@ -1,7 +1,7 @@
 """Why replay exists: routing and log-prob mismatch between bf16 rollout and fp32 training.
 
     python benchmarks/mismatch.py            # 16 prompts x (32 prompt + 64 new) tokens per model
-    python benchmarks/mismatch.py --quick    # 4 x (16 + 16)
+    python benchmarks/mismatch.py --quick    # 4 x (16 + 16); off-policy part: 8 x (16 + 8)
 
 For a tiny Qwen3-MoE and a tiny DeepSeek-V3 (benchmarks/tiny_moe.py), a bfloat16 copy
 samples completions under `capture`; the float32 model then forwards the same sequences
@@ -13,7 +13,18 @@ without and with `replay` of the captured routes. Reported per model and mode:
   vocabulary, the k3 estimator exp(d) - 1 - d with d = logp_train - logp_inf, and mean
   |logp_train - logp_inf|.
 
-Prints a table, writes benchmarks/results/mismatch.json and benchmarks/results/mismatch.png.
+Off-policy (none / R2 / R3): the float32 trainer is trained for several rollouts; each
+rollout (bf16 engine synced to the trainer's weights, engine routes captured = R3's routes)
+is forwarded once by the trainer before any update (the old-logprob pass, its own routes
+captured = R2's routes), then split into 2 or 4 mini-batches with an optimizer step after
+each, so later mini-batches train moved weights (global batch = 2x or 4x the mini-batch).
+Before each step the mini-batch is forwarded three ways on the same weights (natively,
+replaying R2's routes, replaying R3's) and compared with the rollout: routing agreement with
+the engine's routes and the log-prob mismatch above. The update is a policy-gradient step
+on a synthetic reward (share of completion tokens in the lower half of the vocabulary,
+standardised over the rollout), taken with the native loss, so all modes see one trajectory.
+
+Prints tables, writes benchmarks/results/mismatch.json and benchmarks/results/mismatch.png.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ from routing_replay import (
 )
 
 RESULTS = Path(__file__).parent / "results"
+MODES = ("none", "R2", "R3")  # trainer routes natively; replays its old-logprob pass; the engine's
+MINIBATCHES = (2, 4)  # mini-batches (optimizer steps) per rollout
 
 
 def rollout(model_bf16, prompts_BP, mask_BP, new_tokens, seed):
@@ -73,15 +86,41 @@ def left_pad(routes, width, layout):
     return torch.from_numpy(out)
 
 
-def train_forward(model, sequences_BT, mask_BT, routes_BTLK=None):
-    """float32 forward over the rollout (replaying routes if given): logits and native routes."""
-    with torch.no_grad(), capture(model) as cap:
+def train_forward(model, sequences_BT, mask_BT, routes_BTLK=None, grad=False):
+    """float32 forward over the rollout (replaying routes if given): logits and the routes used."""
+    with torch.set_grad_enabled(grad), capture(model) as cap:
         if routes_BTLK is None:
             logits = model(input_ids=sequences_BT, attention_mask=mask_BT).logits
         else:
             with replay(model, routes_BTLK, layout=cap.layout):
                 logits = model(input_ids=sequences_BT, attention_mask=mask_BT).logits
     return logits.float(), cap.routes()
+
+
+def prompts_for(num_prompts, prompt_len, seed):
+    """Random left-padded prompts of prompt_len/2..prompt_len tokens, and their mask."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(prompt_len // 2, prompt_len + 1, (num_prompts,), generator=gen)
+    prompts = torch.zeros(num_prompts, prompt_len, dtype=torch.long)
+    mask = torch.zeros_like(prompts)
+    for b, n in enumerate(lengths.tolist()):  # left padding, as an engine batch would have
+        prompts[b, prompt_len - n :] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[b, prompt_len - n :] = 1
+    return prompts, mask
+
+
+def advantages(sequences_BT, new_tokens):
+    """Synthetic reward (share of completion ids below VOCAB / 2), standardised over the rollout:
+    a fixed direction for the policy to move in, as an RL reward gives one."""
+    reward = (sequences_BT[:, -new_tokens:] < VOCAB // 2).float().mean(1)
+    return (reward - reward.mean()) / (reward.std() + 1e-6)
+
+
+def pg_loss(logits_BTV, sequences_BT, adv_B, new_tokens):
+    """-A * log p(sampled token), averaged over completion tokens (REINFORCE)."""
+    logp = logits_BTV[:, -new_tokens - 1 : -1].log_softmax(-1)
+    logp = logp.gather(-1, sequences_BT[:, -new_tokens:, None])[..., 0]
+    return -(adv_B[:, None] * logp).mean()
 
 
 def logprob_mismatch(inf_logits_BNV, train_logits_BTV, sequences_BT, new_tokens):
@@ -103,13 +142,7 @@ def run_model(name, num_prompts, prompt_len, new_tokens, seed):
     model = build(name, seed)
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     layout = RoutingLayout.from_hf_config(model.config)
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(prompt_len // 2, prompt_len + 1, (num_prompts,), generator=gen)
-    prompts = torch.zeros(num_prompts, prompt_len, dtype=torch.long)
-    mask = torch.zeros_like(prompts)
-    for b, n in enumerate(lengths.tolist()):  # left padding, as an engine batch would have
-        prompts[b, prompt_len - n :] = torch.randint(3, VOCAB, (n,), generator=gen)
-        mask[b, prompt_len - n :] = 1
+    prompts, mask = prompts_for(num_prompts, prompt_len, seed)
 
     start = time.perf_counter()
     sequences, inf_logits, recorded = rollout(model_bf16, prompts, mask, new_tokens, seed)
@@ -133,6 +166,100 @@ def run_model(name, num_prompts, prompt_len, new_tokens, seed):
     return result
 
 
+def off_policy(name, minibatches, rollouts, num_prompts, prompt_len, new_tokens, lr, seed):
+    """none / R2 / R3 over `rollouts` rollouts of `minibatches` optimizer steps each: per
+    mini-batch index (0 = the weights that generated the rollout), metrics vs the rollout."""
+    model = build(name, seed)
+    layout = RoutingLayout.from_hf_config(model.config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    runs = [[] for _ in range(minibatches)]  # per mini-batch index, one entry per rollout
+    start = time.perf_counter()
+    for r in range(rollouts):
+        engine = copy.deepcopy(model).to(torch.bfloat16)  # weights synced to the engine
+        prompts, mask = prompts_for(num_prompts, prompt_len, seed + 1 + r)
+        sequences, inf_logits, engine_routes = rollout(engine, prompts, mask, new_tokens, seed + r)
+        full_mask = torch.cat([mask, torch.ones(num_prompts, new_tokens, dtype=torch.long)], 1)
+        # The old-logprob pass: the trainer's own routes before any update (R2 records them).
+        _, old_routes = train_forward(model, sequences, full_mask)
+        width = sequences.shape[1]
+        routes = {
+            "R2": left_pad(old_routes, width, layout),
+            "R3": left_pad(engine_routes, width, layout),
+        }
+        adv = advantages(sequences, new_tokens)
+        for i, rows in enumerate(torch.arange(num_prompts).chunk(minibatches)):
+            picked = rows.tolist()
+            result, native_logits = {}, None
+            for mode in MODES:
+                logits, used = train_forward(
+                    model,
+                    sequences[rows],
+                    full_mask[rows],
+                    routes[mode][rows] if mode in routes else None,
+                    grad=mode == "none",  # the native forward takes the update
+                )
+                if mode == "none":
+                    native_logits = logits
+                agreement = routing_agreement([engine_routes[b] for b in picked], used, layout)
+                result[mode] = {
+                    "router_agreement": agreement.router_agreement,
+                    "num_decisions": agreement.num_decisions,
+                    **logprob_mismatch(
+                        inf_logits[rows], logits.detach(), sequences[rows], new_tokens
+                    ),
+                }
+                replayed = {"R2": old_routes, "R3": engine_routes}.get(mode)
+                if replayed is not None:  # replay forced every recorded row, exactly
+                    forced = routing_agreement([replayed[b] for b in picked], used, layout)
+                    rows_recorded = sum(int((replayed[b] != MISSING).all(-1).sum()) for b in picked)
+                    assert forced.router_agreement == 1.0, (mode, forced)
+                    assert forced.num_decisions == rows_recorded, (mode, forced, rows_recorded)
+            optimizer.zero_grad()
+            pg_loss(native_logits, sequences[rows], adv[rows], new_tokens).backward()
+            optimizer.step()
+            runs[i].append(result)
+    return {
+        "per_minibatch": [_pooled(entries) for entries in runs],
+        "all": _pooled([e for entries in runs for e in entries]),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _pooled(entries):
+    """Per mode: agreement over all decisions of `entries`, mean of the log-prob metrics."""
+    out = {}
+    for mode in MODES:
+        ms = [e[mode] for e in entries]
+        n = sum(m["num_decisions"] for m in ms)
+        out[mode] = {
+            "router_agreement": sum(m["router_agreement"] * m["num_decisions"] for m in ms) / n,
+            "num_decisions": n,
+            **{
+                k: float(np.mean([m[k] for m in ms]))
+                for k in ("kl_vocab", "kl_k3", "abs_logprob_diff")
+            },
+        }
+    return out
+
+
+def print_off_policy_table(results):
+    header = (
+        f"{'model':12} {'mini-batches':>12} {'mode':5} {'router agr':>10} {'last mb agr':>11} "
+        f"{'KL vocab':>10} {'last mb KL':>10} {'|dlogp|':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, res in results.items():
+        for m, part in res["off_policy"].items():
+            for mode in MODES:
+                a, last = part["all"][mode], part["per_minibatch"][-1][mode]
+                print(
+                    f"{name:12} {m:>12} {mode:5} {a['router_agreement']:>10.2%} "
+                    f"{last['router_agreement']:>11.2%} {a['kl_vocab']:>10.2e} "
+                    f"{last['kl_vocab']:>10.2e} {a['abs_logprob_diff']:>9.2e}"
+                )
+
+
 def print_table(results):
     header = (
         f"{'model':12} {'mode':7} {'router agr':>10} {'tokens w/ diff':>14} {'KL vocab':>10} "
@@ -151,6 +278,15 @@ def print_table(results):
             )
 
 
+COLORS = {
+    "native": "#d95f02",
+    "replay": "#1b9e77",
+    "none": "#d95f02",
+    "R2": "#7570b3",
+    "R3": "#1b9e77",
+}
+
+
 def plot(results, path):
     import matplotlib
 
@@ -160,17 +296,19 @@ def plot(results, path):
     names = list(results)
     x = np.arange(len(names))
     width = 0.38
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig = plt.figure(figsize=(13, 7.8))
+    grid = fig.add_gridspec(2, 12)
+    axes = [fig.add_subplot(grid[0, 4 * i : 4 * i + 4]) for i in range(3)]
     panels = [
         ("router decisions that differ", lambda r: 1 - r["agreement"]["router_agreement"], False),
         ("tokens with a differing layer", lambda r: r["agreement"]["token_disagreement"], False),
         ("KL(inference || train), per token", lambda r: r["kl_vocab"], True),
     ]
     for ax, (title, value, log) in zip(axes, panels, strict=True):
-        for i, (mode, color) in enumerate((("native", "#d95f02"), ("replay", "#1b9e77"))):
+        for i, mode in enumerate(("native", "replay")):
             vals = [value(results[n][mode]) for n in names]
             label = "fp32 trainer routes natively" if mode == "native" else "with replay"
-            bars = ax.bar(x + (i - 0.5) * width, vals, width, label=label, color=color)
+            bars = ax.bar(x + (i - 0.5) * width, vals, width, label=label, color=COLORS[mode])
             fmt = "{:.1e}" if log else "{:.1%}"
             ax.bar_label(bars, [fmt.format(v) for v in vals], fontsize=8)
         ax.set_xticks(x, names)
@@ -182,10 +320,74 @@ def plot(results, path):
         else:
             ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     axes[0].legend(fontsize=8)
-    fig.suptitle("bf16 rollout vs fp32 training forward, tiny random-init MoE models", fontsize=11)
+    # Off-policy: per model, agreement and KL with the rollout by mini-batch of the rollout.
+    for col, name in enumerate(names):
+        agr = fig.add_subplot(grid[1, 6 * col : 6 * col + 3])
+        kl = fig.add_subplot(grid[1, 6 * col + 3 : 6 * col + 6])
+        for m, part in results[name]["off_policy"].items():
+            style = "-o" if m == max(results[name]["off_policy"], key=int) else "--s"
+            steps = np.arange(1, len(part["per_minibatch"]) + 1)
+            for mode in MODES:
+                rows = [e[mode] for e in part["per_minibatch"]]
+                label = f"{mode}, {m} mini-batches"
+                agr.plot(
+                    steps,
+                    [r["router_agreement"] for r in rows],
+                    style,
+                    color=COLORS[mode],
+                    label=label,
+                    ms=4,
+                )
+                kl.plot(steps, [r["kl_vocab"] for r in rows], style, color=COLORS[mode], ms=4)
+        agr.set_title(f"{name}: router agreement with rollout", fontsize=10)
+        agr.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        kl.set_title(f"{name}: KL(inference || train)", fontsize=10)
+        kl.set_yscale("log")
+        for ax in (agr, kl):
+            ax.set_xlabel("mini-batch of the rollout (1 = on-policy)", fontsize=8)
+            ax.set_xticks(steps)
+        if col == 0:
+            agr.legend(fontsize=7)
+    fig.suptitle(
+        "bf16 rollout vs fp32 training forward, tiny random-init MoE models; "
+        "below: later mini-batches train moved weights (none / R2 / R3)",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+LR = 3e-5  # per-update drift of the tiny models: routing moves, as staleness moves it at scale
+
+
+def off_policy_setup(quick, lr=LR):
+    """The off-policy part's sizes: rollouts, rows and tokens per rollout, optimizer."""
+    return {
+        "rollouts": 2 if quick else 3,
+        "prompts": 8 if quick else 16,
+        "prompt_len_max": 16 if quick else 32,
+        "new_tokens": 8 if quick else 64,
+        "minibatches": list(MINIBATCHES),
+        "optimizer": "Adam",
+        "lr": lr,
+        "update": "REINFORCE on a synthetic reward, native loss, after every mini-batch",
+    }
+
+
+def run(prompts, prompt_len, new, op, seed, models=tuple(MODELS)):
+    """Both parts for each model: {name: {..., "off_policy": {"2": ..., "4": ...}}}."""
+    results = {}
+    for name in models:
+        results[name] = run_model(name, prompts, prompt_len, new, seed)
+        results[name]["off_policy"] = {
+            str(m): off_policy(
+                name, m, op["rollouts"], op["prompts"], op["prompt_len_max"], op["new_tokens"],
+                op["lr"], seed,
+            )
+            for m in op["minibatches"]
+        }  # fmt: skip
+    return results
 
 
 def main() -> None:
@@ -193,11 +395,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run of the same path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=LR, help="Adam lr of the off-policy part")
     args = parser.parse_args()
     prompts, prompt_len, new = (4, 16, 16) if args.quick else (16, 32, 64)
+    op = off_policy_setup(args.quick, args.lr)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    results = {name: run_model(name, prompts, prompt_len, new, args.seed) for name in MODELS}
+    results = run(prompts, prompt_len, new, op, args.seed)
     print_table(results)
+    print()
+    print_off_policy_table(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     report = {
         "setup": {
@@ -210,6 +416,7 @@ def main() -> None:
             "torch": torch.__version__,
             "machine": platform.machine(),
             "processor": platform.processor(),
+            "off_policy": op,
         },
         "models": results,
     }

@@ -32,6 +32,17 @@ def steps_per_rollout(trainer: Any) -> int:
     return trainer.args.steps_per_generation * trainer.num_iterations
 
 
+def computes_old_logps(args: Any) -> bool:
+    """Whether TRL runs its old-logprob pass (`_generate_and_score_completions`) under these
+    `GRPOConfig` args: when a generation spans optimizer steps (`gradient_accumulation_steps`
+    not a multiple of `steps_per_generation * num_iterations`), or for vLLM's importance
+    sampling correction."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0 or bool(
+        args.use_vllm and args.vllm_importance_sampling_correction
+    )
+
+
 def global_step(trainer: Any) -> int:
     """GRPOTrainer's micro-step counter (`_step`)."""
     return trainer._step

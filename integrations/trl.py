@@ -27,6 +27,18 @@ What the subclass does, in TRL's own steps (trl 1.16):
   `train(resume_from_checkpoint=...)` they are loaded back and trained, where TRL alone
   would drop them and generate again.
 
+**R2** (`routing_mode="R2"`, for engines that return no routes): generation runs as TRL
+runs it, without capture. The generation's old-logprob pass (the policy, chunk by chunk)
+runs natively under `capture`, and those routes go into the same store with their token
+ids, as a rollout's would; from there on it is the R3 path (refs in `routing_refs`, read,
+checked against the rows' tokens, replayed in every loss micro-batch and checkpoint
+recompute of the generation; the reference model native). TRL runs that pass only when a
+generation is trained over more than one optimizer step (`gradient_accumulation_steps` not
+a multiple of `steps_per_generation * num_iterations`) or for vLLM's importance sampling;
+R2 is refused otherwise (every micro-batch is on-policy: nothing to record or replay). As
+generation's routes are not needed, R2 takes any generation TRL offers (server mode,
+`rollout_func`, tools), but only transformers generation is tested.
+
 The store defaults to one this trainer owns (per process: TRL's processes each generate
 and train their own rows), sized at the first rollout and grown while empty; pass
 `routing_store=` to use another one (e.g. `node_store(...)` on a Ray node). Not covered:
@@ -53,6 +65,7 @@ from trl import GRPOTrainer
 
 from routing_replay import (
     MISSING,
+    InvalidArgumentError,
     InvalidRoutesError,
     PutRequest,
     RoutingLayout,
@@ -72,6 +85,7 @@ from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
 BUFFER_FILE, ROUTES_FILE = "routing_replay_buffer", "routing_replay_routes"  # in checkpoints
+MODES = ("R3", "R2")  # engine routes replayed; routes of the trainer's old-logprob pass replayed
 _MM_KEYS = (  # vision inputs of _get_per_token_logps_and_entropies: not replayed here
     "pixel_values",
     "image_grid_thw",
@@ -133,7 +147,9 @@ _compat_trl.check_trainer(GRPOTrainer)  # a TRL that renamed a step fails here, 
 class RoutingReplayGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose policy forwards replay the experts its rollouts used.
 
-    Same arguments as `GRPOTrainer`, plus `routing_store` (a `RoutingStore` to put rollouts
+    Same arguments as `GRPOTrainer`, plus `routing_mode` ("R3", default: replay the rollout
+    engine's routes; "R2": record them in TRL's old-logprob pass and replay those, for
+    engines that return none), `routing_store` (a `RoutingStore` to put routes
     in; default: one this trainer creates, owns and sizes) and `store_capacity_tokens`
     (the size of that default store; default: twice the first rollout's tokens, grown
     while empty). Logged per step: `routing/store_samples` (the store's occupancy during the
@@ -148,11 +164,21 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         routing_store: RoutingStore | None = None,
         store_capacity_tokens: int | None = None,
         log_agreement: bool = False,
+        routing_mode: str = "R3",
         **kwargs: Any,
     ) -> None:
+        if routing_mode not in MODES:
+            raise InvalidArgumentError(
+                f"routing_mode={routing_mode!r}: use 'R3' (replay the routes the rollout engine "
+                "returned) or 'R2' (replay those of the trainer's own old-logprob pass)"
+            )
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        with _vllm_returning_routes(config):
+        if routing_mode == "R2":  # before TRL builds anything (a colocated vLLM engine)
+            _check_r2_config(config)
+        asks_engine = routing_mode == "R3"  # R2 needs no routes from vLLM
+        with _vllm_returning_routes(config) if asks_engine else contextlib.nullcontext():
             super().__init__(*args, **kwargs)
+        self.routing_mode = routing_mode
         self.log_agreement = log_agreement
         self._vllm_outputs: list | None = None
         if self.use_vllm:
@@ -167,6 +193,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         self._eval_refs: list[RoutingRef] = []
         self._step_blocks: contextlib.ExitStack | None = None  # open during training_step
         self._replaying = False
+        self._recording = False  # R2: the generation's old-logprob pass is still to come
         self._run = f"trl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.add_callback(_SaveBuffer(self))
 
@@ -210,11 +237,14 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
     # -- rollout --------------------------------------------------------------------------
 
     def _generate(self, prompts: list) -> tuple:
-        """TRL's generation under `capture`; the samples' routes go into the store."""
-        self._refuse_unsupported()
+        """TRL's generation under `capture`; the samples' routes go into the store (R2: no
+        capture; the old-logprob pass records and puts them)."""
         mode = "train" if self.model.training else "eval"
         if mode == "train":
             self._release(self._train_refs)  # normally released already, after its last step
+        if self.routing_mode == "R2":
+            return super()._generate(prompts)
+        self._refuse_unsupported()
         if self.use_vllm:
             self._vllm_outputs = None
             result = super()._generate(prompts)
@@ -257,17 +287,58 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             requests.append(PutRequest(sample_id, routes[:n], len(prompt_ids[b]), ids))
         return store.put_many(requests)  # the whole generation, or nothing of it
 
+    def _put_recorded(
+        self,
+        cap: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_width: int,
+    ) -> list[RoutingRef]:
+        """R2: put each row's routes from the old-logprob pass (its unpadded prompt +
+        completion, as a rollout's) with its token ids; keep the refs like a rollout's."""
+        ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+        routes, tokens = cap.routes(), cap.token_ids()
+        if len(routes) != len(ids):
+            raise RuntimeError(
+                f"capture recorded {len(routes)} samples in the old-logprob pass of {len(ids)} "
+                "rows: the policy ran other forwards inside it"
+            )
+        P = ids.size(1) - completion_width
+        requests = []
+        for b, (row_tokens, row_routes) in enumerate(zip(tokens, routes, strict=True)):
+            want = ids[b][mask[b]].numpy()
+            if row_tokens is None or not np.array_equal(row_tokens, want):
+                raise RuntimeError(
+                    f"old-logprob row {b}: the tokens the policy forwarded are not the row's "
+                    "unpadded prompt + completion; routes cannot be aligned"
+                )
+            sample_id = f"{self._run}-s{next(_sample_counter)}"
+            prompt_len = int(mask[b, :P].sum())
+            requests.append(PutRequest(sample_id, row_routes, prompt_len, want))
+        store = self._store_for([len(q.token_ids) for q in requests])
+        refs = store.put_many(requests)  # the whole generation, or nothing of it
+        (self._train_refs if self.model.training else self._eval_refs).extend(refs)
+        return refs
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's step, with the rows' refs added to its output under `routing_refs`."""
         self._rollout_refs = None
+        self._recording = self.routing_mode == "R2"
         try:
             output = super()._generate_and_score_completions(inputs)
             if self._rollout_refs is None:
-                raise RuntimeError("generation finished without a rollout to replay")
+                raise RuntimeError(
+                    "routing_mode='R2': no old-logprob pass of the policy ran in this "
+                    "generation, so no routes were recorded (TRL's condition for that pass, "
+                    "mirrored in _compat_trl.computes_old_logps, differs): use 'R3'"
+                    if self.routing_mode == "R2"
+                    else "generation finished without a rollout to replay"
+                )
             output[REFS_KEY] = self._rollout_refs
             return output
         finally:
             self._rollout_refs = None
+            self._recording = False
 
     def _refuse_unsupported(self) -> None:
         vllm_mode = getattr(self, "vllm_mode", None) or self.args.vllm_mode
@@ -334,14 +405,27 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's pass; during generation the policy's old-logprob pass replays, per chunk."""
+        """TRL's pass; during generation the policy's old-logprob pass replays, per chunk
+        (R2: it routes natively and its routes are recorded and put)."""
         refs = self._rollout_refs
-        if refs is None or self._replaying or not self._is_policy_pass(model):
+        if (
+            self._replaying
+            or not self._is_policy_pass(model)
+            or (refs is None and not self._recording)
+        ):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, *args, **kwargs
             )
         if args or any(kwargs.get(k) is not None for k in _MM_KEYS):
             raise UnsupportedModelError("RoutingReplayGRPOTrainer does not replay vision inputs")
+        if self._recording:
+            with capture(self._policy(model)) as cap:
+                out = super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+                )
+            self._recording = False
+            self._rollout_refs = self._put_recorded(cap, input_ids, attention_mask, logits_to_keep)
+            return out
         chunk = batch_size or input_ids.size(0)
         parts = []
         for start in range(0, input_ids.size(0), chunk):
@@ -518,6 +602,29 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         if getattr(policy, "active_adapter", None) == "ref":  # TRL's use_adapter(model, "ref")
             return False
         return not _compat_trl.adapters_disabled(policy)  # PEFT's disable_adapter()
+
+
+def _check_r2_config(config: Any) -> None:
+    """Refuse R2 where TRL runs no old-logprob pass: R2 would have nothing to record."""
+    if config is None:
+        raise InvalidArgumentError(
+            "routing_mode='R2' records routes in TRL's old-logprob pass, which TRL's default "
+            "GRPOConfig skips (one optimizer step per generation): pass args=GRPOConfig(...) "
+            "with num_iterations > 1 or steps_per_generation > gradient_accumulation_steps"
+        )
+    if _compat_trl.computes_old_logps(config):
+        return
+    raise InvalidArgumentError(
+        "routing_mode='R2' records routes in TRL's old-logprob pass, which TRL skips here: "
+        f"gradient_accumulation_steps={config.gradient_accumulation_steps} is a multiple of "
+        f"steps_per_generation ({config.steps_per_generation}) x num_iterations "
+        f"({config.num_iterations}), so every micro-batch trains the weights that generated "
+        "it and there is nothing to replay. R2 is for generations trained over several "
+        "optimizer steps: raise num_iterations or steps_per_generation so "
+        "gradient_accumulation_steps is not a multiple of their product (with vLLM, "
+        "vllm_importance_sampling_correction=True also runs it), or leave routing_mode at "
+        "'R3' (engine routes)"
+    )
 
 
 @contextlib.contextmanager
