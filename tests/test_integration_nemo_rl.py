@@ -434,3 +434,55 @@ def test_fill_missing_distinct_spread_never_expert_zero_column():
     ep_rank = rows // 4  # EP=4 ranks of 4 experts: each row hits every rank once
     assert (ep_rank.sort(-1).values == torch.arange(4)).all()
     assert not (rows == 0).all(0).any()  # never a column of expert 0
+
+
+def test_r2_recipe_replays_the_logprob_pass_in_later_mini_batches():
+    # docs/integrations.md's R2 recipe for NeMo-RL-style batches, as written: the policy's
+    # old-logprob pass under capture, its rows put with their tokens, refs in the batch; each
+    # mini-batch after an optimizer step reads them back and replays. At the experts: the
+    # second mini-batch gets exactly the old pass's ids on every real token, though the
+    # updated router alone would pick others on some.
+    from expert_spy import ExpertSpy
+
+    from routing_replay import PutRequest, capture, replay
+    from routing_replay.integrations.nemo_rl import REFS_KEY, ROUTES_KEY
+    from routing_replay.testing import tiny_moe
+
+    torch.manual_seed(0)
+    policy = tiny_moe()
+    layout = RoutingLayout.from_hf_config(policy.config)
+    lengths = torch.tensor([12, 9, 11, 7])
+    mask = (torch.arange(12) < lengths[:, None]).long()
+    ids = torch.randint(3, 128, (4, 12)) * mask
+    batch = {"input_ids": ids, "input_lengths": lengths}
+    spy = ExpertSpy(policy)
+    with RoutingStore.create(f"test-r2-{uuid.uuid4().hex[:8]}", layout, 10_000) as store:
+        with capture(policy) as cap, torch.no_grad():
+            policy(input_ids=ids, attention_mask=mask)
+        old = {j: rows.view(4, 12, -1) for j, rows in spy.calls}  # layer -> [B, S, K]
+        batch[REFS_KEY] = store.put_many(
+            PutRequest(f"step0-s{b}", routes, token_ids=tokens)
+            for b, (routes, tokens) in enumerate(zip(cap.routes(), cap.token_ids(), strict=True))
+        )
+        optimizer = torch.optim.SGD(policy.parameters(), lr=50.0)  # a large step: routers move
+        moved = 0
+        for rows in (slice(0, 2), slice(2, 4)):
+            mb = {k: v[rows] for k, v in batch.items()}
+            attach_routes(mb, fetch=store.read)
+            start = len(spy.calls)
+            with replay(policy, mb[ROUTES_KEY], attention_mask=mask[rows]):
+                logits = policy(input_ids=mb["input_ids"], attention_mask=mask[rows]).logits
+                logits.float().logsumexp(-1).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            real = mask[rows].bool()
+            for (j, got), native in zip(spy.calls[start:], spy.native_topk[start:], strict=True):
+                got, native = got.view(2, 12, -1), native.view(2, 12, -1)
+                assert torch.equal(got[real], old[j][rows][real]), f"layer {j}"
+                moved += int(
+                    (native[real].sort(-1).values != got[real].sort(-1).values).any(-1).sum()
+                )
+        assert moved > 0  # the second mini-batch's own routing differs: replay forced it
+        store.release(batch[REFS_KEY])
+        assert len(store) == 0
+    spy.remove()
