@@ -1,12 +1,12 @@
 """Ray Train with routing replay: TorchTrainer workers read their shard's routes, replay, step.
 
     python examples/ray_train.py                        # both read paths, FSDP2, local Ray
-    python examples/ray_train.py --read refs --strategy ddp --out result.json
+    python examples/ray_train.py --read refs --out result.json
 
 Two bfloat16 rollout workers sample completions of a tiny Qwen3-MoE under `capture` and
 put the routes into the node store; the driver keeps tokens and `RoutingRef`s and computes
 GRPO advantages. Then a `ray.train.torch.TorchTrainer` (2 CPU workers, gloo, the float32
-model under FSDP2 `fully_shard` or DDP) trains one GRPO pass over the rollout, each worker
+model under FSDP2 `fully_shard`) trains one GRPO pass over the rollout, each worker
 reading only its own data-parallel shard of the routes, in one of two ways:
 
 - `--read refs`: the refs travel in `train_loop_config`; worker `rank` takes
@@ -127,29 +127,24 @@ class ExpertsSpy:
         return torch.stack(per_layer, 1).numpy()
 
 
-def wrap(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
-    """FSDP2 (`fully_shard` per decoder layer, then the root) or DDP, on Ray's gloo group."""
-    import ray.train.torch
+def wrap(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: `fully_shard` per decoder layer, then the root, on Ray's gloo group."""
+    import ray.train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    if strategy == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (ray.train.get_context().get_world_size(),))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    return ray.train.torch.prepare_model(model, parallel_strategy="ddp")
+    mesh = init_device_mesh("cpu", (ray.train.get_context().get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
-def full_state_dict(model: torch.nn.Module, strategy: str) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model state on every rank (a collective under FSDP2)."""
-    if strategy == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def refs_batches(config: dict, rank: int, world: int):
@@ -215,11 +210,10 @@ def train_loop_per_worker(config: dict) -> list[dict]:
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    strategy = config["strategy"]
     model = tiny_moe(config["seed"], torch.float32).train()  # the same init on every rank
     layout = model_layout(model)
     spy = ExpertsSpy(model)  # before wrapping: module names are the model's own
-    model = wrap(model, strategy)
+    model = wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
     read = refs_batches if config["read"] == "refs" else dataset_batches
     trained, losses, read_s, read_tokens, tokens = [], [], [], 0, 0
@@ -265,7 +259,7 @@ def train_loop_per_worker(config: dict) -> list[dict]:
     }
     workers: list[Any] = [None] * world
     dist.all_gather_object(workers, mine)  # only rank 0's report reaches Result.metrics
-    state = full_state_dict(model, strategy)
+    state = full_state_dict(model)
     metrics = {
         "loss": float(np.mean(losses)),
         "agreement_with_replay": min(w["agreement_with_replay"] for w in workers),
@@ -332,7 +326,6 @@ def run(args: argparse.Namespace, job: str, storage: str) -> dict[str, Any]:
     per_rank = math.ceil(len(refs) / WORLD)
     config = {
         "seed": args.seed,
-        "strategy": args.strategy,
         "lr": 1e-2,
         "batch_size": args.batch_size,
         "steps": math.ceil(per_rank / args.batch_size),
@@ -347,7 +340,6 @@ def run(args: argparse.Namespace, job: str, storage: str) -> dict[str, Any]:
         "sample_ids": [r.sample_id for r in rollouts],
         "sample_tokens": sum(r.num_tokens for r in refs),
         "trained_tokens": sum(min(r.num_tokens, args.max_seq_len) for r in refs),
-        "strategy": args.strategy,
         "rollout_s": rollout_s,
         "paths": {},
     }
@@ -396,7 +388,7 @@ def summary(m: dict[str, Any]) -> str:
     lines = [
         f"routing_replay on Ray Train: {m['samples']} samples ({m['sample_tokens']} tokens, "
         f"{m['trained_tokens']} within the trainer's max_seq_len), TorchTrainer "
-        f"{WORLD} workers, gloo, {m['strategy']}; rollout {m['rollout_s']:.1f} s"
+        f"{WORLD} workers, gloo, FSDP2; rollout {m['rollout_s']:.1f} s"
     ]
     for read, p in m["paths"].items():
         how = (
@@ -428,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run and print the summary; exit status 0 when every check holds."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--read", choices=["refs", "dataset", "both"], default="both")
-    parser.add_argument("--strategy", choices=["fsdp2", "ddp"], default="fsdp2")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=16)
