@@ -6,6 +6,7 @@ import os
 import uuid
 
 import pytest
+import torch
 
 from routing_replay.store.segment import segment_path
 
@@ -25,3 +26,13 @@ def name(request):
     yield n
     if os.path.exists(segment_path(n)):
         os.unlink(segment_path(n))
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: the tiny models gain nothing from more, and on a shared 2-core
+    machine an oversubscribed pool made TRL and benchmark runs 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +21,6 @@ sys.path.insert(0, str(BENCH))
 
 import mismatch  # noqa: E402
 from tiny_moe import deepseek_v3_config  # noqa: E402
-
-
-@pytest.fixture
-def one_thread():
-    """One torch thread: these tiny models gain nothing from more, and on a shared 2-core
-    machine an oversubscribed pool made this run over 10x slower (80 s against 6 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 METRICS = {"router_agreement", "num_decisions", "kl_vocab", "kl_k3", "abs_logprob_diff"}
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
 from expert_spy import ExpertSpy
 from transformers import TrainerCallback
-from trl import GRPOConfig
+from trl_setup import config, prompts, reward_len, saved_checkpoint
 
 from routing_replay import (
     MISSING,
@@ -31,37 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    path = tempfile.mkdtemp(prefix="rr-trl-test-")
-    tiny_moe(seed=0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-def prompts(n=8):
-    words = ["sky", "sea", "sun", "moon", "star", "rain", "wind", "snow"]
-    return Dataset.from_dict({"prompt": [f"the {w} is" for w in words][:n] * 4})
-
-
-def reward_len(completions, **_):
-    return [float(len(c)) for c in completions]
-
-
-def config(**overrides):
-    base = dict(
-        output_dir=tempfile.mkdtemp(prefix="rr-trl-out-"),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-3,
-        beta=0.04,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return GRPOConfig(**{**base, **overrides})
+    return saved_checkpoint("rr-trl-test-")
 
 
 class StoreAfterSteps(TrainerCallback):

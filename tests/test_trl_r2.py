@@ -3,65 +3,23 @@ replayed in the later mini-batches of the generation, checked at the experts."""
 
 from __future__ import annotations
 
-import tempfile
-
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
 from expert_spy import ExpertSpy
 from transformers import TrainerCallback
-from trl import GRPOConfig
+from trl_setup import config, prompts, reward_len, saved_checkpoint
 
 from routing_replay import InvalidArgumentError
 from routing_replay.integrations.trl import RoutingReplayGRPOTrainer
 from routing_replay.model.replay import is_prepared
-from routing_replay.testing import tiny_moe, tiny_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the tiny model gains nothing from more, and on a shared 2-core
-    machine an oversubscribed pool made the training test 10x slower (9.5 s against 1 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    path = tempfile.mkdtemp(prefix="rr-trl-r2-")
-    tiny_moe(seed=0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-def prompts():
-    words = ["sky", "sea", "sun", "moon", "star", "rain", "wind", "snow"]
-    return Dataset.from_dict({"prompt": [f"the {w} is" for w in words] * 4})
-
-
-def reward_len(completions, **_):
-    return [float(len(c)) for c in completions]
-
-
-def config(**overrides):
-    base = dict(
-        output_dir=tempfile.mkdtemp(prefix="rr-trl-r2-out-"),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-3,
-        beta=0.04,  # a reference model: its pass must route natively
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return GRPOConfig(**{**base, **overrides})
+    return saved_checkpoint("rr-trl-r2-")
 
 
 class Watched(RoutingReplayGRPOTrainer):
