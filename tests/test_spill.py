@@ -338,3 +338,20 @@ def test_rollout_of_three_stores_with_slow_trainers(name, tmp_path):
         assert (stats.samples, stats.samples_spilled, stats.pages_used) == (0, 0, 0)
         assert os.listdir(store._spill.dir) == []
         store.verify()
+
+
+def test_spilled_samples_with_and_without_token_ids_read_together(name, tmp_path):
+    # Token ids are optional per sample: a read (and its wire form) mixing spilled samples
+    # with and without them, and one in memory, gets every row and every token id right.
+    rng = np.random.default_rng(5)
+    with make(name, tmp_path, pages=8) as store:
+        bare = LAYOUTS[0].random_routes(rng, 2 * P)
+        with_ids = LAYOUTS[0].random_routes(rng, 2 * P)
+        ids = rng.integers(0, 1000, 2 * P)
+        refs = [store.put("bare", bare), store.put("ids", with_ids, token_ids=ids)]
+        refs.append(store.put("new", last := LAYOUTS[0].random_routes(rng, 8 * P)))
+        assert spilled_serials(store) == {refs[0].serial, refs[1].serial}
+        for batch in (store.read(refs), store.read_wire(refs).batch()):
+            want = np.concatenate([bare, with_ids, last])
+            assert np.array_equal(to_torch(batch).numpy(), want)
+            assert batch.column("token_ids").to_pylist() == [None, ids.tolist(), None]

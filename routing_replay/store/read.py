@@ -173,25 +173,21 @@ class ReadPlan:
 
     def _stored_routes(self) -> np.ndarray | Rows:
         """Every stored token's ids, `[num_pages * P, L * K]` (a view of the segment), then
-        the spilled samples' (`_file_bases`)."""
+        the spilled samples' (at `_file_bases`)."""
         rows = self.store._t.data.reshape(-1, self.store.layout.values_per_token)
-        return (
-            Rows(rows, [f.routes for f in self.files.values()], self._checks())
-            if self.files
-            else rows
-        )
+        return self._stored(rows, "routes")
 
     def _stored_tokens(self) -> np.ndarray | Rows:
         """`_stored_routes`' token ids, `[*, 1]`."""
-        tokens = self.store._t.tokens.reshape(-1, 1)
-        return (
-            Rows(tokens, [f.tokens for f in self.files.values()], self._checks())
-            if self.files
-            else tokens
-        )
+        return self._stored(self.store._t.tokens.reshape(-1, 1), "tokens")
 
-    def _checks(self) -> list:
-        return [f.check for f in self.files.values()]
+    def _stored(self, segment: np.ndarray, field: str) -> np.ndarray | Rows:
+        """`segment`, or with spilled samples the segment then each file's `field` rows."""
+        if not self.files:
+            return segment
+        bases = self._file_bases()
+        files = [(bases[i], getattr(f, field), f.check) for i, f in self.files.items()]
+        return Rows(segment, files)
 
     def _file_bases(self) -> dict[int, int]:
         """Sample -> where its file's rows start in `_stored_routes`: after the segment's, one
@@ -279,18 +275,15 @@ def read_settled(
 
 
 class Rows:
-    """Stored rows from several sources at one index space: the segment's, then each spill
-    file's after a gap of one row; `rows[a:b]` is a view of the one source holding them
-    (a file's chunks checked on first use)."""
+    """Stored rows from several sources at one index space: the segment's from 0, then each
+    spill file's from its base (`ReadPlan._file_bases`); `rows[a:b]` is a view of the one
+    source holding them (a file's chunks checked on first use)."""
 
-    def __init__(self, segment: np.ndarray, files: list[np.ndarray], checks: list) -> None:
-        self._parts = [(0, segment, None)]
-        at = len(segment) + 1
-        for rows, check in zip(files, checks, strict=True):
-            self._parts.append((at, rows, check))
-            at += len(rows) + 1
-        self._starts = [p[0] for p in self._parts]
-        self.shape, self.dtype = (at, segment.shape[1]), segment.dtype
+    def __init__(self, segment: np.ndarray, files: list[tuple[int, np.ndarray, Any]]) -> None:
+        self._parts = [(0, segment, None), *files]
+        self._starts = [base for base, _, _ in self._parts]
+        end = files[-1][0] + len(files[-1][1]) if files else len(segment)
+        self.shape, self.dtype = (end, segment.shape[1]), segment.dtype
 
     def __getitem__(self, index: slice) -> np.ndarray:
         base, rows, check = self._parts[bisect.bisect_right(self._starts, index.start) - 1]

@@ -156,10 +156,14 @@ class SpillFile:
         self.routes = np.frombuffer(
             self._map, layout.dtype, num_tokens * layout.values_per_token, where["routes"]
         ).reshape(num_tokens, layout.values_per_token)
-        has = digest != NO_DIGEST
-        self.tokens = np.frombuffer(
-            self._map, TOKEN_DTYPE, num_tokens if has else 0, where["tokens"]
-        ).reshape(-1, 1)
+        # Without token ids: zeros, one per row (as a segment's unused token slots read), so
+        # that token rows index like route rows; no read returns them.
+        self._has_tokens = digest != NO_DIGEST
+        self.tokens = (
+            np.frombuffer(self._map, TOKEN_DTYPE, num_tokens, where["tokens"]).reshape(-1, 1)
+            if self._has_tokens
+            else np.broadcast_to(np.zeros((1, 1), TOKEN_DTYPE), (num_tokens, 1))
+        )
         self._checked = np.zeros(n_chunks, dtype=bool)
 
     def check(self, a: int, b: int) -> None:
@@ -168,7 +172,7 @@ class SpillFile:
         for c in range(a // P, -(-b // P)):
             if self._checked[c]:
                 continue
-            crc = zlib.crc32(self.tokens[c * P : (c + 1) * P])
+            crc = zlib.crc32(self.tokens[c * P : (c + 1) * P]) if self._has_tokens else 0
             if zlib.crc32(self.routes[c * P : (c + 1) * P], crc) != int(self._crcs[c]):
                 raise self._corrupt(
                     f"rows {c * P}-{min((c + 1) * P, len(self.routes))} fail their CRC"
