@@ -283,9 +283,8 @@ class Spiller:
             os.ftruncate(fd, where["end"])
             os.pwrite(fd, head.tobytes(), 0)
             os.pwrite(fd, crcs.tobytes(), where["crcs"])
-            for what, rows in (("tokens", tokens.reshape(-1, 1)), ("routes", routes)):
-                if what == "tokens" and not has:
-                    continue
+            sections = [("tokens", tokens.reshape(-1, 1))] if has else []
+            for what, rows in [*sections, ("routes", routes)]:
                 os.lseek(fd, where[what], os.SEEK_SET)
                 for i, first, count in runs(v.pages.tolist()):
                     n = min(count * P, v.num_tokens - i * P)
