@@ -33,20 +33,32 @@ vLLM is imported only by `VllmRolloutWorker`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import collections
+import functools
 import io
 import numbers
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from routing_replay import InvalidRoutesError, PutRequest, RoutingLayout, RoutingRef, RoutingStore
+from routing_replay import (
+    InvalidRoutesError,
+    PutRequest,
+    RoutingLayout,
+    RoutingRef,
+    RoutingStore,
+    SampleNotFoundError,
+)
 from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.ray import Rollout, node_store
@@ -65,6 +77,51 @@ DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": 
 # What a put's policy_version is: one int, or (first token, version) spans.
 PolicyVersions = int | tuple[tuple[int, int], ...] | None
 _DECIMAL = re.compile(r"[0-9]+")  # ASCII only: str.isdecimal() also takes other scripts' digits
+# Threads the async servers run store calls in: a put may wait `put_timeout` for room.
+STORE_THREADS = 64
+_store_executor: ThreadPoolExecutor | None = None
+_store_executor_lock = threading.Lock()
+
+
+class RoutesNotStoredError(SampleNotFoundError):
+    """A generation whose routes were not stored (store full or unavailable, the routes or
+    the sample id refused): it went to the client without a ref; the message says why."""
+
+
+def error_text(err: BaseException) -> str:
+    """How a reply marks routes that were not stored: `<ErrorClass>: <message>`."""
+    return f"{type(err).__name__}: {err}"
+
+
+@dataclass
+class StoreCounts:
+    """What an async server did with its replies' routes, in this process (updated on its
+    event loop): puts `stored`; puts `refused`, by error class (those replies went out
+    without their routes); puts `in_flight` (those waiting for room included)."""
+
+    stored: int = 0
+    refused: collections.Counter = field(default_factory=collections.Counter)
+    in_flight: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stored": self.stored, "refused": dict(self.refused), "in_flight": self.in_flight}
+
+
+def store_executor() -> ThreadPoolExecutor:
+    """The threads `off_loop` uses: its own pool, so puts waiting for room never take the
+    threads of an event loop's default executor (vLLM's server and Ray use those)."""
+    global _store_executor
+    with _store_executor_lock:
+        if _store_executor is None:
+            _store_executor = ThreadPoolExecutor(STORE_THREADS, "routing-replay-store")
+        return _store_executor
+
+
+async def off_loop(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a store thread: the event loop keeps serving other requests
+    while it waits (a full store's put, `node_store`'s `ray.get`, an attach)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(store_executor(), functools.partial(fn, *args, **kwargs))
 
 
 def decode_npy_b64(payload: str | bytes, what: str = "routed_experts") -> np.ndarray:
@@ -459,6 +516,7 @@ class StoreHost:
         store_name: str | None,
         capacity_tokens: int,
         page_tokens: int,
+        put_timeout: float | None = None,
     ) -> None:
         for key, value in DEFAULT_ENV.items():
             os.environ.setdefault(key, value)
@@ -470,14 +528,23 @@ class StoreHost:
         self.layout = RoutingLayout.from_hf_config(config)
         self._store_options = {"capacity_tokens": capacity_tokens, "page_tokens": page_tokens}
         self._store: RoutingStore | None = None
+        self.put_timeout = put_timeout  # seconds a put waits for room (None: the store's)
+        self._attach_lock = threading.Lock()  # store() may run in several threads at once
 
     def store(self) -> RoutingStore:
-        """The store routes go to: the named one, or this node's store for `job` (Ray)."""
+        """The store routes go to: the named one, or this node's store for `job` (Ray).
+        Blocking (an attach; `node_store` asks the store actor): async hosts call it in a
+        thread (`off_loop`)."""
         if self.store_name is not None:
-            if self._store is None:
-                self._store = RoutingStore.attach(self.store_name, self.layout)
+            with self._attach_lock:
+                if self._store is None:
+                    timeout = {} if self.put_timeout is None else {"put_timeout": self.put_timeout}
+                    self._store = RoutingStore.attach(self.store_name, self.layout, **timeout)
             return self._store
-        return node_store(self.job, self.layout, **self._store_options)
+        store = node_store(self.job, self.layout, **self._store_options)
+        if self.put_timeout is not None:  # this process's cached handle: the host's own
+            store.put_timeout = self.put_timeout
+        return store
 
 
 class VllmRolloutWorker(StoreHost):
