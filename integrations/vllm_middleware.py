@@ -18,11 +18,26 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
   as missing; no earlier-turn prefix is copied).
 - A choice's `weight_versions` (vLLM 0.32, generate) become the ref's policy versions:
   decimal labels as ints, others through the JSON object in `$RR_WEIGHT_VERSIONS`
-  (`{"step-3": 3}`), vLLM's unset `"default"` alone as none; other labels fail the
-  response (see `routing_replay.integrations.vllm`).
-- Sample ids are `<response id>-<choice index>` (`id` on completions and chat, `request_id`
-  on generate); vLLM builds it from the `X-Request-Id` header (`cmpl-`, `chatcmpl-`,
-  `generate-tokens-` + the header), else a random one.
+  (`{"step-3": 3}`), vLLM's unset `"default"` alone as none; other labels are refused (see
+  `routing_replay.integrations.vllm`): the response goes out with its routes marked missing.
+- Sample ids are `<response id, made safe>-<12 random hex digits>-<choice index>`
+  (`sample_ids`). The response id (`id` on completions and chat, `request_id` on generate)
+  comes from the client: vLLM builds it from the `X-Request-Id` header (`cmpl-`,
+  `chatcmpl-`, `generate-tokens-` + the header), else a random one. Characters outside
+  `A-Za-z0-9._:-` become `_` and it is cut to 96 characters, so every id is a valid store
+  id (at most 128 bytes, no `/`, `\\`, NUL); the random part, one draw per response, keeps
+  a retry with the same header from colliding with the first try.
+- A generation is never lost for its routes: the puts run in threads (`off_loop`), so a
+  put waiting for room (up to `$RR_PUT_TIMEOUT` seconds, default the store's 30) stalls
+  no other request; when the routes cannot be stored (store full or unavailable, routes
+  refused, ...) the response still goes out, status 200 with its choices, each choice's
+  routes replaced by `"routing_ref": null` and `"routing_error": "<ErrorClass>: <message>"`,
+  the same text (ASCII, at most 1000 characters) in the header `x-routing-replay-error`.
+  Refusals are logged (ERROR: the routes are lost) and counted: `COUNTS` in the server
+  process, and vLLM's `/metrics` (`routing_replay_routes_stored_total`,
+  `routing_replay_routes_refused_total{error="StoreFullError"}`,
+  `routing_replay_routes_in_flight`). `choice_ref(choice)` gives a choice's `RoutingRef`,
+  or raises `RoutesNotStoredError` with its `routing_error`.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
   A/B runs). The routes are still base64-encoded and JSON-serialised by vLLM before this
   middleware decodes them: only the wire and the client's decode are saved.
@@ -32,18 +47,66 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
+import secrets
+import threading
 from collections.abc import Mapping
 from typing import Any
 
-from routing_replay import InvalidRoutesError, RoutingRef, RoutingStore
-from routing_replay.integrations.vllm import http_choice_put
+from routing_replay import InvalidRoutesError, RoutingRef, RoutingReplayError, RoutingStore
+from routing_replay.integrations.vllm import (
+    RoutesNotStoredError,
+    StoreCounts,
+    error_text,
+    http_choice_put,
+    off_loop,
+)
 
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
 PATHS = (COMPLETIONS, CHAT, GENERATE)
 STORE_ENV = "RR_STORE_NAME"
 VERSIONS_ENV = "RR_WEIGHT_VERSIONS"  # JSON {label: policy version} for non-decimal labels
+PUT_TIMEOUT_ENV = "RR_PUT_TIMEOUT"  # seconds a response's put waits for room
 OPT_OUT = (b"x-routing-replay", b"body")
+ERROR_HEADER = b"x-routing-replay-error"  # on a response whose routes were not stored
+ERROR_FIELD = "routing_error"  # per choice, beside "routing_ref": null
+ID_PREFIX_CHARS = 96  # + "-" + 12 hex + "-" + index: within the store's 128-byte ids
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+_HEADER_CHARS = 1000
+
+COUNTS = StoreCounts()  # this process's puts: stored, refused by error class, in flight
+log = logging.getLogger(__name__)
+
+
+def _prometheus() -> tuple[Any, Any, Any] | None:
+    """The counters vLLM's `/metrics` shows (prometheus_client's default registry), or
+    None without prometheus_client."""
+    try:
+        from prometheus_client import REGISTRY, Counter, Gauge
+    except ImportError:
+        return None
+    specs = (
+        (Counter, "routing_replay_routes_stored", "responses whose routes were stored", ()),
+        (
+            Counter,
+            "routing_replay_routes_refused",
+            "responses sent without their routes (not stored), by error class",
+            ("error",),
+        ),
+        (Gauge, "routing_replay_routes_in_flight", "responses whose routes are being put", ()),
+    )
+    metrics = []
+    for kind, name, doc, labels in specs:
+        try:
+            metrics.append(kind(name, doc, labels))
+        except ValueError:  # registered already (this module imported twice)
+            metrics.append(REGISTRY._names_to_collectors[name])
+    return tuple(metrics)
+
+
+_METRICS = _prometheus()
 
 
 def ref_json(ref: RoutingRef) -> dict[str, Any]:
@@ -51,11 +114,51 @@ def ref_json(ref: RoutingRef) -> dict[str, Any]:
     return dataclasses.asdict(ref)
 
 
-def ref_from_json(obj: Mapping[str, Any] | str) -> RoutingRef:
-    """The `RoutingRef` of a response's `routing_ref` (a dict, or its JSON text)."""
+def ref_from_json(obj: Mapping[str, Any] | str | None) -> RoutingRef:
+    """The `RoutingRef` of a response's `routing_ref` (a dict, or its JSON text). A null
+    one (routes not stored) raises `RoutesNotStoredError`: `choice_ref` says why."""
+    if obj is None or obj == "null":
+        raise RoutesNotStoredError(
+            "routing_ref is null: the middleware did not store this choice's routes; the "
+            f"choice's {ERROR_FIELD!r} field (and the response's "
+            f"{ERROR_HEADER.decode()!r} header) say why: use choice_ref(choice)"
+        )
     data = json.loads(obj) if isinstance(obj, str) else dict(obj)
     spans = tuple((int(a), int(b)) for a, b in data.pop("policy_versions", ()))
     return RoutingRef(**data, policy_versions=spans)
+
+
+def choice_ref(choice: Mapping[str, Any]) -> RoutingRef:
+    """The `RoutingRef` of one choice of a middleware response; `RoutesNotStoredError`
+    naming why when its routes were not stored."""
+    ref = choice.get("routing_ref")
+    if ref is not None:
+        return ref_from_json(ref)
+    why = choice.get(ERROR_FIELD) or (
+        "the choice has no routing_ref: was the server started with --middleware "
+        "routing_replay.integrations.vllm_middleware.RoutesToRefs and "
+        "--enable-return-routed-experts, without the x-routing-replay: body header?"
+    )
+    raise RoutesNotStoredError(
+        f"choice {choice.get('index')}: its routes were not stored, so it has no ref: {why}"
+    )
+
+
+def sample_ids(response_id: Any, indices: list[int]) -> list[str]:
+    """Store ids of a response's choices: `<response id, made safe>-<12 hex>-<index>`.
+
+    The response id comes from the client (`X-Request-Id`): characters outside
+    `A-Za-z0-9._:-` become `_`, it is cut to `ID_PREFIX_CHARS`, and one random draw per
+    response makes a retry with the same header a new sample, never a duplicate.
+    """
+    base = _ID_UNSAFE.sub("_", str(response_id))[:ID_PREFIX_CHARS] or "response"
+    draw = secrets.token_hex(6)
+    return [f"{base}-{draw}-{int(i)}" for i in indices]
+
+
+def header_text(text: str) -> bytes:
+    """An error text as a header value: printable ASCII, at most 1000 characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:_HEADER_CHARS].encode()
 
 
 def weight_versions_env() -> dict[str, int] | None:
@@ -88,20 +191,38 @@ def choice_puts_args(
     return response["id"], start, response.get("prompt_token_ids")  # (chat: prompt ids here)
 
 
+@dataclasses.dataclass
+class Rewritten:
+    """A response body after `RoutesToRefs.rewrite`: `error` when its routes were not
+    stored (the body then carries null refs and the error's text), `stored` when they were."""
+
+    body: bytes
+    response_id: str = ""
+    choices: int = 0
+    stored: bool = False
+    error: BaseException | None = None
+
+
 class RoutesToRefs:
     """Pure ASGI middleware; vLLM instantiates it with the app (no options: env only)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self._store: RoutingStore | None = None
+        self._attach_lock = threading.Lock()  # store() runs in the store threads
 
     def store(self) -> RoutingStore:
-        if self._store is None:
-            name = os.environ.get(STORE_ENV)
-            if not name:
-                raise RuntimeError(f"{STORE_ENV} is not set: name the node's RoutingStore")
-            self._store = RoutingStore.attach(name)
-        return self._store
+        """The store named by `$RR_STORE_NAME`, attached once (blocking: call it off the
+        event loop), with `$RR_PUT_TIMEOUT` as its put timeout when set."""
+        with self._attach_lock:
+            if self._store is None:
+                name = os.environ.get(STORE_ENV)
+                if not name:
+                    raise RuntimeError(f"{STORE_ENV} is not set: name the node's RoutingStore")
+                timeout = os.environ.get(PUT_TIMEOUT_ENV)
+                options = {"put_timeout": float(timeout)} if timeout else {}
+                self._store = RoutingStore.attach(name, **options)
+            return self._store
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (
@@ -152,38 +273,95 @@ class RoutesToRefs:
                 out.append(message.get("body", b""))
                 if message.get("more_body"):
                     return
-                new = self.rewrite(request, b"".join(out), scope["path"])
+                done = await self._rewrite_off_loop(request, b"".join(out), scope["path"])
                 kept = [(k, v) for k, v in start["headers"] if k != b"content-length"]
-                length = (b"content-length", str(len(new)).encode())
-                await send({**start, "headers": [*kept, length]})
-                message = {"type": "http.response.body", "body": new, "more_body": False}
+                kept.append((b"content-length", str(len(done.body)).encode()))
+                if done.error is not None:
+                    kept.append((ERROR_HEADER, header_text(error_text(done.error))))
+                await send({**start, "headers": kept})
+                message = {"type": "http.response.body", "body": done.body, "more_body": False}
             await send(message)
 
         await self.app(scope, replayed, send_refs)
 
-    def rewrite(self, request: Mapping[str, Any], raw: bytes, path: str = COMPLETIONS) -> bytes:
-        """The response body (of `path`) with each choice's routes put and replaced by its
-        ref."""
-        response = json.loads(raw)
-        if path not in PATHS:
-            raise InvalidRoutesError(f"{path!r} is none of the routes handled here: {PATHS}")
-        response_id, start, prompt = choice_puts_args(path, request, response)
-        versions = weight_versions_env()
-        store = self.store()
-        choices = [c for c in response.get("choices") or [] if c.get("routed_experts") is not None]
-        requests = [  # (a choice without routes: aborted before a forward, or none returned)
-            http_choice_put(
-                store,
-                f"{response_id}-{c['index']}",
-                c.get("prompt_token_ids", prompt),
-                c,
-                start=start,
-                versions=versions,
+    async def _rewrite_off_loop(self, request: Mapping[str, Any], raw: bytes, path: str):
+        """`rewrite` in a store thread (the loop serves other requests while a put waits
+        for room), counted in `COUNTS` and vLLM's `/metrics`."""
+        COUNTS.in_flight += 1
+        if _METRICS:
+            _METRICS[2].inc()
+        try:
+            done = await off_loop(self.rewrite, request, raw, path)
+        finally:
+            COUNTS.in_flight -= 1
+            if _METRICS:
+                _METRICS[2].dec()
+        if done.stored:
+            COUNTS.stored += 1
+            if _METRICS:
+                _METRICS[0].inc()
+        elif done.error is not None:
+            kind = type(done.error).__name__
+            COUNTS.refused[kind] += 1
+            if _METRICS:
+                _METRICS[1].labels(error=kind).inc()
+            log.error(
+                "routing_replay: the routes of response %r (%d choices) were not stored; it "
+                "goes out without them (routing_ref null). %s. Refused so far: %s",
+                done.response_id,
+                done.choices,
+                error_text(done.error),
+                dict(COUNTS.refused),
+                exc_info=None if isinstance(done.error, RoutingReplayError) else done.error,
             )
-            for c in choices
-        ]
-        refs = store.put_many(requests) if requests else []  # all choices, or none
+        return done
+
+    def rewrite(self, request: Mapping[str, Any], raw: bytes, path: str = COMPLETIONS) -> Rewritten:
+        """The response body (of `path`) with each choice's routes put and replaced by its
+        ref, all choices or none. Blocking (the put may wait for room). Never raises for
+        the routes: on any error each choice gets `"routing_ref": null` and
+        `"routing_error"`, and the error is returned with the body."""
+        try:
+            response = json.loads(raw)
+            choices = [
+                c
+                for c in response.get("choices") or []
+                if isinstance(c, dict) and c.get("routed_experts") is not None
+            ]  # (a choice without routes: aborted before a forward, or none returned)
+        except (ValueError, AttributeError) as err:  # not a JSON object: sent as it came
+            return Rewritten(raw, error=err)
+        response_id = ""
+        try:
+            if path not in PATHS:
+                raise InvalidRoutesError(f"{path!r} is none of the routes handled here: {PATHS}")
+            response_id, start, prompt = choice_puts_args(path, request, response)
+            if not choices:
+                return Rewritten(raw, str(response_id))
+            versions = weight_versions_env()
+            store = self.store()
+            ids = sample_ids(response_id, [c["index"] for c in choices])
+            requests = [
+                http_choice_put(
+                    store,
+                    sid,
+                    c.get("prompt_token_ids", prompt),
+                    c,
+                    start=start,
+                    versions=versions,
+                )
+                for sid, c in zip(ids, choices, strict=True)
+            ]
+            refs = store.put_many(requests)  # all choices, or none
+        except Exception as err:  # the generation goes out; its routes are marked missing
+            text = error_text(err)
+            for choice in choices:
+                del choice["routed_experts"]
+                choice["routing_ref"] = None
+                choice[ERROR_FIELD] = text
+            body = json.dumps(response, separators=(",", ":")).encode()
+            return Rewritten(body, str(response_id), len(choices), error=err)
         for choice, ref in zip(choices, refs, strict=True):
             del choice["routed_experts"]
             choice["routing_ref"] = ref_json(ref)
-        return json.dumps(response, separators=(",", ":")).encode()
+        body = json.dumps(response, separators=(",", ":")).encode()
+        return Rewritten(body, str(response_id), len(choices), stored=True)

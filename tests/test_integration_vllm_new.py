@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import uuid
 
 import numpy as np
@@ -49,13 +50,18 @@ from routing_replay import (  # noqa: E402
     RoutingReplayError,
     RoutingStore,
 )
-from routing_replay.integrations.vllm import put_request_output  # noqa: E402
+from routing_replay.integrations.vllm import (  # noqa: E402
+    RoutesNotStoredError,
+    put_request_output,
+)
 from routing_replay.integrations.vllm_middleware import (  # noqa: E402
     CHAT,
+    ERROR_HEADER,
     GENERATE,
     STORE_ENV,
     VERSIONS_ENV,
     RoutesToRefs,
+    choice_ref,
     ref_from_json,
 )
 from routing_replay.integrations.vllm_server import add_engine_turn  # noqa: E402
@@ -223,9 +229,10 @@ def test_weights_changed_mid_generation_become_policy_spans():
         assert episode.num_turns == 0 and len(store) == held
 
 
-def serve(middleware, path: str, body: dict, response) -> tuple[dict, dict]:
+def serve(middleware, path: str, body: dict, response) -> tuple[dict, dict, dict]:
     """One POST through `middleware` to an app that answers `response` (a vLLM protocol
-    object) as vLLM's routers do; returns (the request the app got, the client's body)."""
+    object) as vLLM's routers do; returns (the request the app got, the client's body, the
+    response headers)."""
     got: dict = {}
 
     async def app(scope, receive, send):  # vLLM's route: read the JSON, answer the model
@@ -253,7 +260,7 @@ def serve(middleware, path: str, body: dict, response) -> tuple[dict, dict]:
     (start, end) = sent
     assert start["status"] == 200 and not end.get("more_body")
     assert int(dict(start["headers"])[b"content-length"]) == len(end["body"])
-    return got["request"], json.loads(end["body"])
+    return got["request"], json.loads(end["body"]), dict(start["headers"])
 
 
 def test_chat_completion_body_through_the_middleware(store, monkeypatch):
@@ -277,7 +284,8 @@ def test_chat_completion_body_through_the_middleware(store, monkeypatch):
     response = ChatCompletionResponse(
         id="chatcmpl-req7", model="m", choices=choices, usage=usage, prompt_token_ids=prompt
     )
-    seen, reply = serve(RoutesToRefs, CHAT, body, response)
+    seen, reply, headers = serve(RoutesToRefs, CHAT, body, response)
+    assert ERROR_HEADER not in headers
     request = ChatCompletionRequest.model_validate(seen)  # what vLLM got still parses
     assert request.return_token_ids is True  # the middleware asked for the token ids
     assert request.to_sampling_params(16, {}).routed_experts_prompt_start == 4
@@ -285,7 +293,8 @@ def test_chat_completion_body_through_the_middleware(store, monkeypatch):
         assert "routed_experts" not in choice and choice["token_ids"] == outs[j]
         ref = ref_from_json(choice["routing_ref"])
         n = 10 + len(outs[j])
-        assert (ref.sample_id, ref.num_tokens, ref.prompt_len) == (f"chatcmpl-req7-{j}", n, 10)
+        assert re.fullmatch(f"chatcmpl-req7-[0-9a-f]{{12}}-{j}", ref.sample_id)
+        assert (ref.num_tokens, ref.prompt_len) == (n, 10)
         assert ref.policy_versions == ()  # chat responses carry no weight_versions (0.32)
         want = np.full((n, 3, 4), -1, dtype=np.int64)
         want[4 : n - 1] = rows[j][:, MOE]
@@ -314,13 +323,21 @@ def test_generate_body_through_the_middleware(store, monkeypatch):
     response = GenerateTokensResponse(
         request_id="generate-tokens-g1", choices=choices, prompt_token_ids=prompt
     )
-    # "step-5" is not decimal: without a mapping the response fails, nothing is stored.
+    # "step-5" is not decimal: without a mapping nothing is stored, and the response goes
+    # out with its tokens, each choice's routes replaced by a null ref and the refusal.
     monkeypatch.delenv(VERSIONS_ENV, raising=False)
-    with pytest.raises(InvalidRoutesError, match="weight version 'step-5'"):
-        serve(RoutesToRefs, GENERATE, body, response)
+    _, refused, headers = serve(RoutesToRefs, GENERATE, body, response)
     assert len(store) == 0
+    why = headers[ERROR_HEADER].decode()
+    assert why.startswith("InvalidRoutesError: sample 'generate-tokens-g1-")
+    assert "weight version 'step-5'" in why
+    for j, choice in enumerate(refused["choices"]):
+        assert choice["token_ids"] == outs[j] and "routed_experts" not in choice
+        assert choice["routing_ref"] is None and choice["routing_error"] == why
+        with pytest.raises(RoutesNotStoredError, match=re.escape(why)):
+            choice_ref(choice)
     monkeypatch.setenv(VERSIONS_ENV, '{"step-5": 5}')
-    seen, reply = serve(RoutesToRefs, GENERATE, body, response)
+    seen, reply, _ = serve(RoutesToRefs, GENERATE, body, response)
     request = GenerateRequest.model_validate(seen)
     assert request.return_token_ids is True
     assert request.sampling_params.routed_experts_prompt_start == 2
@@ -330,7 +347,8 @@ def test_generate_body_through_the_middleware(store, monkeypatch):
         assert "routed_experts" not in choice and choice["token_ids"] == outs[j]
         ref = ref_from_json(choice["routing_ref"])
         n = 9 + len(outs[j])
-        assert (ref.sample_id, ref.num_tokens, ref.prompt_len) == (f"generate-tokens-g1-{j}", n, 9)
+        assert re.fullmatch(f"generate-tokens-g1-[0-9a-f]{{12}}-{j}", ref.sample_id)
+        assert (ref.num_tokens, ref.prompt_len) == (n, 9)
         assert ref.policy_versions == versions[j]
         want = np.full((n, 3, 4), -1, dtype=np.int64)
         want[2 : n - 1] = rows[j][:, MOE]
