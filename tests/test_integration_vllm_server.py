@@ -4,7 +4,8 @@ Optional group: skipped unless vLLM is importable; `integrations/ci_group.sh vll
 vLLM venv. Eight agent loops run 3-turn episodes concurrently (tool output between turns,
 prefix caching on, a weight update before turn 3); every stored episode must be exactly the
 engine's own per-turn routes, concatenated, and replay in the float32 transformers model
-must force every recorded row.
+must force every recorded row. A full store stalls no other agent loop and costs no
+generation.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from routing_replay import (  # noqa: E402
     replay,
     routing_agreement,
 )
-from routing_replay.integrations.vllm import routes_from_vllm  # noqa: E402
+from routing_replay.integrations.vllm import RoutesNotStoredError, routes_from_vllm  # noqa: E402
 from routing_replay.integrations.vllm_server import vllm_server  # noqa: E402
 from routing_replay.ray.actor import shutdown_node_stores  # noqa: E402
 
@@ -50,7 +51,14 @@ def tool_output(e: int, turn: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def ray_local():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tmp_path_factory):
     model_a = tiny_qwen3_moe(str(tmp_path_factory.mktemp("policy_a")))
     model_b = str(tmp_path_factory.mktemp("policy_b"))
     torch.manual_seed(1)  # the "updated" policy: the same architecture, other weights
@@ -61,7 +69,6 @@ def server(tmp_path_factory):
                 param.add_(torch.randn(param.shape) * 0.5)
     other.save_pretrained(model_b)
     job = f"srv{uuid.uuid4().hex[:6]}"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     started = time.perf_counter()
     actor = vllm_server(
         job,
@@ -76,7 +83,6 @@ def server(tmp_path_factory):
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
     shutdown_node_stores(job)
-    ray.shutdown()
 
 
 async def run_episodes(actor, model_b, store):
@@ -218,3 +224,79 @@ def test_retokenised_history_is_refused_before_generating(server):
         ray.get(actor.generate.remote(history, GREEDY, episode_id="rt", turn=2))
     with pytest.raises(ray.exceptions.RayTaskError, match="turn 3 requested after turn 1"):
         ray.get(actor.generate.remote(history, GREEDY, episode_id="rt", turn=3))
+
+
+PUT_TIMEOUT_S = 10  # how long the small store's server waits for room
+
+
+@pytest.fixture(scope="module")
+def small_store_server(ray_local, tmp_path_factory):
+    """A server on a store of 8 pages of 16 tokens that this test owns (spill off)."""
+    model = tiny_qwen3_moe(str(tmp_path_factory.mktemp("policy_small")))
+    layout = RoutingLayout.from_hf_config(transformers.AutoConfig.from_pretrained(model))
+    store = RoutingStore.create(f"srv-full-{uuid.uuid4().hex[:8]}", layout, 128, page_tokens=16)
+    actor = vllm_server(
+        "unused",
+        model,
+        store_name=store.name,
+        put_timeout=PUT_TIMEOUT_S,
+        engine_kwargs={"block_size": 32, "max_model_len": 256},
+    )
+    ray.get(actor.start.remote(), timeout=600)
+    yield actor, store, layout
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+    store.close()
+    store.unlink()
+
+
+def test_a_full_store_stalls_no_turn_and_loses_no_generation(small_store_server):
+    actor, store, layout = small_store_server
+    big = [3 + (11 * j) % 120 for j in range(60)]  # 68 tokens with the completion: 5 pages
+    small = [5 + (13 * j) % 120 for j in range(20)]  # 28 tokens: 2 pages
+    # 5 of the 8 pages held: room for the small turn, not the big one (it fits when empty).
+    filler = store.put("filler", layout.random_routes(np.random.default_rng(0), 80))
+    first = actor.generate.remote(big, GREEDY, episode_id="big", turn=1, return_routes=True)
+    # The big turn's put waits for room; the actor's loop keeps answering meanwhile.
+    deadline = time.monotonic() + 120
+    while ray.get(actor.routing_counts.remote())["in_flight"] != 1:
+        assert not ray.wait([first], timeout=0)[0], "the big turn came before its put waited"
+        assert time.monotonic() < deadline, "the big turn's put never started"
+        time.sleep(0.05)
+    # Another agent loop's turn is generated and stored while the big one's put waits.
+    second = ray.get(actor.generate.remote(small, GREEDY, episode_id="small", turn=1))
+    during = ray.get(actor.routing_counts.remote())
+    assert not ray.wait([first], timeout=0)[0], "the small turn waited for the big one's timeout"
+    assert during == {"stored": 1, "refused": {}, "in_flight": 1}
+    assert second["routing_error"] is None and second["ref"].sample_id == "small-t1"
+    assert second["ref"].num_tokens == 28 and len(second["token_ids"]) == NEW
+    reply = ray.get(first)
+    # The big turn: its generation, no ref, marked with why.
+    assert reply["ref"] is None and reply["finish_reason"] == "length"
+    assert len(reply["token_ids"]) == NEW and len(reply["logprobs"]) == NEW
+    why = reply["routing_error"]
+    assert why.startswith(f"StoreFullError: store {store.name!r} is full: ")
+    assert f"none were released within {PUT_TIMEOUT_S:.1f}s; nothing of it was stored" in why
+    assert ray.get(actor.routing_counts.remote()) == {
+        "stored": 1,
+        "refused": {"StoreFullError": 1},
+        "in_flight": 0,
+    }
+    assert "big-t1" not in store and store.stats().samples == 2  # the filler, the small turn
+    # The episode lost its routes: its next turn is generated, marked; it has no ref.
+    history = big + reply["token_ids"] + tool_output(0, 1)
+    turn2 = ray.get(actor.generate.remote(history, GREEDY, episode_id="big", turn=2))
+    assert turn2["ref"] is None and len(turn2["token_ids"]) == NEW
+    assert turn2["routing_error"] == f"turn 1 of episode 'big' was not stored: {why}"
+    with pytest.raises(RoutesNotStoredError) as lost:
+        ray.get(actor.close_episode.remote("big"))
+    assert f"episode 'big' has no ref: turn 1's routes were not stored ({why})" in str(lost.value)
+    # With room again the same turn is stored: same tokens, the engine's routes exactly.
+    store.release([filler])
+    again = ray.get(
+        actor.generate.remote(big, GREEDY, episode_id="big2", turn=1, return_routes=True)
+    )
+    assert again["routing_error"] is None and again["token_ids"] == reply["token_ids"]
+    want = routes_from_vllm(layout, 60 + NEW, again["routed_experts"])
+    np.testing.assert_array_equal(store.get(again["ref"]), want)
+    store.release([second["ref"], again["ref"]])
