@@ -9,6 +9,7 @@ import signal
 import uuid
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from routing_replay import (
@@ -155,6 +156,46 @@ def test_bad_archives_raise_and_load_nothing(stores, tmp_path):
     with pytest.raises(CorruptArchiveError, match="not a route archive"):
         load_routes(not_ours, dst)
     assert len(dst) == 0 and dst.stats().pages_used == 0
+
+
+def test_an_empty_selection_loads_nothing(stores, tmp_path):
+    src = stores(NARROW)
+    refs = fill(src, np.random.default_rng(8))
+    path = tmp_path / "routes.arrow"
+    save_routes(path, refs, read=src.read, chunk_tokens=40)
+    dst = stores(NARROW)
+    assert load_routes(path, dst, []) == []
+    assert len(dst) == 0 and dst.stats().pages_used == 0
+    with pytest.raises(LayoutMismatchError, match="holds routes of"):  # the layout still counts
+        load_routes(path, stores(WIDE), [])
+
+
+def test_token_ids_are_checked_against_their_digest_before_any_put(stores, tmp_path):
+    """An archive whose token ids (with valid CRCs) are not the ones its digests were made
+    of raises before the put: a full store neither fills up nor times out, and no lock of
+    the store is taken."""
+    src = stores(NARROW)
+    refs = fill(src, np.random.default_rng(9))
+
+    def read(chunk):  # the refs' samples, the first token id of each changed
+        batch = src.read(chunk)
+        ids = [None if t is None else [t[0] + 1, *t[1:]] for t in batch["token_ids"].to_pylist()]
+        field = batch.schema.field("token_ids")
+        return batch.set_column(
+            batch.schema.get_field_index("token_ids"), field, pa.array(ids, field.type)
+        )
+
+    path = tmp_path / "routes.arrow"
+    save_routes(path, refs, read=read, chunk_tokens=40)
+    full = stores(NARROW, capacity_tokens=64)
+    kept = full.put("kept", routes := NARROW.random_routes(np.random.default_rng(10), 64))
+    assert full.stats().pages_used == full.stats().pages_total
+    points = []
+    with interleave(points.append), pytest.raises(CorruptArchiveError, match=r"'g0' .* digest"):
+        load_routes(path, full, timeout=0)
+    assert points == []  # not even a look-up: no put was attempted
+    assert len(full) == 1 and np.array_equal(full.get(kept), routes)
+    full.verify()
 
 
 def test_a_load_that_runs_out_of_room_leaves_the_store_as_it_was(stores, tmp_path):

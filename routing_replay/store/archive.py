@@ -44,6 +44,7 @@ from routing_replay.schema import (
 )
 from routing_replay.store.format import NO_DIGEST
 from routing_replay.store.refs import PutRequest, RoutingRef
+from routing_replay.store.samples import token_digest
 
 if TYPE_CHECKING:
     from routing_replay.layout import RoutingLayout
@@ -117,11 +118,20 @@ def save_routes(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path) or ".")  # the rename itself survives a power cut
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return os.path.getsize(path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write(writer: Any, batch: pa.RecordBatch) -> None:
@@ -210,6 +220,8 @@ class RouteArchive:
                 f"{self.path} holds routes of {self.layout}, the store is for {layout}: load "
                 "it into a store of the archive's layout"
             )
+        if refs is not None and not refs:
+            return
         saved: dict[str, tuple[int, int, int]] = {}
         for i in range(self._reader.num_record_batches):
             batch = self._batch(i)
@@ -245,25 +257,29 @@ def load_routes(
     timeout: float | None = None,
 ) -> list[RoutingRef]:
     """Put the archive's samples (or those of `refs`, the old refs) into `store`, all or
-    nothing; returns the new refs, in file order (or aligned with `refs`)."""
+    nothing; returns the new refs, in file order (or aligned with `refs`; `[]` loads
+    nothing)."""
     archive = RouteArchive(path)
+    archive.check(store.layout, refs)  # for `refs=[]`, the layout only
+    if refs is not None and not refs:
+        return []
     wanted = None if refs is None else {r.sample_id for r in refs}
-    archive.check(store.layout, refs)
-    # Every batch's CRC first, then one put_many: the whole load is one commit in the
-    # store, so not even a crash of this process half-loads it. The routes are views of
-    # the memory-mapped file: the requests cost no memory.
+    # Every batch's CRC and every sample's token ids first, then one put_many: a bad file
+    # never reaches the store, and the whole load is one commit in it, so not even a crash
+    # of this process half-loads it. The routes are views of the memory-mapped file: the
+    # requests cost no memory.
     requests = [
         r for batch in archive.batches() for r in _requests(batch, archive.layout)
-        if not wanted or r[0] in wanted
+        if wanted is None or r[0] in wanted
     ]  # fmt: skip
+    for sid, request, digest in requests:  # the file's token ids must hash to their digest
+        ids = request.token_ids
+        if digest != (NO_DIGEST if ids is None else token_digest(ids)):
+            raise CorruptArchiveError(
+                f"sample {sid!r} of {archive.path}: its token ids do not match the digest "
+                "saved with them; nothing was loaded"
+            )
     loaded = store.put_many([r[1] for r in requests], timeout=timeout)
-    bad = [ref for (_, _, d), ref in zip(requests, loaded, strict=True) if d != ref.tokens_digest]
-    if bad:  # the file's token ids must hash to the digest saved with them
-        store.release(loaded)
-        raise CorruptArchiveError(
-            f"sample {bad[0].sample_id!r} of {archive.path}: its token ids do not match the "
-            "digest saved with them; nothing was loaded"
-        )
     if refs is None:
         return loaded
     by_id = {r.sample_id: r for r in loaded}
@@ -289,4 +305,4 @@ def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[st
         version = [(s["start"], s["version"]) for s in spans] or None
         a, b = int(offsets[i]), int(offsets[i + 1])
         request = PutRequest(sid, routes[a:b], prompt, ids, version)
-        yield sid, request, digest if ids is not None else NO_DIGEST
+        yield sid, request, digest
