@@ -8,7 +8,13 @@ import warnings
 from collections.abc import Sequence
 
 from routing_replay.errors import RoutingReplayError
-from routing_replay.store import RoutingStore, StoreInfo, list_stores, sweep_stores
+from routing_replay.store import (
+    RoutingStore,
+    StoreInfo,
+    list_stores,
+    sweep_spill_dirs,
+    sweep_stores,
+)
 from routing_replay.store.segment import SHM_DIR
 from routing_replay.store.sweep import skipped
 
@@ -58,6 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep.add_argument(
         "--min-age", type=float, default=60.0, help="seconds before a half-made segment is stale"
     )
+    sweep.add_argument(
+        "--spill-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also remove store directories under DIR (a spill_dir) that no live store owns",
+    )
     args = parser.parse_args(argv)
     if args.command == "ls":
         infos = list_stores()
@@ -79,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for info in stale:
         print(f"{verb} {info.path} (its owner, pid {info.owner_pid or '?'}, is dead)")
     print(f"{verb} {len(stale)} stale store(s)")
+    for spill_dir in args.spill_dir:
+        orphans = sweep_spill_dirs(spill_dir, dry_run=args.dry_run)
+        for path in orphans:
+            print(f"{verb} {_shown(path)} (no live store owns it)")
+        print(f"{verb} {len(orphans)} orphaned spill director{'y' if len(orphans) == 1 else 'ies'}")
     return 0
 
 

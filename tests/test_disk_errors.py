@@ -46,7 +46,6 @@ from routing_replay import (
     StoreUnavailableError,
 )
 
-ISSUE = "issue 31: store fixes pending"
 TIMEOUT = 0.5  # a failed put's wait: asserted as a lower bound only
 WIDE = RoutingLayout(num_layers=4, top_k=8, num_experts=64)  # 32 bytes a token: files fill 64k
 SMALL = RoutingLayout(num_layers=3, top_k=2, num_experts=16)  # 6 bytes a token
@@ -147,7 +146,6 @@ def fill(path) -> None:
 # -- ENOSPC --------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_no_space_on_the_spill_disk(name, tmpfs):
     # 128-token samples (4.6 KiB files, two tmpfs pages each) into room for 4 in memory and
     # a 64 KiB tmpfs under a 16 MiB budget: every put after the 4th spills one sample, until
@@ -240,7 +238,6 @@ def state(store: RoutingStore) -> dict:
     return {"verify": verified, "reads": reads, "spilled": store.stats().samples_spilled}
 
 
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_file_too_large_for_the_writer(name, tmp_path):
     # A 16-page store: a0, a1 (1 page each) spill here, freely, when b2 arrives; b0, b1, b2
     # fill memory. A writer whose files may not exceed 100 bytes then puts x (6 pages): its
@@ -282,7 +279,6 @@ def test_file_too_large_for_the_writer(name, tmp_path):
 # -- the spill directory removed ------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_spill_directory_removed_between_puts(name, tmp_path):
     # 4 samples of 4 pages in an 8-page store: s0, s1 spill. Then the store's spill directory
     # is removed (an over-eager clean-up of the disk); the next put must spill s2 and cannot.
@@ -322,7 +318,6 @@ def test_spill_directory_removed_between_puts(name, tmp_path):
 # -- create on a full disk ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_create_on_a_full_spill_disk_is_refused_clearly(name, tmpfs):
     fill(tmpfs)
     st = os.statvfs(tmpfs)

@@ -27,7 +27,6 @@ from routing_replay import (
 )
 from routing_replay.store import spill as spill_module
 from routing_replay.store.lock import interleave
-from routing_replay.store.samples import SampleIndex
 
 FORK = mp.get_context("fork")
 LAYOUTS = [
@@ -204,19 +203,17 @@ def _spill_and_die(name: str, where: str) -> None:
         real_write = spill_module._write_all
         spill_module._write_all = lambda fd, data: (real_write(fd, data[: len(data) // 2]), die())
     elif where == "commit-field":  # inside the commit holding: its commit point only
-        SampleIndex.spilled = lambda self, slot, code: (
-            self._t.s_spill.__setitem__(slot, code),
-            die(),
-        )
+        spill_module.mark_spilled = lambda t, slot, code: (t.s_spill.__setitem__(slot, code), die())
     elif where == "commit-checksum":  # the checksum too, not the chain fields
-        real_spilled = SampleIndex.spilled
+        real_mark = spill_module.mark_spilled
 
-        def spilled_then_die(self, slot, code):
-            real_spilled(self, slot, code)
-            self._t.s_num_pages[slot] = 4
+        def mark_then_die(t, slot, code):
+            chain_fields = int(t.s_num_pages[slot]), int(t.s_last_page[slot])
+            real_mark(t, slot, code)
+            t.s_num_pages[slot], t.s_last_page[slot] = chain_fields
             die()
 
-        SampleIndex.spilled = spilled_then_die
+        spill_module.mark_spilled = mark_then_die
     with interleave(lambda point: point == where and die()):
         store.put("c", C)
     os._exit(3)  # not reached

@@ -43,7 +43,6 @@ import pytest
 from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
 from routing_replay.store.segment import SHM_DIR, segment_path
 
-ISSUE = "issue 31: store fixes pending"
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)  # 6 bytes a token, uint8
 P = 8  # page_tokens
 PAGES = 16  # 128 tokens: the store holds ~5 samples, writers ahead of the reader spill
@@ -264,7 +263,6 @@ def check_rounds(name: str, tmp_path, rounds: int, per_writer: int) -> None:
         )
 
 
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_three_writers_and_a_reader_on_one_handle(name, tmp_path):
     # 8 rounds x (3 writers x 60 samples): 2-3 s. Every round spills (the store holds ~5
     # samples, the reader runs up to 24 behind).
@@ -272,7 +270,6 @@ def test_three_writers_and_a_reader_on_one_handle(name, tmp_path):
 
 
 @pytest.mark.stress
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_three_writers_and_a_reader_on_one_handle_long(name, tmp_path):
     # The same, 12 rounds x (3 writers x 240 samples): ~20 s.
     check_rounds(name, tmp_path, 12, 4 * PER_WRITER)
@@ -383,7 +380,6 @@ def _ray_main(job: str, spill_root: str, rounds: int, per_call: int) -> dict:
 
 
 @pytest.mark.ray
-@pytest.mark.xfail(reason=ISSUE, strict=True)
 def test_threaded_rollout_actor_and_store_actor_on_ray(tmp_path):
     job = f"threads-{uuid.uuid4().hex[:8]}"
     code = (

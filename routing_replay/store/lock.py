@@ -7,6 +7,12 @@ rebuilds every derived table from the published samples before doing anything el
 exception raised half-way (a bug, or an async exception such as KeyboardInterrupt) is
 repaired at once, by the process that raised it, before the lock is dropped.
 
+An interruption can land anywhere, the lock's own bookkeeping included. So the threads of
+a handle take it through a `Mutex` that knows its owner, and every public store call ends
+with `settle()`: a holding that an interruption cut short is released there, by the
+thread that was interrupted, before the error leaves the call; the dirty flag it may have
+left makes the next holder repair. No live process holds the lock outside a store call.
+
 Waits are bounded: a process that holds the lock and is stopped (SIGSTOP, a debugger)
 makes others raise `StoreBusyError` at their deadline, never hang.
 
@@ -26,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from routing_replay.errors import StoreBusyError
-from routing_replay.store.segment import Segment
+from routing_replay.store.segment import Segment, fork_epoch
 from routing_replay.store.tables import Tables
 
 _hook: Callable[[str], None] | None = None
@@ -45,16 +51,47 @@ def interleave(hook: Callable[[str], None]) -> Iterator[None]:
         _hook = previous
 
 
+class Mutex:
+    """A lock for the threads of one process that knows which thread holds it, so that a
+    holding an interruption cut short can be found and ended (`release_if_mine`). After a
+    fork it starts free: the parent's threads are not in the child."""
+
+    __slots__ = ("_epoch", "_lock")
+
+    def __init__(self) -> None:
+        self._lock, self._epoch = threading.RLock(), fork_epoch()
+
+    def acquire(self, deadline: float) -> bool:
+        """Take it by `deadline` (time.monotonic); True at once if this thread holds it
+        already: only a call cut short leaves it so, and that call is over."""
+        if self._epoch != fork_epoch():
+            self._lock, self._epoch = threading.RLock(), fork_epoch()
+        if self._lock._is_owned():
+            return True
+        return self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def owned(self) -> bool:
+        """Whether this thread holds it."""
+        return self._epoch == fork_epoch() and self._lock._is_owned()
+
+    def release_if_mine(self) -> None:
+        """Release it if this thread holds it."""
+        if self.owned():
+            self._lock.release()
+
+
 class Hold:
     """One holding of a store's commit lock, as a context manager (`CommitLock.held`);
     `write()` before the first change to the tables. A plain object, not a generator: a put
     takes the lock three times, a read twice."""
 
-    __slots__ = ("_deadline", "_fd", "_lock", "_point", "writing")
+    __slots__ = ("_deadline", "_lock", "_point", "writing")
 
     def __init__(self, lock: CommitLock, point: str, deadline: float) -> None:
         self._lock, self._point, self._deadline = lock, point, deadline
-        self._fd = -1
         self.writing = False
 
     def write(self) -> None:
@@ -67,17 +104,14 @@ class Hold:
         lock = self._lock
         if _hook is not None:
             _hook(f"{self._point}:take")
-        if lock._epoch != lock._segment.epoch:  # forked: the parent's thread lock may be held
-            lock._thread_lock, lock._epoch = threading.Lock(), lock._segment.epoch
-        if not lock._thread_lock.acquire(timeout=max(self._deadline - time.monotonic(), 0.0)):
+        if not lock._mutex.acquire(self._deadline):
             raise lock._busy(self._deadline)
         try:
-            self._fd = lock._segment.lock_fd
-            lock._take(self._fd, self._deadline)
+            lock._take(self._deadline)
             if lock._tables.dirty:
                 lock._repair()  # sets the flag back once the tables are whole
         except BaseException:
-            self._release()
+            lock.settle()
             raise
         return self
 
@@ -89,14 +123,7 @@ class Hold:
                 else:
                     self._lock._tables.set_dirty(False)
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        try:
-            if self._fd >= 0:  # unlocking what this description does not hold is a no-op
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._lock._thread_lock.release()
+            self._lock.settle()
             if _hook is not None:
                 _hook(f"{self._point}:drop")
 
@@ -108,15 +135,23 @@ class CommitLock:
         self._segment = segment
         self._tables = tables
         self._repair = repair
-        self._thread_lock = threading.Lock()
-        self._epoch = segment.epoch
+        self._mutex = Mutex()  # the threads of this process; the flock: other processes
 
     def held(self, point: str, deadline: float) -> Hold:
         """`with lock.held(point, deadline) as hold:` holds the lock (waiting at most until
         `deadline`, time.monotonic), repairing first what a dead holder left."""
         return Hold(self, point, deadline)
 
-    def _take(self, fd: int, deadline: float) -> None:
+    def settle(self) -> None:
+        """End this thread's holding, if it has one: the normal end of a holding, and, at the
+        end of every store call, one an interruption cut short. The flock goes first, and
+        the mutex only once it has: only the thread holding the mutex may touch the flock."""
+        if self._mutex.owned():
+            self._segment.unlock()  # interrupted: the mutex stays ours, the next settle ends it
+            self._mutex.release_if_mine()
+
+    def _take(self, deadline: float) -> None:
+        fd = self._segment.lock_fd
         tries, sleep = 0, FIRST_SLEEP_S
         while True:
             try:

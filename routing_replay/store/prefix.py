@@ -98,7 +98,7 @@ class PrefixIndex:
         """Published pages keyed (parent, key), bucket order (bounded; under the lock)."""
         t = self._t
         p = checked_index(t, t.page_heads[self._bucket(parent, key)], t.num_pages, "page bucket")
-        for _ in range(t.num_pages):
+        for _ in range(t.num_pages + 1):  # every page in one chain, then its end
             if p == NO_PAGE:
                 return
             if t.p_key[p] == key and t.p_parent[p] == parent and t.p_refcount[p] > 0:

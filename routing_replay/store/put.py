@@ -226,9 +226,10 @@ class PutTransaction:
             )
         deadline = time.monotonic() + self.timeout
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
-        resv, wait = Reservation(), 0.001
-        store._puts_running.append(None)
+        resv, wait, token = Reservation(), 0.001, object()
+        samples = store._samples
         try:
+            store._puts_running.add(token)
             while True:
                 with store._lock.held("put.lookup", lock_deadline):
                     self._refuse_duplicates()
@@ -237,22 +238,22 @@ class PutTransaction:
                     s.plan, s.equal = plan, store._prefix.equal_prefix(plan, s.keyed, s.tokens)
                 with store._lock.held("put.reserve", lock_deadline) as hold:
                     count = self._lay_out()
-                    lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
-                    ok = store._pages.reserve(hold, count, lease, resv) or (
-                        reclaim_dead(store, hold, 1) > 0
-                        and store._pages.reserve(hold, count, lease, resv)
-                    )
+                    slots = samples.free_count() >= len(self.samples)
+                    ok = slots and self._reserve(hold, count, resv)
                 if ok:
                     self._fill(resv.pages)
                     with store._lock.held("put.publish", lock_deadline) as hold:
-                        if all(store._prefix.valid(s.plan) for s in self.samples):
+                        if samples.free_count() >= len(self.samples) and all(
+                            store._prefix.valid(s.plan) for s in self.samples
+                        ):
                             return self._publish(hold, resv)
-                        store._pages.unreserve(hold, resv)  # a shared page was released: again
+                        # A shared page was released, or the slots taken: again.
+                        store._pages.unreserve(hold, resv)
                     continue
-                if store._spill.enabled and store._spill.make_room(count, lock_deadline):
+                if slots and store._spill.enabled and store._spill.make_room(count, lock_deadline):
                     continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:
-                    raise self._full_error(count)
+                    raise self._full_error(count, slots)
                 time.sleep(wait)
                 wait = min(wait * 2, 0.05)
         finally:
@@ -261,7 +262,16 @@ class PutTransaction:
                     with store._lock.held("put.unreserve", store._deadline()) as hold:
                         store._pages.unreserve(hold, resv)
             finally:
-                store._puts_running.pop()
+                store._puts_running.discard(token)
+
+    def _reserve(self, hold: Hold, count: int, resv: Reservation) -> bool:
+        """Reserve `count` pages for this writer (under the lock), reclaiming what dead writers
+        left if there are too few; False if there are still too few."""
+        store = self.store
+        lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
+        return store._pages.reserve(hold, count, lease, resv) or (
+            reclaim_dead(store, hold, 1) > 0 and store._pages.reserve(hold, count, lease, resv)
+        )
 
     def _refuse_duplicates(self) -> None:
         """Raise if a sample id of the put is stored already (under the lock)."""
@@ -312,8 +322,6 @@ class PutTransaction:
             raise CorruptStoreError(
                 f"store {store.name!r}: pages this writer reserved were given to another writer"
             )
-        if len(self.samples) > 1 and samples.free_count() < len(self.samples):
-            raise samples.full_error(len(self.samples))  # (one sample: take_slot says so)
         first = samples.next_serial()
         hold.write()
         refs = []
@@ -355,28 +363,41 @@ class PutTransaction:
         samples.commit(first + len(self.samples))  # the commit point of the whole put
         return refs
 
-    def _full_error(self, needed_pages: int) -> StoreFullError:
+    def _full_error(self, needed_pages: int, slots: bool) -> StoreFullError:
         s = self.store.stats()
         what = (
             f"sample {sample_id_str(self.samples[0])!r}"
             if len(self.samples) == 1
             else f"a put of {len(self.samples)} samples"
         )
+        if not slots:
+            need = (
+                f"it holds {s.samples} samples, its most (max_samples), and {what} needs "
+                f"{len(self.samples)} more slot{'s' if len(self.samples) != 1 else ''}"
+            )
+        else:
+            need = (
+                f"{s.pages_used + s.pages_pending} of {s.pages_total} pages ({s.page_tokens} "
+                f"tokens each, {s.capacity_tokens} tokens, {s.segment_bytes / 2**20:.1f} MiB) "
+                f"are in use by {s.samples} samples; {what} needs {needed_pages} more "
+                f"page{'s' if needed_pages != 1 else ''}"
+            )
         return StoreFullError(
-            f"store {self.store.name!r} is full: {s.pages_used + s.pages_pending} of "
-            f"{s.pages_total} pages ({s.page_tokens} tokens each, {s.capacity_tokens} "
-            f"tokens, {s.segment_bytes / 2**20:.1f} MiB) are in use by {s.samples} samples; "
-            f"{what} needs {needed_pages} more page{'s' if needed_pages != 1 else ''} and none "
-            f"were released within "
+            f"store {self.store.name!r} is full: {need} and none were released within "
             f"{self.timeout:.1f}s; {self._spill_state(s)}nothing of it was stored. Release "
             "consumed samples with store.release(refs), or create the store with a larger "
-            "capacity_tokens (or spill_dir and spill_budget)"
+            f"{'capacity_tokens (or spill_dir and spill_budget)' if slots else 'max_samples'}"
         )
 
-    @staticmethod
-    def _spill_state(s: StoreStats) -> str:
+    def _spill_state(self, s: StoreStats) -> str:
         if not s.spill_budget:
             return ""
+        spill = self.store._spill
+        if spill.error is not None:
+            return (
+                f"spilling to {spill.dir} failed ({spill.error.strerror or spill.error}: "
+                f"{type(spill.error).__name__}, errno {spill.error.errno}); "
+            )
         return (
             f"its spill files ({s.samples_spilled} samples) take {s.spilled_bytes} of their "
             f"{s.spill_budget}-byte budget, too full for more; "

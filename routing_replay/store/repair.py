@@ -28,7 +28,7 @@ def repair(store: RoutingStore) -> None:
     """
     t = store._t
     store._samples.roll_back_uncommitted()  # a publish holding cut short: none of it stays
-    store._samples.finish_spills()  # a spill holding cut short after its commit point
+    store._spill.finish()  # a spill holding cut short after its commit point
     published = store._samples.published()
     chains = [store._samples.chain(int(s))[0] for s in published]
     flat = np.concatenate(chains) if chains else np.empty(0, dtype=np.int64)
@@ -64,7 +64,8 @@ def reclaim_dead(store: RoutingStore, hold: Hold, puts_of_caller: int) -> int:
         freed += store._pages.reclaim_lease(hold, i)
         store._leases.mark_free(i)
     if dead:
-        store._spill.clean()  # a spiller among them may have left files no sample names
+        store._spill.clean_due = True  # a spiller among them may have left files: cleaned
+        # by the next spill or reclaim(), outside this holding
     mine = store._leases.mine()
     if mine is not None and len(store._puts_running) == puts_of_caller:
         freed += store._pages.reclaim_lease(hold, *mine)

@@ -9,11 +9,12 @@ writers is a kernel lease, never a pid.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,15 @@ from routing_replay.store.refs import (
 from routing_replay.store.repair import reclaim_dead, repair
 from routing_replay.store.samples import SampleIndex
 from routing_replay.store.segment import Segment
-from routing_replay.store.spill import Spiller, make_spill_dir, remove_spill_dir
+from routing_replay.store.spill import (
+    Spiller,
+    budget_for,
+    make_spill_dir,
+    page_file_bytes,
+    remove_spill_dir,
+    spill_slots,
+    sweep_spill_dirs,
+)
 from routing_replay.store.tables import Tables, initialise
 from routing_replay.store.verify import verify
 
@@ -98,6 +107,47 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{boot}"
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A public store call: it ends with this thread's holdings settled (an interruption can
+    cut one short anywhere, even in the code that ends it) and, if it raises, with no frame
+    of ours in the error keeping views of the segment (which would keep it from closing)."""
+
+    @functools.wraps(method)
+    def call(self: RoutingStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as e:
+            forget_frames(e)
+            raise
+        finally:
+            self._lock.settle()
+            self._spill.settle()
+
+    return call
+
+
+def forget_frames(error: BaseException) -> None:
+    """Clear the locals of routing_replay's frames that `error` (and the errors chained to
+    it) carry: the frames are done, and their locals may view the segment. Frames still
+    running, the caller's among them, are left as they are."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+                with contextlib.suppress(RuntimeError):  # a frame still running
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
+
+
 class RoutingStore:
     """Per-node shared-memory store of routes: `create` by the owner, `attach` by others."""
 
@@ -117,7 +167,7 @@ class RoutingStore:
         self._samples = SampleIndex(self._t)
         self._prefix = PrefixIndex(self._t)
         self._spill = Spiller(self)
-        self._puts_running: list[None] = []  # one entry per put in flight (append/pop: atomic)
+        self._puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
 
     @classmethod
     def create(
@@ -154,12 +204,14 @@ class RoutingStore:
                 raise InvalidArgumentError(f"{what} must be an int in [1, {hi}], got {value!r}")
         num_pages = -(-int(capacity_tokens) // page_tokens)
         uid = int.from_bytes(os.urandom(8), "little") | 1
-        spill_path, budget = "", 0
+        spill_root, budget = "", 0
         if spill_dir is not None:
-            spill_path, budget = make_spill_dir(os.fspath(spill_dir), name, uid, spill_budget)
-        # A spilling store holds samples beyond its pages: slots for up to 4x more.
-        spill_pages = min(budget // (page_tokens * layout.bytes_per_token), 4 * num_pages)
-        max_samples = int(max_samples or min(num_pages + 64 + spill_pages, MAX_TABLE))
+            spill_root = os.path.abspath(os.fspath(spill_dir))
+            page_file = page_file_bytes(layout, page_tokens)
+            budget = budget_for(spill_root, name, page_file, spill_budget)
+            sweep_spill_dirs(spill_root, dead_owners=False)  # left by a wiped /dev/shm
+        slots = num_pages + 64 + spill_slots(layout, page_tokens, num_pages, budget)
+        max_samples = int(max_samples or min(slots, MAX_TABLE))
         if num_pages > MAX_TABLE or not 0 < max_samples <= MAX_TABLE:
             raise InvalidArgumentError(
                 f"capacity_tokens={capacity_tokens} needs {num_pages} pages of {page_tokens} "
@@ -183,20 +235,18 @@ class RoutingStore:
             **sizes,
             "version": VERSION,
             "store_uid": uid,
-            "spill_dir": spill_path.encode(),
             "spill_budget": budget,
             "owner_pid": os.getpid(),
             "created": time.time(),
             "node_id": node,
             "layout": layout_json,
         }
+        seg = Segment.create(name, offsets["end"], OWNER_LEASE)
+        spill_path = ""
         try:
-            seg = Segment.create(name, offsets["end"], OWNER_LEASE)
-        except BaseException:
-            remove_spill_dir(spill_path)
-            raise
-        try:
-            initialise(seg.mmap, offsets, fields)
+            if spill_root:  # after the segment: a directory without one is an orphan
+                spill_path = make_spill_dir(spill_root, name, uid)
+            initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
             return cls(seg, put_timeout)
         except BaseException:
             seg.unlink()  # nothing half-made stays behind
@@ -294,12 +344,19 @@ class RoutingStore:
     def __enter__(self) -> RoutingStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        owner, spill_dir = self._seg.owner, self._spill.dir
-        self.close()
-        if owner:
-            self._seg.unlink()
-            remove_spill_dir(spill_dir)
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """The owner's block ends: the segment and its spill files go whatever happened; then
+        the mapping closes (a failure to close never hides the block's own error)."""
+        try:
+            if self._seg.owner:
+                self._seg.unlink()
+                remove_spill_dir(self._spill.dir)
+        finally:
+            try:
+                self.close()
+            except BufferError:
+                if exc_type is None:
+                    raise
 
     def __repr__(self) -> str:
         return f"RoutingStore({self.name!r}, {self.layout}, capacity_tokens={self.capacity_tokens})"
@@ -311,15 +368,18 @@ class RoutingStore:
 
     # -- repair -----------------------------------------------------------------------
 
+    @store_call
     def reclaim(self) -> int:
         """Free pages reserved by writers that died mid-put (and this handle's orphans), and
         spill files no sample holds; returns how many pages were freed."""
         with self._lock.held("reclaim", self._deadline()) as hold:
-            self._spill.clean()
-            return reclaim_dead(self, hold, 0)
+            freed = reclaim_dead(self, hold, 0)
+        self._spill.clean()
+        return freed
 
     # -- writing ----------------------------------------------------------------------
 
+    @store_call
     def put(
         self,
         sample_id: str,
@@ -344,6 +404,7 @@ class RoutingStore:
         request = PutRequest(sample_id, routes, prompt_len, token_ids, policy_version)
         return PutTransaction(self, [request], timeout).run()[0]
 
+    @store_call
     def put_many(
         self, requests: Iterable[PutRequest], *, timeout: float | None = None
     ) -> list[RoutingRef]:
@@ -365,6 +426,7 @@ class RoutingStore:
 
     # -- releasing --------------------------------------------------------------------
 
+    @store_call
     def release(self, sample_ids: Iterable[str | RoutingRef]) -> None:
         """Drop samples, all or none; pages no other sample shares become free.
 
@@ -394,10 +456,12 @@ class RoutingStore:
 
     # -- reading ----------------------------------------------------------------------
 
+    @store_call
     def get(self, sample_id: str | RoutingRef, part: Part = "all") -> np.ndarray:
         """One sample's routes `[T, L, K]` (`layout.signed_dtype`, -1 missing), a copy."""
         return read_settled(self, [sample_id], lambda plan: plan.routes(part))
 
+    @store_call
     def read(
         self,
         sample_ids: Iterable[str | RoutingRef],
@@ -421,6 +485,7 @@ class RoutingStore:
         """
         return read_settled(self, sample_ids, lambda plan: plan.batch(part, out, ranges))
 
+    @store_call
     def read_wire(
         self,
         sample_ids: Iterable[str | RoutingRef],
@@ -433,6 +498,7 @@ class RoutingStore:
         there; `.batch()` is then what `read` returns here, `.nbytes` what travels."""
         return read_settled(self, sample_ids, lambda plan: plan.wire(part, ranges))
 
+    @store_call
     def __contains__(self, sample_id: object) -> bool:
         """Whether the id is stored (for a ref: whether the very put it names is)."""
         raw_id = sample_id_bytes(sample_id)
@@ -446,11 +512,13 @@ class RoutingStore:
     def __len__(self) -> int:
         return self._t.counter("samples", self._t.max_samples)
 
+    @store_call
     def verify(self) -> None:
         """Check every invariant of the shared tables (`routing_replay.store.verify`); raise
         CorruptStoreError on the first break. For tests and `routing-replay ls --verify`."""
         verify(self)
 
+    @store_call
     def stats(self) -> StoreStats:
         """Capacity, use and prefix-sharing savings (from the header's counters)."""
         t = self._t

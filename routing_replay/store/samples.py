@@ -22,7 +22,7 @@ import zlib
 
 import numpy as np
 
-from routing_replay.errors import CorruptStoreError, StoreFullError
+from routing_replay.errors import StoreFullError
 from routing_replay.store.format import (
     FIRST_SERIAL,
     FREE,
@@ -77,7 +77,7 @@ class SampleIndex:
         """The published slot of `raw_id`, or NO_PAGE (under the lock)."""
         t = self._t
         s = checked_index(t, t.sample_heads[self._bucket(raw_id)], t.max_samples, "bucket head")
-        for _ in range(t.max_samples):
+        for _ in range(t.max_samples + 1):  # every slot in one chain, then its end
             if s == NO_PAGE:
                 return NO_PAGE
             if t.s_state[s] == PUBLISHED and t.s_sample_id[s] == raw_id:
@@ -100,12 +100,19 @@ class SampleIndex:
     def chain(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(pages, their generations, num_tokens, prompt_len) of a published slot, every field
         (the digest too) range-checked and the checksum verified (under the lock)."""
+        spill = self.spill(slot)
+        if spill == NOT_SPILLED:
+            return self.chain_in_memory(slot)
+        t = self._t  # its routes are in its spill file
+        tokens, prompt_len = int(t.s_num_tokens[slot]), int(t.s_prompt_len[slot])
+        return self._checked(slot, EMPTY, EMPTY.astype(np.uint32), tokens, prompt_len, spill)
+
+    def chain_in_memory(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """`chain` of a slot whose routes are in pages, checked as put (also, for repair, of a
+        spilled slot whose spill an interruption cut short before its checksum changed)."""
         t = self._t
         n, tokens = int(t.s_num_pages[slot]), int(t.s_num_tokens[slot])
         prompt_len = int(t.s_prompt_len[slot])
-        spill = self.spill(slot)
-        if spill != NOT_SPILLED:  # its routes are in its spill file
-            return self._checked(slot, EMPTY, EMPTY.astype(np.uint32), tokens, prompt_len, spill)
         if not (
             0 < n <= t.num_pages
             and (n - 1) * t.page_tokens < tokens <= n * t.page_tokens
@@ -151,44 +158,6 @@ class SampleIndex:
     def mark_read(self, slots: list[int]) -> None:
         """Flag slots as read (under the lock, no write: a hint, never trusted)."""
         self._t.s_flags[slots] |= READ
-
-    def spilled(self, slot: int, code: int) -> None:
-        """Record that a published slot's routes are in spill file `code` (inside a write):
-        the field is the commit point; the slot then holds no pages (the caller drops them)."""
-        t = self._t
-        raw_id, serial = self.sample_id(slot), self.serial(slot)
-        tokens, prompt_len, digest = (
-            int(t.s_num_tokens[slot]),
-            int(t.s_prompt_len[slot]),
-            self.digest(slot),
-        )
-        t.s_spill[slot] = code  # the commit point
-        t.s_num_pages[slot] = 0
-        t.s_last_page[slot] = NO_PAGE
-        t.s_check[slot] = checksum(
-            raw_id, serial, tokens, prompt_len, digest, EMPTY, EMPTY.astype(np.uint32), code
-        )
-
-    def finish_spills(self) -> int:
-        """Repair: complete spills cut short after their commit point; returns how many.
-
-        `spilled` writes the spill field, the checksum, then the chain fields: a slot whose
-        checksum is not yet the spilled one still has the chain it was published with (its
-        pages are not reused before the holding ends), checked as put before it is finished.
-        """
-        t, P = self._t, self._t.page_tokens
-        torn = 0
-        for slot in np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill != NOT_SPILLED)).tolist():
-            code = self.spill(slot)
-            try:
-                self.chain(slot)
-            except CorruptStoreError:
-                t.s_spill[slot] = NOT_SPILLED
-                t.s_num_pages[slot] = -(-int(t.s_num_tokens[slot]) // P)
-                self.chain(slot)  # corrupt unless the chain it was published with is intact
-                torn += 1
-            self.spilled(slot, code)
-        return torn
 
     def free_count(self) -> int:
         """Slots on the free-slot stack (under the lock)."""

@@ -91,15 +91,15 @@ _KINDS = (
 )
 
 
-def untrusted_reason(st: os.stat_result) -> str | None:
-    """Why a segment file must not be used by this process, or None if it may be."""
+def untrusted_reason(st: os.stat_result, mode: int = SEGMENT_MODE) -> str | None:
+    """Why a segment (or spill) file must not be used by this process, or None if it may be."""
     if not stat.S_ISREG(st.st_mode):
         kind = next((k for is_kind, k in _KINDS if is_kind(st.st_mode)), "a device file")
         return f"is {kind} of {user_name(st.st_uid)}, not a regular file"
     if st.st_uid != os.geteuid():
         return f"belongs to {user_name(st.st_uid)}, not to you ({user_name(os.geteuid())})"
-    if stat.S_IMODE(st.st_mode) != SEGMENT_MODE:
-        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {SEGMENT_MODE:04o}"
+    if stat.S_IMODE(st.st_mode) != mode:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {mode:04o}"
     return None
 
 
@@ -177,6 +177,11 @@ class Segment:
                 raise StoreUnavailableError(f"store {self.name!r} is closed in this process")
             self._lock_fd = _reopen(self.fd)
         return self._lock_fd
+
+    def unlock(self) -> None:
+        """Drop the commit lock (flock) if this process's lock description holds it."""
+        if self._lock_fd >= 0:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)  # a no-op when not held
 
     @classmethod
     def create(cls, name: str, size: int, owner_lease: int) -> Segment:

@@ -7,18 +7,23 @@ the store's own directory, then takes their pages. Reads of a spilled sample map
 removes it. The files hold at most `spill_budget` bytes; a put finding both full raises
 `StoreFullError` as before.
 
-A spill, in the putting process:
+A spill, in the putting process, one at a time per handle (the threads of a process share
+a handle, its writer lease and so its file names):
 
 1. lock: take this handle's writer lease, pick victims (their chains checked); unlock;
 2. without the lock: write each victim's rows and token ids to `spill_name(serial, code)`
-   (`code` names this writer's lease: files of a dead writer are known as such);
-3. lock: for each victim still the same put, still in memory and within the budget, set its
-   slot's `spill` field (the commit point, `SampleIndex.spilled`) and drop its pages; the
-   other files are removed. Unlock.
+   (`code` names this writer's lease: files of a dead writer are known as such). A disk
+   error (full, failing, removed, not ours) stops here: the store cannot spill, the put
+   waits for releases and names the error if its time runs out;
+3. lock: for each victim still the same put, still in memory and within the budget,
+   `mark_spilled` (the spill field: the commit point; the checksum; the chain fields, the
+   order `Spiller.finish` completes from after a stop) and drop its pages. Unlock;
+4. however 2 and 3 ended, lock: remove the files of this attempt that no slot names.
 
-A file is complete before its slot names it, so a killed spiller leaves at most files no
-slot names, removed by `clean` (when a dead writer's lease is reclaimed, by `reclaim`, and
-with the directory at the owner's unlink).
+A file is complete before its slot names it, and only files no slot names are removed, so
+a stop anywhere loses no sample; what a killed spiller left is removed by `clean` (when a
+dead writer's lease is reclaimed, by `reclaim`, and with the directory at the owner's
+unlink), and directories whose store is gone by `sweep_spill_dirs`.
 Nothing is fsynced: a spill file matters only while the segment lives, and both are lost
 together in a power cut, while a killed process loses nothing the page cache holds.
 A reader that located a sample in memory and copied it while it was spilled (its pages
@@ -27,28 +32,46 @@ taken by a put) sees the pages' generations change and reads again (`ReadPlan`).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import shutil
+import stat
+import time
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routing_replay.errors import CorruptStoreError, InvalidArgumentError
+from routing_replay.errors import CorruptStoreError, InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.format import (
+    HEADER_DTYPE,
     LEASE_HELD,
+    MAGIC,
+    MAX_SPILL_DIR_BYTES,
     NO_DIGEST,
+    NO_PAGE,
     NOT_SPILLED,
+    OWNER_LEASE,
+    PAGE_DTYPE,
     PUBLISHED,
     READ,
+    SLOT_DTYPE,
     TOKEN_DTYPE,
     aligned,
 )
-from routing_replay.store.lock import Hold
+from routing_replay.store.lock import Hold, Mutex
 from routing_replay.store.prefix import runs
+from routing_replay.store.samples import EMPTY, checksum
+from routing_replay.store.segment import (
+    is_store_name,
+    lease_held,
+    segment_path,
+    untrusted_reason,
+)
+from routing_replay.store.tables import Tables
 
 if TYPE_CHECKING:
     from routing_replay.layout import RoutingLayout
@@ -70,6 +93,8 @@ SPILL_HEADER = np.dtype(
     ]
 )
 _NAME = re.compile(r"^([0-9a-f]{16})-([0-9a-f]{16})\.spill$")
+_DIR_NAME = re.compile(r"^rr_(.+)-([0-9a-f]{16})$")
+DIR_MODE, FILE_MODE = 0o700, 0o600  # a store's spill directory and files: this user's only
 
 
 def spill_name(serial: int, code: int) -> str:
@@ -105,6 +130,21 @@ def file_bytes(layout: RoutingLayout, page_tokens: int, num_tokens: int, digest:
     return regions(num_tokens, digest != NO_DIGEST, page_tokens, layout.bytes_per_token)["end"]
 
 
+def page_file_bytes(layout: RoutingLayout, page_tokens: int) -> int:
+    """The spill file of a one-page sample with token ids: the smallest a budget is sized by."""
+    return file_bytes(layout, page_tokens, page_tokens, 1)
+
+
+def spill_slots(layout: RoutingLayout, page_tokens: int, num_pages: int, budget: int) -> int:
+    """Sample slots a spilling store adds for its files: one per page-sized file the budget
+    holds, their tables at most as large as the pages' (a slot is ~190 bytes of /dev/shm)."""
+    if not budget:
+        return 0
+    page_bytes = PAGE_DTYPE.itemsize + page_tokens * (layout.bytes_per_token + TOKEN_DTYPE.itemsize)
+    slot_bytes = SLOT_DTYPE.itemsize + 12  # the slot, its free-stack entry, its buckets
+    return min(budget // page_file_bytes(layout, page_tokens), num_pages * page_bytes // slot_bytes)
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         data = data[os.write(fd, data) :]
@@ -132,7 +172,11 @@ class SpillFile:
         self.path, self._P = path, P
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # FileNotFoundError: gone
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            reason = untrusted_reason(st, FILE_MODE)
+            if reason:
+                raise self._corrupt(f"it {reason}")
+            size = st.st_size
             where = regions(num_tokens, digest != NO_DIGEST, P, layout.bytes_per_token)
             if size != where["end"]:
                 raise self._corrupt(f"{size} bytes, {where['end']} expected")
@@ -187,11 +231,19 @@ class SpillFile:
 
 
 class Spiller:
-    """The spill side of one store handle: make room, write and commit spills, clean up."""
+    """The spill side of one store handle: make room, write and commit spills, clean up.
+
+    One spill at a time per handle (`_mutex`): the threads of a process share a handle and
+    its writer lease, so two of them would otherwise pick the same victim and write the
+    same file. A thread that waits for another's spill then finds the room it made.
+    """
 
     def __init__(self, store: RoutingStore) -> None:
         self.store = store
         self.dir, self.budget = store._t.spill_dir, store._t.spill_budget
+        self._mutex = Mutex()
+        self.error: OSError | None = None  # why the last spill could not write, if it failed
+        self.clean_due = False  # a dead writer was reclaimed: its files may be left
 
     @property
     def enabled(self) -> bool:
@@ -203,32 +255,59 @@ class Spiller:
     # -- the protocol ---------------------------------------------------------------------
 
     def make_room(self, pages: int, deadline: float) -> bool:
-        """Spill until `pages` pages are free (or some were freed); False if nothing could be
-        spilled (nothing in memory, or the budget is spent)."""
+        """Make `pages` pages free by spilling; True if they are free now or a spill freed
+        some (try again), False if nothing could be spilled: nothing in memory, the budget
+        spent, or the disk failed (`self.error`). Writing stops at `deadline` after the first
+        victim."""
+        if not self._mutex.acquire(deadline):
+            return False  # another thread of this handle spills, past our deadline
+        try:
+            if self.clean_due:
+                self.clean(deadline)
+            return self._spill(pages, deadline)
+        finally:
+            self._mutex.release_if_mine()
+
+    def settle(self) -> None:
+        """At the end of a store call: release the spill mutex if an interruption left this
+        thread holding it."""
+        self._mutex.release_if_mine()
+
+    def _spill(self, pages: int, deadline: float) -> bool:
         store = self.store
         with store._lock.held("spill.pick", deadline) as hold:
+            needed = pages - store._pages.free_count()
+            if needed <= 0:
+                return True  # another writer's spill or release made the room
             lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
-            victims = self._pick(pages - store._pages.free_count())
+            victims = self._pick(needed)
         if not victims:
             return False
-        code, done = writer_code(lease), set()
+        code, written, done = writer_code(lease), [], -1
         try:
-            for v in victims:
-                self._write(v, code)
+            try:
+                for v in victims:
+                    if written and time.monotonic() >= deadline:
+                        break
+                    self._write(v, code)
+                    written.append(v)
+                self.error = None
+            except OSError as e:  # a full, failing or removed disk: cannot spill now
+                # A copy without the traceback: its frames view the segment.
+                self.error = OSError(e.errno, e.strerror, e.filename)
+            if not written:
+                return False
             with store._lock.held("spill.commit", deadline) as hold:
-                done = self._commit(hold, victims, code)
+                done = self._commit(hold, written, code)
+            return done > 0
         finally:
-            for v in victims:
-                if v.slot not in done:
-                    _unlink(self.path(v.serial, code))
-        return bool(done)
+            if done < len(victims):  # also when interrupted: `_discard` asks the slots
+                self._discard(victims, code, deadline)
 
     def _pick(self, pages: int) -> list[Victim]:
         """In-memory samples to spill, unread first, oldest put first, until `pages` would be
         free and within the budget (under the lock)."""
         store, t = self.store, self.store._t
-        if pages <= 0:
-            return []
         room = self.budget - t.counter("spilled_bytes", 1 << 62)
         slots = np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill == NOT_SPILLED))
         order = np.lexsort((t.s_serial[slots], t.s_flags[slots] & READ))
@@ -253,7 +332,9 @@ class Spiller:
 
     def _write(self, v: Victim, code: int) -> None:
         """Copy a victim's rows and token ids out of its pages into its file (no lock: pages of
-        a published sample never change, and the commit checks it is still published)."""
+        a published sample never change, and the commit checks it is still published). A
+        file of that name is what an earlier, interrupted spill of this handle left: no slot
+        names it (the victim is in memory), so it is overwritten."""
         store, t, P = self.store, self.store._t, self.store.page_tokens
         has = v.digest != NO_DIGEST
         where = regions(v.num_tokens, has, P, store.layout.bytes_per_token)
@@ -276,9 +357,9 @@ class Spiller:
             n = min(P, v.num_tokens - i * P)
             crc = zlib.crc32(tokens[page * P : page * P + n]) if has else 0
             crcs[i] = zlib.crc32(routes[page * P : page * P + n], crc)
-        fd = os.open(
-            self.path(v.serial, code), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-        )
+        check_dir(self.dir)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.path(v.serial, code), flags, FILE_MODE)
         try:
             os.ftruncate(fd, where["end"])
             os.pwrite(fd, head.tobytes(), 0)
@@ -292,11 +373,11 @@ class Spiller:
         finally:
             os.close(fd)
 
-    def _commit(self, hold: Hold, victims: list[Victim], code: int) -> set[int]:
+    def _commit(self, hold: Hold, victims: list[Victim], code: int) -> int:
         """Make every victim still the same put, in memory and within the budget a spilled
-        sample (under the lock); returns their slots."""
+        sample (under the lock); returns how many."""
         store, t, samples = self.store, self.store._t, self.store._samples
-        done = set()
+        done = 0
         for v in victims:
             if (
                 t.s_state[v.slot] != PUBLISHED
@@ -309,7 +390,7 @@ class Spiller:
             if not (np.array_equal(pages, v.pages) and np.array_equal(gens, v.gens)):
                 raise t.corrupt(f"slot {v.slot}: its chain changed while it was published")
             hold.write()
-            samples.spilled(v.slot, code)  # the commit point
+            mark_spilled(t, v.slot, code)  # the commit point, then what repair can finish
             freed = store._pages.dereference(pages)
             for p in freed.tolist():
                 store._prefix.unlink(p)
@@ -317,8 +398,25 @@ class Spiller:
             t.add("pages_referenced", -len(pages))
             t.add("spilled", 1)
             t.add("spilled_bytes", v.nbytes)
-            done.add(v.slot)
+            done += 1
         return done
+
+    def _discard(self, victims: list[Victim], code: int, deadline: float) -> None:
+        """Remove the files of this attempt that no slot names (under the lock, which first
+        finishes a commit an interruption cut short: what is committed is known there)."""
+        t = self.store._t
+        with self.store._lock.held("spill.discard", max(deadline, time.monotonic() + 1)):
+            doomed = [
+                self.path(v.serial, code)
+                for v in victims
+                if not (
+                    t.s_state[v.slot] == PUBLISHED
+                    and int(t.s_serial[v.slot]) == v.serial
+                    and int(t.s_spill[v.slot]) == code
+                )
+            ]
+        for path in doomed:  # no slot can name them any more: this handle spills no other
+            _unlink(path)
 
     # -- files of released samples, dead spillers, the whole directory ------------------------
 
@@ -339,6 +437,24 @@ class Spiller:
         t.add("spilled_bytes", -size)
         return self.path(samples.serial(slot), code)
 
+    def finish(self) -> int:
+        """Repair: complete the spills a holding cut short after their commit point (the spill
+        field set); returns how many were torn. Safe to stop and run again at any point.
+
+        `mark_spilled` writes the spill field, the checksum, then the chain fields: a slot
+        whose checksum is not yet the spilled one still has the chain it was published with
+        (its pages are not reused before the holding ends), checked as put before finishing.
+        """
+        t, samples, torn = self.store._t, self.store._samples, 0
+        for slot in np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill != NOT_SPILLED)).tolist():
+            try:
+                samples.chain(slot)  # the spilled checksum: only chain fields may be left
+            except CorruptStoreError:
+                samples.chain_in_memory(slot)  # else the published one, over an intact chain
+                torn += 1
+            mark_spilled(t, slot, int(t.s_spill[slot]))
+        return torn
+
     def rebuild(self) -> None:
         """Repair: the spill counters from the published slots."""
         t, store = self.store._t, self.store
@@ -349,37 +465,40 @@ class Spiller:
             for s in spilled.tolist()
         )
 
-    def clean(self) -> int:
-        """Remove spill files no slot names whose writer is dead or whose sample is gone (under
-        the lock: slots cannot change meanwhile); returns how many."""
+    def clean(self, deadline: float | None = None) -> int:
+        """Remove spill files no slot names whose writer is dead or whose sample is gone;
+        returns how many. The directory is listed and the files removed outside the lock:
+        a file judged so under it can never be named again."""
+        self.clean_due = False
         if not self.enabled:
             return 0
-        t = self.store._t
         try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
+            names = [(n, m) for n in os.listdir(self.dir) if (m := _NAME.match(n))]
+        except OSError:
+            return 0  # no directory (removed), nothing of ours to clean
+        if not names:
             return 0
-        published = t.s_state == PUBLISHED
-        by_serial = dict(
-            zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
-        )
-        removed = 0
-        for name in names:
-            m = _NAME.match(name)
-            if m is None:
-                continue  # not ours: left alone
-            serial, code = int(m.group(1), 16), int(m.group(2), 16)
-            slot = by_serial.get(serial)
-            if slot is not None and int(t.s_spill[slot]) == code:
-                continue  # the sample's file
-            if (
-                slot is not None
-                and int(t.s_spill[slot]) == NOT_SPILLED
-                and self._writer_alive(code)
-            ):
-                continue  # a spill in progress
-            removed += _unlink(os.path.join(self.dir, name))
-        return removed
+        t = self.store._t
+        deadline = self.store._deadline() if deadline is None else deadline
+        with self.store._lock.held("spill.clean", deadline):
+            published = t.s_state == PUBLISHED
+            by_serial = dict(
+                zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
+            )
+            doomed = []
+            for name, m in names:
+                serial, code = int(m.group(1), 16), int(m.group(2), 16)
+                slot = by_serial.get(serial)
+                if slot is not None and int(t.s_spill[slot]) == code:
+                    continue  # the sample's file
+                if (
+                    slot is not None
+                    and int(t.s_spill[slot]) == NOT_SPILLED
+                    and self._writer_alive(code)
+                ):
+                    continue  # a spill in progress
+                doomed.append(name)
+        return sum(_unlink(os.path.join(self.dir, name)) for name in doomed)
 
     def _writer_alive(self, code: int) -> bool:
         index, gen = (code >> 32) - 1, code & 0xFFFFFFFF
@@ -392,26 +511,118 @@ class Spiller:
         )
 
 
-def make_spill_dir(
-    spill_dir: str, name: str, store_uid: int, budget: int | None
-) -> tuple[str, int]:
-    """Create a new store's own spill directory (private to this user); its path and budget
-    (default: half the free space of its file system)."""
+def mark_spilled(t: Tables, slot: int, code: int) -> None:
+    """Record that a published slot's routes are in spill file `code` (inside a write), in the
+    order `Spiller.finish` relies on: the spill field (the commit point), the spilled
+    checksum, then the chain fields. The caller then drops the slot's pages."""
+    t.s_spill[slot] = code
+    t.s_check[slot] = checksum(
+        bytes(t.s_sample_id[slot]),
+        int(t.s_serial[slot]),
+        int(t.s_num_tokens[slot]),
+        int(t.s_prompt_len[slot]),
+        int(t.s_digest[slot]),
+        EMPTY,
+        EMPTY.astype(np.uint32),
+        code,
+    )
+    t.s_num_pages[slot] = 0
+    t.s_last_page[slot] = NO_PAGE
+
+
+def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | None) -> int:
+    """The budget of a new store's spill files (default: half the free space of `spill_dir`'s
+    file system), after checking that the disk can hold one page's file at all."""
     if budget is not None and (
         isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
     ):
         raise InvalidArgumentError(
             f"spill_budget must be a positive number of bytes, got {budget!r}"
         )
-    path = store_spill_dir(spill_dir, name, store_uid)
-    if len(path.encode()) > 1000:
+    if len(store_spill_dir(spill_dir, name, 0).encode()) > MAX_SPILL_DIR_BYTES - 24:
         raise InvalidArgumentError(f"spill_dir {spill_dir!r} is too long: use a shorter path")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.mkdir(path, 0o700)
-    if budget is None:
-        st = os.statvfs(path)
-        budget = st.f_bavail * st.f_frsize // 2
-    return path, budget
+    os.makedirs(spill_dir, exist_ok=True)
+    st = os.statvfs(spill_dir)
+    free = st.f_bavail * st.f_frsize
+    if free < page_file_bytes:
+        raise StoreUnavailableError(
+            f"spill_dir {spill_dir!r} has {free} bytes free, less than one page's spill file "
+            f"({page_file_bytes} bytes): free space on that disk, or point spill_dir at "
+            "another local disk"
+        )
+    return free // 2 if budget is None else budget
+
+
+def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> str:
+    """Create a new store's own spill directory (private to this user), once its segment
+    exists (`sweep_spill_dirs` treats a directory without one as orphaned); its path."""
+    path = store_spill_dir(spill_dir, name, store_uid)
+    os.mkdir(path, DIR_MODE)
+    os.chmod(path, DIR_MODE)  # whatever the umask
+    return path
+
+
+def check_dir(path: str) -> None:
+    """Refuse a spill directory that is not this user's own, mode 0700 (an OSError: the
+    store cannot spill there)."""
+    st = os.lstat(path)
+    if (
+        not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or stat.S_IMODE(st.st_mode) != DIR_MODE
+    ):
+        raise PermissionError(
+            errno.EPERM,
+            f"not this user's own directory with mode {DIR_MODE:04o}; not used",
+            path,
+        )
+
+
+def sweep_spill_dirs(
+    spill_dir: str | os.PathLike, *, dead_owners: bool = True, dry_run: bool = False
+) -> list[str]:
+    """Remove the store directories under `spill_dir` that no live store on this node owns:
+    no segment of that name (a wiped /dev/shm, a reboot), one of another incarnation, or
+    (`dead_owners`) one whose owner is dead. Only this user's own (mode 0700) directories
+    are judged. Returns the paths removed (with `dry_run`: that would be)."""
+    try:
+        entries = list(os.scandir(spill_dir))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        m = _DIR_NAME.match(entry.name)
+        if m is None or not is_store_name(m.group(1)):
+            continue
+        try:
+            check_dir(entry.path)
+        except OSError:
+            continue  # not ours to judge
+        if _orphaned(m.group(1), int(m.group(2), 16), dead_owners):
+            if not dry_run:
+                remove_spill_dir(entry.path)
+            removed.append(entry.path)
+    return removed
+
+
+def _orphaned(name: str, store_uid: int, dead_owners: bool) -> bool:
+    """Whether no live store on this node owns the directory of store `name` incarnation
+    `store_uid` (a half-made store, still without its header, owns it)."""
+    try:
+        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # something we cannot judge: left alone
+    try:
+        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+        if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
+            return False  # being created
+        if int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"]) != store_uid:
+            return True
+        return dead_owners and not lease_held(fd, OWNER_LEASE)
+    finally:
+        os.close(fd)
 
 
 def remove_spill_dir(path: str) -> None:

@@ -1,0 +1,182 @@
+"""Edges of the store's life cycle through the public API: an owner's `with` block ended by
+an error, a store out of sample slots, slots of a spilling store, spill directories left by
+a wiped /dev/shm, and spill files or directories that are not the user's own."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from routing_replay import (
+    CorruptStoreError,
+    InvalidArgumentError,
+    InvalidRoutesError,
+    RoutingLayout,
+    RoutingStore,
+    StoreFullError,
+)
+from routing_replay.store import sweep_spill_dirs
+from routing_replay.store.segment import segment_path
+from routing_replay.store.spill import page_file_bytes
+
+TINY = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
+QWEN = RoutingLayout(num_layers=48, top_k=8, num_experts=128)  # 384 bytes a token
+P = 8
+
+
+def store_dirs(spill_dir) -> list[str]:
+    """The store directories under a spill_dir."""
+    return sorted(n for n in os.listdir(spill_dir) if n.startswith("rr_"))
+
+
+# -- an owner's `with` block ended by an error ----------------------------------------------
+
+
+@pytest.mark.parametrize("error", ["expert id", "out too small", "the user's"])
+def test_with_block_ended_by_an_error_raises_it_and_removes_the_store(name, tmp_path, error):
+    rng = np.random.default_rng(0)
+    kept = {}
+    with (
+        pytest.raises(Exception) as raised,  # the exact type is checked below
+        RoutingStore.create(name, TINY, 8 * P, page_tokens=P, spill_dir=tmp_path) as s,
+    ):
+        kept["spill"] = s._spill.dir
+        ref = s.put("a", TINY.random_routes(rng, 2 * P), token_ids=np.arange(2 * P))
+        if error == "expert id":
+            s.put("b", np.full((P, 3, 2), 16))  # 16 experts: ids 0-15
+        elif error == "out too small":
+            s.read([ref], out=np.empty(10, np.uint8))
+        else:
+            raise KeyError("the user's own error")
+    expected = {"expert id": InvalidRoutesError, "out too small": InvalidArgumentError}
+    assert type(raised.value) is expected.get(error, KeyError)  # not BufferError
+    assert not os.path.exists(segment_path(name))
+    assert not os.path.exists(kept["spill"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_error_of_the_library_keeps_no_view_of_the_segment(name):
+    store = RoutingStore.create(name, TINY, 8 * P, page_tokens=P)
+    try:
+        store.put("b", np.full((P, 3, 2), 16))
+    except InvalidRoutesError as e:
+        error = e  # kept alive, traceback and all
+    store.close()  # would raise BufferError if a frame of the error viewed the segment
+    store.unlink()
+    assert error.__traceback__ is not None
+
+
+# -- sample slots -----------------------------------------------------------------------------
+
+
+def test_a_put_finding_no_free_slot_waits_for_a_release(name):
+    rng = np.random.default_rng(1)
+    routes = {sid: TINY.random_routes(rng, P) for sid in "abc"}
+    with RoutingStore.create(name, TINY, 16 * P, page_tokens=P, max_samples=2) as store:
+        store.put("a", routes["a"])
+        store.put("b", routes["b"])
+        released = threading.Event()
+
+        def release_later():
+            time.sleep(0.3)
+            store.release(["a"])
+            released.set()
+
+        threading.Thread(target=release_later).start()
+        ref = store.put("c", routes["c"], timeout=10.0)  # waits, no StoreFullError
+        assert released.is_set()
+        assert np.array_equal(store.get(ref), routes["c"])
+        start = time.monotonic()
+        with pytest.raises(StoreFullError, match="max_samples") as raised:
+            store.put("d", routes["a"], timeout=0.3)
+        assert time.monotonic() - start >= 0.3
+        assert "2 samples" in str(raised.value)
+        assert "d" not in store and len(store) == 2
+        store.verify()
+
+
+def test_a_spilling_store_has_slots_for_its_budget(name, tmp_path):
+    """32 pages in memory and a budget of 200 one-page files: 232 one-page samples fit (the
+    slots were 4x the pages before); the next put finds the budget, not the slots, full."""
+    rng = np.random.default_rng(2)
+    budget = 200 * page_file_bytes(QWEN, P)
+    with RoutingStore.create(
+        name, QWEN, 32 * P, page_tokens=P, spill_dir=tmp_path, spill_budget=budget
+    ) as store:
+        first = QWEN.random_routes(rng, P)
+        store.put("s0", first, token_ids=np.arange(P))
+        for i in range(1, 232):
+            store.put(f"s{i}", QWEN.random_routes(rng, P), token_ids=np.arange(P) + i)
+        stats = store.stats()
+        assert (stats.samples, stats.samples_spilled) == (232, 200)
+        with pytest.raises(StoreFullError, match="budget") as raised:
+            store.put("one-more", QWEN.random_routes(rng, P), timeout=0.1)
+        assert "max_samples" not in str(raised.value)
+        assert np.array_equal(store.get("s0"), first)  # the oldest: spilled, exact
+        store.verify()
+
+
+# -- spill directories that no store owns, and files that are not ours --------------------------
+
+
+def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
+    rng = np.random.default_rng(3)
+    gone = RoutingStore.create(name + "-a", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    for i, pages in enumerate((2, 2, 4)):  # the first two spilled
+        gone.put(f"s{i}", TINY.random_routes(rng, pages * P))
+    gone_dir = gone._spill.dir
+    assert len(os.listdir(gone_dir)) == 2
+    os.unlink(segment_path(gone.name))  # /dev/shm wiped: a reboot, a pod restart
+    live = RoutingStore.create(name + "-b", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    live.put("x", TINY.random_routes(rng, 4 * P))
+    live.put("y", TINY.random_routes(rng, 2 * P))  # x spilled: live's dir has a file
+    # A create with that spill_dir removed the orphan; the live store's stays.
+    assert store_dirs(tmp_path) == [os.path.basename(live._spill.dir)]
+    foreign = tmp_path / f"rr_{name}-c-{1:016x}"  # not mode 0700: not judged, left alone
+    foreign.mkdir(mode=0o755)
+    os.chmod(foreign, 0o755)
+    orphan = tmp_path / f"rr_{name}-d-{2:016x}"  # ours, no segment: swept
+    orphan.mkdir(mode=0o700)
+    assert sweep_spill_dirs(tmp_path, dry_run=True) == [str(orphan)]
+    assert orphan.exists()
+    cli = [sys.executable, "-m", "routing_replay.cli", "sweep", "--spill-dir", str(tmp_path)]
+    out = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+    assert f"removed {orphan} (no live store owns it)" in out
+    assert "removed 1 orphaned spill directory" in out
+    assert store_dirs(tmp_path) == sorted([os.path.basename(live._spill.dir), foreign.name])
+    assert live.get("x").shape == (4 * P, 3, 2)  # its spilled file is still there
+    gone.close()
+    live.close()
+    live.unlink()
+
+
+def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
+    rng = np.random.default_rng(4)
+    with RoutingStore.create(
+        name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path, put_timeout=0.2
+    ) as store:
+        a = TINY.random_routes(rng, 2 * P)
+        store.put("a", a)
+        store.put("b", TINY.random_routes(rng, 4 * P))  # a spilled
+        (file,) = os.listdir(store._spill.dir)
+        path = os.path.join(store._spill.dir, file)
+        os.chmod(path, 0o644)
+        with pytest.raises(CorruptStoreError, match="has mode 0644, not 0600"):
+            store.get("a")
+        os.chmod(path, 0o600)
+        assert np.array_equal(store.get("a"), a)
+        os.chmod(store._spill.dir, 0o755)
+        with pytest.raises(StoreFullError, match="not this user's own directory"):
+            store.put("c", TINY.random_routes(rng, 4 * P))
+        assert "c" not in store
+        os.chmod(store._spill.dir, 0o700)
+        store.put("c", TINY.random_routes(rng, 4 * P))  # spills b
+        assert stat.S_IMODE(os.stat(store._spill.dir).st_mode) == 0o700
+        store.verify()
