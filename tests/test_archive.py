@@ -10,6 +10,7 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.ipc as ipc
 import pytest
 
 from routing_replay import (
@@ -25,6 +26,7 @@ from routing_replay import (
     load_routes,
     save_routes,
 )
+from routing_replay.store.archive import batch_crc
 from routing_replay.store.lock import interleave
 from routing_replay.store.segment import segment_path
 
@@ -196,6 +198,63 @@ def test_token_ids_are_checked_against_their_digest_before_any_put(stores, tmp_p
     assert points == []  # not even a look-up: no put was attempted
     assert len(full) == 1 and np.array_equal(full.get(kept), routes)
     full.verify()
+
+
+def test_the_schema_metadata_carries_its_own_crc(stores, tmp_path):
+    """A bit flipped in the layout of the footer's schema (16 experts read 17: still valid
+    JSON, and the ids still fit uint8) is caught by the metadata's CRC before the layout is
+    parsed: the archive loads into neither store."""
+    src = stores(NARROW)
+    refs = fill(src, np.random.default_rng(11))
+    path = tmp_path / "routes.arrow"
+    save_routes(path, refs, read=src.read)
+    data = bytearray(path.read_bytes())
+    at = data.rindex(b'"num_experts":16') + len(b'"num_experts":1')  # the footer's copy
+    data[at] ^= 0x01  # "6" -> "7"
+    damaged = tmp_path / "damaged.arrow"
+    damaged.write_bytes(bytes(data))
+    seventeen = RoutingLayout(num_layers=3, top_k=2, num_experts=17, moe_layers=(0, 2))
+    for dst in (stores(NARROW), stores(seventeen)):
+        with pytest.raises(CorruptArchiveError, match=r"schema metadata .* fails its CRC"):
+            load_routes(damaged, dst)
+        assert len(dst) == 0
+
+
+def test_the_whole_schema_must_be_the_one_save_routes_writes(stores, tmp_path):
+    """Fields are checked too (the metadata's CRC covers only the metadata): an archive
+    whose serial column was renamed, its metadata intact, is refused; so are one of
+    another version and one that lost a record batch."""
+    src = stores(NARROW)
+    refs = fill(src, np.random.default_rng(12))
+    path = tmp_path / "routes.arrow"
+    save_routes(path, refs, read=src.read, chunk_tokens=40)
+    with ipc.open_file(path) as f:
+        schema, batches = f.schema, [f.get_batch(i) for i in range(f.num_record_batches)]
+    assert len(batches) == 6
+    dst = stores(NARROW)
+
+    def rewrite(name, schema, batches):
+        out = tmp_path / name
+        with open(out, "wb") as f, ipc.new_file(f, schema) as w:
+            for i, batch in enumerate(batches):
+                batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+                w.write_batch(batch, custom_metadata={b"crc32": str(batch_crc(batch, i))})
+        return out
+
+    renamed = schema.set(7, schema.field(7).with_name("serials"))
+    assert renamed.metadata == schema.metadata
+    with pytest.raises(CorruptArchiveError, match=r"schema of .* is not the one save_routes"):
+        load_routes(rewrite("renamed.arrow", renamed, batches), dst)
+    meta = {**schema.metadata, b"routing_replay.archive": b"1"}
+    del meta[b"routing_replay.archive.crc32"]  # as version 1 wrote it: no metadata CRC
+    old = rewrite("old.arrow", schema.with_metadata(meta), batches)
+    with pytest.raises(
+        CorruptArchiveError, match=r"not a route archive of version 2 \(it says version '1'\)"
+    ):
+        load_routes(old, dst)
+    with pytest.raises(CorruptArchiveError, match="lists 5 record batches, its schema says 6"):
+        load_routes(rewrite("short.arrow", schema, batches[:5]), dst)
+    assert len(dst) == 0 and dst.stats().pages_used == 0
 
 
 def test_a_load_that_runs_out_of_room_leaves_the_store_as_it_was(stores, tmp_path):

@@ -1,22 +1,28 @@
 """Routes that outlive the store: save refs' samples to an Arrow IPC file, load them back.
 
-A route archive is one Arrow IPC *file* (footer and all: a truncated file does not open):
-the routes schema (`routing_replay.schema`, the layout in its metadata) plus each sample's
-policy-version spans, token digest and put serial; every record batch carries a CRC-32 of
-its buffers in its custom metadata. `save_routes` streams: it reads `chunk_tokens` tokens
-at a time (reading the next chunk while a thread checksums and writes the last), so saving
-10 GB needs two chunks of memory; it writes to a temporary name and renames, so a crash
-never leaves a partial archive under the name. `load_routes` checks the layout and the
-refs asked for first (reading only the id columns), then every batch's CRC, then puts all
-its samples with one `put_many` (the routes are views of the memory-mapped file), so a
-load is all or nothing, even if the loading process dies in the middle. Old refs map to
-new ones by sample id, checked against the saved serial and token digest (a ref of
-another put of that id is refused).
+A route archive (version 2) is one Arrow IPC *file* (footer and all: a truncated file does
+not open): the routes schema (`routing_replay.schema`) plus each sample's policy-version
+spans, token digest and put serial. The schema's metadata (layout, version, sample and
+batch counts) carries a CRC-32 of itself; every record batch carries a CRC-32 of its index
+and everything it holds (lengths, null counts, validity, offsets, values) in its custom
+metadata. `save_routes` streams: it reads `chunk_tokens` tokens at a time (reading the next
+chunk while a thread checksums and writes the last), so saving 10 GB needs two chunks of
+memory; it writes to a temporary name, fsyncs, renames and fsyncs the directory, so a
+crash never leaves a partial archive under the name. `load_routes` checks the schema (its
+metadata's CRC before parsing the layout, then the whole schema), the layout, every batch
+(fully validated by Arrow and checked against its CRC before any column is decoded), the
+refs asked for, and the token ids against their digests, then puts the samples with one
+`put_many` (the routes are views of the memory-mapped file): a damaged file raises
+`CorruptArchiveError` and never reaches the store, and a load is all or nothing, even if
+the loading process dies in the middle. Old refs map to new ones by sample id, checked
+against the saved serial and token digest (a ref of another put of that id is refused).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import struct
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +36,7 @@ from routing_replay.errors import (
     CorruptArchiveError,
     InvalidArgumentError,
     LayoutMismatchError,
+    RoutingReplayError,
     SampleNotFoundError,
     SampleReplacedError,
 )
@@ -37,8 +44,10 @@ from routing_replay.reader import stored_ids
 from routing_replay.schema import (
     NUM_TOKENS,
     PROMPT_LEN,
+    ROUTED_EXPERTS,
     SAMPLE_ID,
     TOKEN_IDS,
+    int32_values,
     layout_of,
     routes_schema,
 )
@@ -51,33 +60,84 @@ if TYPE_CHECKING:
     from routing_replay.store.routing_store import RoutingStore
 
 ARCHIVE_KEY = b"routing_replay.archive"  # schema metadata: the archive format's version
-ARCHIVE_VERSION = b"1"
-CRC_KEY = b"crc32"  # record batch metadata: CRC-32 of the batch's buffers
+ARCHIVE_VERSION = b"2"  # 2: sample and batch counts, CRCs of the metadata and all of a batch
+SAMPLES_KEY = b"routing_replay.archive.samples"  # schema metadata: samples in the file
+BATCHES_KEY = b"routing_replay.archive.batches"  # schema metadata: record batches in it
+METADATA_CRC_KEY = b"routing_replay.archive.crc32"  # CRC-32 of the other metadata entries
+CRC_KEY = b"crc32"  # record batch metadata: `batch_crc` of the batch
 POLICY_VERSIONS, TOKENS_DIGEST, SERIAL = "policy_versions", "tokens_digest", "serial"
 DEFAULT_CHUNK_TOKENS = 1 << 18  # tokens read and written at a time (~100 MB of Qwen3 routes)
 SPANS = pa.list_(pa.struct([("start", pa.int64()), ("version", pa.int64())]))
 
 
-def archive_schema(layout: RoutingLayout) -> pa.Schema:
-    """The routes schema plus each sample's spans, digest and serial; versioned metadata."""
+def archive_schema(layout: RoutingLayout, samples: int, batches: int) -> pa.Schema:
+    """The routes schema plus each sample's spans, digest and serial; its metadata (layout,
+    version, sample and batch counts) carries a CRC-32 of itself."""
     base = routes_schema(layout)
     extra = [
         pa.field(POLICY_VERSIONS, SPANS, nullable=False),
         pa.field(TOKENS_DIGEST, pa.uint64(), nullable=False),
         pa.field(SERIAL, pa.uint64(), nullable=False),
     ]
-    schema = pa.schema([*base, *extra], metadata=base.metadata)
-    return schema.with_metadata({**schema.metadata, ARCHIVE_KEY: ARCHIVE_VERSION})
+    meta = {
+        **base.metadata,
+        ARCHIVE_KEY: ARCHIVE_VERSION,
+        SAMPLES_KEY: str(samples).encode(),
+        BATCHES_KEY: str(batches).encode(),
+    }
+    return pa.schema([*base, *extra], metadata={**meta, METADATA_CRC_KEY: metadata_crc(meta)})
 
 
-def batch_crc(batch: pa.RecordBatch) -> int:
-    """CRC-32 over every buffer of every column, in order (validity, offsets, values)."""
+def metadata_crc(meta: dict[bytes, bytes]) -> bytes:
+    """CRC-32 of the metadata entries (but its own), each key and value length-prefixed."""
     crc = 0
+    for key, value in sorted(meta.items()):
+        if key != METADATA_CRC_KEY:
+            crc = zlib.crc32(struct.pack("<II", len(key), len(value)) + key + value, crc)
+    return str(crc).encode()
+
+
+def batch_crc(batch: pa.RecordBatch, index: int) -> int:
+    """CRC-32 of the batch's index in the file and of all it holds as Arrow's IPC writer
+    lays it out: each array's length and null count, validity bits, offsets (rebased to 0)
+    and values, children after their parent. It is the same however the arrays are sliced
+    or padded in memory, so the batch written and the batch read back agree."""
+    crc = zlib.crc32(struct.pack("<qq", index, batch.num_rows))
     for column in batch.columns:
-        for buf in column.buffers():
-            if buf is not None:
-                crc = zlib.crc32(memoryview(buf), crc)
+        crc = _array_crc(column, crc)
     return crc
+
+
+def _array_crc(array: pa.Array, crc: int) -> int:
+    """`crc` continued over the array (the types an archive holds)."""
+    kind, n, at = array.type, len(array), array.offset
+    buffers = array.buffers()
+    crc = zlib.crc32(struct.pack("<qq", n, array.null_count), crc)
+    if array.null_count:
+        bits = np.unpackbits(np.frombuffer(buffers[0], np.uint8), bitorder="little")
+        crc = zlib.crc32(np.packbits(bits[at : at + n], bitorder="little"), crc)
+    if pa.types.is_struct(kind):
+        for i in range(kind.num_fields):
+            crc = _array_crc(array.field(i), crc)
+    elif pa.types.is_fixed_size_list(kind):
+        size = kind.list_size
+        crc = _array_crc(array.values.slice(at * size, n * size), crc)
+    elif pa.types.is_list(kind) or pa.types.is_string(kind):
+        offsets = np.frombuffer(buffers[1], np.int32, count=n + 1, offset=at * 4)
+        first, last = int(offsets[0]), int(offsets[-1])
+        crc = zlib.crc32(offsets - offsets[0], crc)
+        if pa.types.is_string(kind):
+            crc = zlib.crc32(_span(buffers[2], first, last), crc)
+        else:
+            crc = _array_crc(array.values.slice(first, last - first), crc)
+    else:  # fixed-width integers
+        width = kind.bit_width // 8
+        crc = zlib.crc32(_span(buffers[1], at * width, (at + n) * width), crc)
+    return crc
+
+
+def _span(buf: pa.Buffer | None, start: int, stop: int) -> memoryview | bytes:
+    return b"" if buf is None or stop <= start else memoryview(buf)[start:stop]
 
 
 def save_routes(
@@ -91,7 +151,8 @@ def save_routes(
 
     `read(refs)` returns their Arrow batch (`store.read` in one process,
     `routing_replay.ray.fetch_batch` on Ray). Samples are read and written `chunk_tokens`
-    tokens at a time; the file appears under `path` only once complete (fsynced).
+    tokens at a time; the file appears under `path` only once complete (fsynced, and its
+    directory after the rename).
     """
     refs = list(refs)
     if not refs or not all(isinstance(r, RoutingRef) for r in refs):
@@ -102,17 +163,21 @@ def save_routes(
         raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     path = os.fspath(path)
     tmp = f"{path}.partial-{os.getpid()}"
+    chunks = list(_chunks(refs, chunk_tokens))
     try:
         with open(tmp, "wb") as f, ThreadPoolExecutor(1, "save_routes") as pool:
-            writer, pending = None, None
+            writer, pending, schema = None, None, None
             # Two stages, two chunks in flight: read the next chunk here while a thread
             # checksums and writes the last (zlib and Arrow's file writes release the GIL).
-            for chunk in _chunks(refs, chunk_tokens):
-                batch = _archive_batch(read(chunk), chunk)
+            for i, chunk in enumerate(chunks):
+                batch = read(chunk)
+                if schema is None:
+                    schema = archive_schema(layout_of(batch), len(refs), len(chunks))
+                batch = _archive_batch(batch, chunk, schema)
                 if pending is not None:
                     pending.result()
-                writer = writer or ipc.new_file(f, batch.schema)
-                pending = pool.submit(_write, writer, batch)
+                writer = writer or ipc.new_file(f, schema)
+                pending = pool.submit(_write, writer, batch, i)
             pending.result()
             writer.close()
             f.flush()
@@ -134,9 +199,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write(writer: Any, batch: pa.RecordBatch) -> None:
-    """Append `batch` with its CRC."""
-    writer.write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch))})
+def _write(writer: Any, batch: pa.RecordBatch, index: int) -> None:
+    """Append `batch`, the `index`-th, with its CRC."""
+    writer.write_batch(batch, custom_metadata={CRC_KEY: str(batch_crc(batch, index))})
 
 
 def _chunks(refs: list[RoutingRef], chunk_tokens: int) -> Iterator[list[RoutingRef]]:
@@ -151,15 +216,18 @@ def _chunks(refs: list[RoutingRef], chunk_tokens: int) -> Iterator[list[RoutingR
     yield chunk
 
 
-def _archive_batch(batch: pa.RecordBatch, refs: list[RoutingRef]) -> pa.RecordBatch:
+def _archive_batch(
+    batch: pa.RecordBatch, refs: list[RoutingRef], schema: pa.Schema
+) -> pa.RecordBatch:
     """A read's batch with the refs' spans, digests and serials added (checked to match)."""
+    if layout_of(batch) != layout_of(schema):
+        raise LayoutMismatchError("read(refs) returned routes of two layouts: save them apart")
     if batch.column(SAMPLE_ID).to_pylist() != [r.sample_id for r in refs]:
         raise InvalidArgumentError("read(refs) must return the refs' samples, in order")
     counts = batch.column(NUM_TOKENS).to_pylist()
     if counts != [r.num_tokens for r in refs]:
         raise InvalidArgumentError(f"read(refs) returned {counts} tokens, the refs hold others")
     spans = [[{"start": s, "version": v} for s, v in r.policy_versions] for r in refs]
-    schema = archive_schema(layout_of(batch))
     columns = [
         *batch.columns,
         pa.array(spans, type=SPANS),
@@ -169,52 +237,132 @@ def _archive_batch(batch: pa.RecordBatch, refs: list[RoutingRef]) -> pa.RecordBa
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
+@contextlib.contextmanager
+def _parsing(path: str, what: str) -> Iterator[None]:
+    """Reading the archive at `path`: an error that is not routing_replay's own (nor out of
+    memory) means a file we cannot parse, a CorruptArchiveError."""
+    try:
+        yield
+    except (RoutingReplayError, MemoryError):
+        raise
+    except Exception as e:
+        raise CorruptArchiveError(
+            f"{what} of {path} does not parse ({type(e).__name__}: {e}): the file is damaged "
+            "or not written by save_routes; nothing was loaded"
+        ) from e
+
+
 class RouteArchive:
-    """An archive opened for reading (memory-mapped): its layout, samples and batches, each
-    batch checked against its CRC as it is read."""
+    """An archive opened for reading (memory-mapped): its layout, samples and batches.
+
+    Opening checks the schema: its metadata against its CRC before anything in it is
+    parsed, then all of it against `archive_schema`. Each batch is checked against its CRC
+    and fully validated by Arrow before any of its columns is decoded."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         try:
             self._reader = ipc.open_file(pa.memory_map(self.path))
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             raise CorruptArchiveError(
-                f"{self.path} is not a complete route archive ({e}): truncated or not written "
-                "by save_routes; save the routes again from their store"
+                f"{self.path} is not a complete route archive ({e}): truncated, damaged or not "
+                "written by save_routes; save the routes again from their store"
             ) from None
-        schema = self._reader.schema
-        if (schema.metadata or {}).get(ARCHIVE_KEY) != ARCHIVE_VERSION:
-            raise CorruptArchiveError(
-                f"{self.path} is an Arrow file but not a route archive of version "
-                f"{ARCHIVE_VERSION.decode()}: write it with routing_replay.save_routes"
-            )
-        self.layout = layout_of(schema)
-
-    def batches(self) -> Iterator[pa.RecordBatch]:
-        """Every record batch, after its CRC check."""
-        for i in range(self._reader.num_record_batches):
-            batch, meta = self._batch(i, with_metadata=True)
-            want = (meta or {}).get(CRC_KEY)
-            if want is None or int(want) != batch_crc(batch):
+        with _parsing(self.path, "the schema"):
+            schema = self._reader.schema
+            meta = dict(schema.metadata or {})
+            self._check_metadata(meta)
+            self.layout = layout_of(schema)
+            self.num_samples = int(meta[SAMPLES_KEY])
+            self._num_batches = int(meta[BATCHES_KEY])
+            want = archive_schema(self.layout, self.num_samples, self._num_batches)
+            if not schema.equals(want, check_metadata=True):
                 raise CorruptArchiveError(
-                    f"record batch {i} of {self.path} fails its CRC check: the file was "
-                    "damaged after it was written; nothing was loaded"
+                    f"the schema of {self.path} is not the one save_routes writes for its "
+                    f"layout: the file is damaged; nothing was loaded"
                 )
-            yield batch
+            if self._reader.num_record_batches != self._num_batches:
+                raise CorruptArchiveError(
+                    f"{self.path} lists {self._reader.num_record_batches} record batches, its "
+                    f"schema says {self._num_batches}: the file is damaged; nothing was loaded"
+                )
+        self._batches: list[pa.RecordBatch] | None = None
 
-    def _batch(self, i: int, with_metadata: bool = False) -> Any:
+    def _check_metadata(self, meta: dict[bytes, bytes]) -> None:
+        """The metadata's CRC (where there is one), then that it names this version."""
+        version = ARCHIVE_VERSION.decode()
+        if METADATA_CRC_KEY in meta and meta[METADATA_CRC_KEY] != metadata_crc(meta):
+            raise CorruptArchiveError(
+                f"the schema metadata of {self.path} fails its CRC check: the file was damaged "
+                "after it was written; nothing was loaded"
+            )
+        if ARCHIVE_KEY not in meta:
+            raise CorruptArchiveError(
+                f"{self.path} is an Arrow file but not a route archive of version {version}: "
+                "write it with routing_replay.save_routes"
+            )
+        if meta[ARCHIVE_KEY] != ARCHIVE_VERSION:
+            raise CorruptArchiveError(
+                f"{self.path} is not a route archive of version {version} (it says version "
+                f"{meta[ARCHIVE_KEY].decode(errors='replace')!r}): load it with the "
+                "routing_replay that saved it"
+            )
+        if METADATA_CRC_KEY not in meta:
+            raise CorruptArchiveError(
+                f"the schema metadata of {self.path} has no CRC: the file is damaged; nothing "
+                "was loaded"
+            )
+
+    def batches(self) -> list[pa.RecordBatch]:
+        """Every record batch, each checked (once) against its CRC, fully validated, and its
+        rows against each other: only then are its columns decoded."""
+        if self._batches is None:
+            with _parsing(self.path, "a record batch"):
+                batches = [self._verified(i) for i in range(self._num_batches)]
+                ids = [sid for b in batches for sid in b.column(SAMPLE_ID).to_pylist()]
+            if len(ids) != self.num_samples or len(set(ids)) != len(ids):
+                raise CorruptArchiveError(
+                    f"{self.path} holds {len(ids)} samples ({len(set(ids))} ids), its schema "
+                    f"says {self.num_samples}: the file is damaged; nothing was loaded"
+                )
+            self._batches = batches
+        return self._batches
+
+    def _verified(self, i: int) -> pa.RecordBatch:
+        """Batch `i`, fully validated by Arrow (offsets, UTF-8, null counts: safe to read
+        through), then checked against its CRC and its rows against each other."""
         try:
             batch, meta = self._reader.get_batch_with_custom_metadata(i)
-        except (pa.ArrowInvalid, OSError) as e:
+            batch.validate(full=True)
+            want = int((meta or {}).get(CRC_KEY, b"-1"))
+        except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptArchiveError(
-                f"record batch {i} of {self.path} does not read ({e}); nothing was loaded"
+                f"record batch {i} of {self.path} does not read ({e}): the file was damaged "
+                "after it was written; nothing was loaded"
             ) from None
-        return (batch, meta) if with_metadata else batch
+        if want != batch_crc(batch, i):
+            raise CorruptArchiveError(
+                f"record batch {i} of {self.path} fails its CRC check: the file was "
+                "damaged after it was written; nothing was loaded"
+            )
+        counts = int32_values(batch.column(NUM_TOKENS))
+        tokens = batch.column(TOKEN_IDS)
+        routed = np.diff(_offsets(batch.column(ROUTED_EXPERTS)))
+        has = _valid(tokens)
+        if not (
+            np.array_equal(routed, counts)
+            and np.array_equal(np.diff(_offsets(tokens))[has], counts[has])
+        ):
+            raise CorruptArchiveError(
+                f"record batch {i} of {self.path}: its routes or token ids disagree with its "
+                "token counts; nothing was loaded"
+            )
+        return batch
 
     def check(self, layout: RoutingLayout, refs: Sequence[RoutingRef] | None) -> None:
-        """The layout, and the refs asked for against the samples' ids, serials and digests
-        (only those columns are read). Raises before anything is loaded (`load_routes` then
-        checks every batch's CRC before its one put)."""
+        """The layout, then (unless `refs` is empty) every batch (`batches`) and the refs
+        asked for against the samples' ids, serials and digests. Raises before anything is
+        loaded."""
         if layout != self.layout:
             raise LayoutMismatchError(
                 f"{self.path} holds routes of {self.layout}, the store is for {layout}: load "
@@ -223,19 +371,16 @@ class RouteArchive:
         if refs is not None and not refs:
             return
         saved: dict[str, tuple[int, int, int]] = {}
-        for i in range(self._reader.num_record_batches):
-            batch = self._batch(i)
-            ids = batch.column(SAMPLE_ID).to_pylist()
-            for sid, n, digest, serial in zip(
-                ids,
-                batch.column(NUM_TOKENS).to_pylist(),
-                batch.column(TOKENS_DIGEST).to_pylist(),
-                batch.column(SERIAL).to_pylist(),
-                strict=True,
-            ):
-                if sid in saved:
-                    raise CorruptArchiveError(f"{self.path} holds sample {sid!r} twice")
-                saved[sid] = (n, digest, serial)
+        with _parsing(self.path, "the sample ids"):
+            for batch in self.batches():
+                for sid, n, digest, serial in zip(
+                    batch.column(SAMPLE_ID).to_pylist(),
+                    batch.column(NUM_TOKENS).to_pylist(),
+                    batch.column(TOKENS_DIGEST).to_pylist(),
+                    batch.column(SERIAL).to_pylist(),
+                    strict=True,
+                ):
+                    saved[sid] = (n, digest, serial)
         for ref in refs or ():
             if ref.sample_id not in saved:
                 raise SampleNotFoundError(
@@ -248,6 +393,40 @@ class RouteArchive:
                     f"in {self.path}; nothing was loaded"
                 )
 
+    def requests(self, wanted: set[str] | None = None) -> list[PutRequest]:
+        """The samples (those of `wanted`) as put requests, in file order, after their token
+        ids were checked against the digests saved with them. The routes are views of the
+        mapped file."""
+        requests = []
+        with _parsing(self.path, "a sample"):
+            for batch in self.batches():
+                for request, digest in _requests(batch, self.layout):
+                    if wanted is not None and request.sample_id not in wanted:
+                        continue
+                    ids = request.token_ids
+                    if digest != (NO_DIGEST if ids is None else token_digest(ids)):
+                        raise CorruptArchiveError(
+                            f"sample {request.sample_id!r} of {self.path}: its token ids do "
+                            "not match the digest saved with them; nothing was loaded"
+                        )
+                    requests.append(request)
+        return requests
+
+
+def _offsets(array: pa.ListArray) -> np.ndarray:
+    """A (validated) list array's offsets, as numpy."""
+    return np.frombuffer(
+        array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4
+    )
+
+
+def _valid(array: pa.Array) -> np.ndarray:
+    """Which rows of a (validated) array are not null, as numpy bools."""
+    if not array.null_count:
+        return np.ones(len(array), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(array.buffers()[0], np.uint8), bitorder="little")
+    return bits[array.offset : array.offset + len(array)].astype(bool)
+
 
 def load_routes(
     path: str | os.PathLike,
@@ -259,38 +438,31 @@ def load_routes(
     """Put the archive's samples (or those of `refs`, the old refs) into `store`, all or
     nothing; returns the new refs, in file order (or aligned with `refs`; `[]` loads
     nothing)."""
+    if refs is not None:
+        refs = list(refs)
+        if not all(isinstance(r, RoutingRef) for r in refs):
+            raise InvalidArgumentError("load_routes takes a list of RoutingRefs (or None: all)")
     archive = RouteArchive(path)
-    archive.check(store.layout, refs)  # for `refs=[]`, the layout only
+    archive.check(store.layout, refs)
     if refs is not None and not refs:
         return []
-    wanted = None if refs is None else {r.sample_id for r in refs}
-    # Every batch's CRC and every sample's token ids first, then one put_many: a bad file
-    # never reaches the store, and the whole load is one commit in it, so not even a crash
-    # of this process half-loads it. The routes are views of the memory-mapped file: the
-    # requests cost no memory.
-    requests = [
-        r for batch in archive.batches() for r in _requests(batch, archive.layout)
-        if wanted is None or r[0] in wanted
-    ]  # fmt: skip
-    for sid, request, digest in requests:  # the file's token ids must hash to their digest
-        ids = request.token_ids
-        if digest != (NO_DIGEST if ids is None else token_digest(ids)):
-            raise CorruptArchiveError(
-                f"sample {sid!r} of {archive.path}: its token ids do not match the digest "
-                "saved with them; nothing was loaded"
-            )
-    loaded = store.put_many([r[1] for r in requests], timeout=timeout)
+    # Every batch is checked, and every sample's token ids, before one put_many: a damaged
+    # file never reaches the store, and the whole load is one commit in it, so not even a
+    # crash of this process half-loads it. The routes are views of the memory-mapped file:
+    # the requests cost no memory.
+    requests = archive.requests(None if refs is None else {r.sample_id for r in refs})
+    loaded = store.put_many(requests, timeout=timeout)
     if refs is None:
         return loaded
     by_id = {r.sample_id: r for r in loaded}
     return [by_id[r.sample_id] for r in refs]
 
 
-def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[str, Any, int]]:
-    """(sample id, PutRequest, saved digest) of each row."""
+def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[PutRequest, int]]:
+    """(PutRequest, saved digest) of each row of a verified batch."""
     L, K = layout.num_moe_layers, layout.top_k
     routes = stored_ids(batch, layout).reshape(-1, L, K)  # narrow, as put stores them
-    offsets = np.concatenate([[0], np.cumsum(batch.column(NUM_TOKENS).to_numpy())])
+    offsets = np.concatenate([[0], np.cumsum(int32_values(batch.column(NUM_TOKENS)))])
     tokens = batch.column(TOKEN_IDS)
     for i, (sid, prompt, spans, digest) in enumerate(
         zip(
@@ -304,5 +476,4 @@ def _requests(batch: pa.RecordBatch, layout: RoutingLayout) -> Iterator[tuple[st
         ids = None if not tokens[i].is_valid else tokens[i].values.to_numpy()
         version = [(s["start"], s["version"]) for s in spans] or None
         a, b = int(offsets[i]), int(offsets[i + 1])
-        request = PutRequest(sid, routes[a:b], prompt, ids, version)
-        yield sid, request, digest
+        yield PutRequest(sid, routes[a:b], prompt, ids, version), digest
