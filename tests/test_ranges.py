@@ -164,7 +164,7 @@ def test_the_wire_form_rebuilds_the_same_rows_and_ships_shared_pages_once(group,
     for trial in range(20):
         lengths = [len(store.get(r, part)) for r in refs]
         ranges = None if trial == 0 else [random_pairs(rng, n) for n in lengths]
-        wire = read_module.ReadPlan(store, refs).wire(part, ranges)
+        wire = store.read_wire(refs, part, ranges=ranges)
         rebuilt, direct = wire.batch(), store.read(refs, part=part, ranges=ranges)
         assert rebuilt.equals(direct), trial
         for i, ref in enumerate(refs):  # and both are the samples' own rows
@@ -173,7 +173,7 @@ def test_the_wire_form_rebuilds_the_same_rows_and_ships_shared_pages_once(group,
             got = to_torch(rebuilt.slice(i, 1)).numpy()
             np.testing.assert_array_equal(got, want)
     # Whole samples: the shared prompt's 2 full pages (16 tokens) travel once, not 4 times.
-    wire = read_module.ReadPlan(store, refs).wire("all")
+    wire = store.read_wire(refs)
     routed = sum(len(r) for r, _ in samples.values())
     assert len(wire.routes) == routed - 3 * 16
     assert len(wire.tokens) == routed - 3 * 16  # token ids alike
@@ -185,7 +185,7 @@ def test_the_wire_form_rebuilds_the_same_rows_and_ships_shared_pages_once(group,
 def test_the_wire_form_of_ranges_ships_only_their_tokens(group):
     store, refs, _ = group
     ranges = [[(0, 3), (10, 14)], (2, 5), (12, 22), (0, 0), (4, 9)]
-    wire = read_module.ReadPlan(store, refs).wire("all", ranges)
+    wire = store.read_wire(refs, ranges=ranges)
     # Shared prompt page 0 (tokens 0-7): g0 and g1 need 0-4, sent once (5); shared page 1
     # (8-15): g0 10-13 and g2 12-15 overlap, their union 10-15 (6); g2's own 16-21 (6);
     # "bare" its 4-8 (5). Nothing else.

@@ -52,8 +52,8 @@ def snapshot(store: RoutingStore) -> tuple:
 
 
 def store_ids(store: RoutingStore) -> list[str]:
-    t = store._t
-    return [bytes(t.s_sample_id[s]).decode() for s in store._samples.published().tolist()]
+    t = store._core.tables
+    return [bytes(t.s_sample_id[s]).decode() for s in store._core.samples.published().tolist()]
 
 
 # -- a ref names one put -------------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_put_many_killed_inside_its_publish_stores_none(store):
             os._exit(3)  # not reached
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    assert store._t.dirty  # it died holding the lock, half-way through its publish
+    assert store._core.tables.dirty  # it died holding the lock, half-way through its publish
     assert snapshot(store) == before  # the next locker rolled it back and reclaimed its pages
     assert "req-0" not in store and "req-1" not in store
     store.verify()

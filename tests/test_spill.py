@@ -39,7 +39,7 @@ C = LAYOUTS[0].random_routes(np.random.default_rng(9), 4 * P)
 
 def spilled_serials(store: RoutingStore) -> set[int]:
     """Put serials of the samples in spill files (from the files' names)."""
-    return {int(n[:16], 16) for n in os.listdir(store._spill.dir) if n.endswith(".spill")}
+    return {int(n[:16], 16) for n in os.listdir(store.spill_dir) if n.endswith(".spill")}
 
 
 def make(name, tmp_path, layout=LAYOUTS[0], pages=16, budget=10**7, **kw) -> RoutingStore:
@@ -104,7 +104,7 @@ def test_round_trip_exact(name, tmp_path, layout):
         assert np.array_equal(to_torch(wire.batch()).numpy(), want)
         # Releases remove the files of spilled samples; the store is empty after.
         store.release(refs)
-        assert os.listdir(store._spill.dir) == []
+        assert os.listdir(store.spill_dir) == []
         stats = store.stats()
         assert (stats.samples, stats.samples_spilled, stats.spilled_bytes, stats.pages_used) == (
             0,
@@ -113,7 +113,7 @@ def test_round_trip_exact(name, tmp_path, layout):
             0,
         )
         store.verify()
-        spill_dir = store._spill.dir
+        spill_dir = store.spill_dir
     assert not os.path.exists(spill_dir)  # the owner's unlink removes the directory
 
 
@@ -173,8 +173,8 @@ def test_damaged_files_raise(name, tmp_path):
         a = LAYOUTS[0].random_routes(rng, 3 * P)
         ref = store.put("a", a, token_ids=np.arange(3 * P))
         store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # a goes to disk
-        (file,) = os.listdir(store._spill.dir)
-        path = os.path.join(store._spill.dir, file)
+        (file,) = os.listdir(store.spill_dir)
+        path = os.path.join(store.spill_dir, file)
         data = bytearray(Path(path).read_bytes())
         data[-1] ^= 1  # the last route byte: the last chunk's CRC fails, the first's not
         Path(path).write_bytes(data)
@@ -333,7 +333,7 @@ def test_rollout_of_three_stores_with_slow_trainers(name, tmp_path):
         assert max(s.value for s in spilled) > 20, [s.value for s in spilled]  # it did spill
         stats = store.stats()
         assert (stats.samples, stats.samples_spilled, stats.pages_used) == (0, 0, 0)
-        assert os.listdir(store._spill.dir) == []
+        assert os.listdir(store.spill_dir) == []
         store.verify()
 
 

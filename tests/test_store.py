@@ -200,7 +200,7 @@ def test_pages_of_a_dead_writer_are_reclaimed_whatever_its_pid(name):
         assert store.stats().pages_pending == 5 and "doomed" not in store
         # Its lease record names a pid that a live process has now (this one): liveness is
         # the kernel's lease, which died with the writer, never the pid.
-        store._t.leases["pid"][:] = os.getpid()
+        store._core.tables.leases["pid"][:] = os.getpid()
         assert store.reclaim() == 5
         assert store.stats() == before
         # A live writer's reservation (this process, mid-put) is never reclaimed.
@@ -236,10 +236,10 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
         p = FORK.Process(target=_put_with_the_parents_handle, args=(store, go, done))
         with contextlib.ExitStack() as held:
             if locked_at_fork:  # the child inherits a held thread lock too
-                held.enter_context(store._lock.held("test", time.monotonic() + 60))
+                held.enter_context(store._core.lock.held("test", time.monotonic() + 60))
             p.start()
             if not locked_at_fork:
-                held.enter_context(store._lock.held("test", time.monotonic() + 60))
+                held.enter_context(store._core.lock.held("test", time.monotonic() + 60))
             go.value = 1
             time.sleep(0.5)
             assert not done.value, "the child's put ran while the parent held the lock"
@@ -258,13 +258,13 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
 
 def _die_inside_critical_section(name: str) -> None:
     store = RoutingStore.attach(name)
-    with store._lock.held("test", time.monotonic() + 60) as hold:
+    with store._core.lock.held("test", time.monotonic() + 60) as hold:
         hold.write()
         # Half of a release: refcounts, buckets and the free stack changed, the slot not
         # yet freed. Then death.
-        store._t.p_refcount[:] = 7
-        store._t.page_heads[:] = 3
-        store._t.hdr["free_pages"] = 0
+        store._core.tables.p_refcount[:] = 7
+        store._core.tables.page_heads[:] = 3
+        store._core.tables.hdr["free_pages"] = 0
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -565,7 +565,7 @@ def test_refs_and_handles_of_a_removed_store_are_refused(name):
 
 def _hold_the_lock(name: str, held, go) -> None:
     store = RoutingStore.attach(name)
-    with store._lock.held("test", time.monotonic() + 5):
+    with store._core.lock.held("test", time.monotonic() + 5):
         held.value = 1
         while not go.value:
             time.sleep(0.01)

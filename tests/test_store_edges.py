@@ -47,7 +47,7 @@ def test_with_block_ended_by_an_error_raises_it_and_removes_the_store(name, tmp_
         pytest.raises(Exception) as raised,  # the exact type is checked below
         RoutingStore.create(name, TINY, 8 * P, page_tokens=P, spill_dir=tmp_path) as s,
     ):
-        kept["spill"] = s._spill.dir
+        kept["spill"] = s.spill_dir
         ref = s.put("a", TINY.random_routes(rng, 2 * P), token_ids=np.arange(2 * P))
         if error == "expert id":
             s.put("b", np.full((P, 3, 2), 16))  # 16 experts: ids 0-15
@@ -131,14 +131,14 @@ def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
     gone = RoutingStore.create(name + "-a", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
     for i, pages in enumerate((2, 2, 4)):  # the first two spilled
         gone.put(f"s{i}", TINY.random_routes(rng, pages * P))
-    gone_dir = gone._spill.dir
+    gone_dir = gone.spill_dir
     assert len(os.listdir(gone_dir)) == 2
     os.unlink(segment_path(gone.name))  # /dev/shm wiped: a reboot, a pod restart
     live = RoutingStore.create(name + "-b", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
     live.put("x", TINY.random_routes(rng, 4 * P))
     live.put("y", TINY.random_routes(rng, 2 * P))  # x spilled: live's dir has a file
     # A create with that spill_dir removed the orphan; the live store's stays.
-    assert store_dirs(tmp_path) == [os.path.basename(live._spill.dir)]
+    assert store_dirs(tmp_path) == [os.path.basename(live.spill_dir)]
     foreign = tmp_path / f"rr_{name}-c-{1:016x}"  # not mode 0700: not judged, left alone
     foreign.mkdir(mode=0o755)
     os.chmod(foreign, 0o755)
@@ -150,7 +150,7 @@ def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
     out = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
     assert f"removed {orphan} (no live store owns it)" in out
     assert "removed 1 orphaned spill directory" in out
-    assert store_dirs(tmp_path) == sorted([os.path.basename(live._spill.dir), foreign.name])
+    assert store_dirs(tmp_path) == sorted([os.path.basename(live.spill_dir), foreign.name])
     assert live.get("x").shape == (4 * P, 3, 2)  # its spilled file is still there
     gone.close()
     live.close()
@@ -165,18 +165,18 @@ def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
         a = TINY.random_routes(rng, 2 * P)
         store.put("a", a)
         store.put("b", TINY.random_routes(rng, 4 * P))  # a spilled
-        (file,) = os.listdir(store._spill.dir)
-        path = os.path.join(store._spill.dir, file)
+        (file,) = os.listdir(store.spill_dir)
+        path = os.path.join(store.spill_dir, file)
         os.chmod(path, 0o644)
         with pytest.raises(CorruptStoreError, match="has mode 0644, not 0600"):
             store.get("a")
         os.chmod(path, 0o600)
         assert np.array_equal(store.get("a"), a)
-        os.chmod(store._spill.dir, 0o755)
+        os.chmod(store.spill_dir, 0o755)
         with pytest.raises(StoreFullError, match="not this user's own directory"):
             store.put("c", TINY.random_routes(rng, 4 * P))
         assert "c" not in store
-        os.chmod(store._spill.dir, 0o700)
+        os.chmod(store.spill_dir, 0o700)
         store.put("c", TINY.random_routes(rng, 4 * P))  # spills b
-        assert stat.S_IMODE(os.stat(store._spill.dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(store.spill_dir).st_mode) == 0o700
         store.verify()

@@ -707,7 +707,7 @@ def test_corrupt_error_inside_with_is_raised_not_masked_by_close(name, case):
     poke(segment_path(name), changes() if callable(changes) else changes)
     with pytest.raises(CorruptStoreError, match=message), RoutingStore.attach(name) as store:
         operation(store)
-    assert store._seg.fd == -1  # and __exit__ closed the handle
+    assert store._core.segment.fd == -1  # and __exit__ closed the handle
 
 
 # -- directed damage: what the fuzz meets only now and then ---------------------------------

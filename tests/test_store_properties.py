@@ -224,7 +224,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert stats.tokens_stored == sum(len(r) for r in self.model.values())
         assert stats.pages_used <= stats.pages_total and stats.pages_pending == 0
         free = stats.pages_total - stats.pages_used
-        assert free == int((self.store._t.p_refcount == 0).sum())
+        assert free == int((self.store._core.tables.p_refcount == 0).sum())
         for sid, routes in self.model.items():
             assert np.array_equal(self.store.get(sid), routes)
 

@@ -142,7 +142,8 @@ def test_the_checksum_covers_the_digest(store):
     rng = np.random.default_rng(5)
     routes, tokens = _sample(rng, 5)
     store.put("d", routes, token_ids=tokens)
-    store._t.s_digest[store._samples.find(b"d")] ^= 2  # a flipped bit in shared memory
+    core = store._core
+    core.tables.s_digest[core.samples.find(b"d")] ^= 2  # a flipped bit in shared memory
     with pytest.raises(CorruptStoreError, match="fails its checksum"):
         store.read(["d"])
 

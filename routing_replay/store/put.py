@@ -58,7 +58,7 @@ from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.samples import token_digest
 
 if TYPE_CHECKING:
-    from routing_replay.store.routing_store import RoutingStore, StoreStats
+    from routing_replay.store.core import StoreCore, StoreStats
 
 
 NO_PLAN = SharePlan()
@@ -118,14 +118,14 @@ class PutTransaction:
     """One put of one or more samples into a store: all of them are stored, or none."""
 
     def __init__(
-        self, store: RoutingStore, requests: Sequence[PutRequest], timeout: float | None
+        self, core: StoreCore, requests: Sequence[PutRequest], timeout: float | None
     ) -> None:
-        self.store = store
-        self.timeout = store.put_timeout if timeout is None else timeout
+        self.core = core
+        self.timeout = core.put_timeout if timeout is None else timeout
         if not requests:
             raise InvalidArgumentError("put_many needs at least one PutRequest")
         self.samples = [self._prepare(r) for r in requests]
-        t = store._t
+        t = core.tables
         if len(self.samples) == 1:
             self._twin = [[0] * len(self.samples[0].keys)]
             pages = self.samples[0].num_pages
@@ -145,7 +145,7 @@ class PutTransaction:
                 else f"a put of {len(self.samples)} samples needs up to {pages} pages"
             )
             raise StoreFullError(
-                f"{what}, but store {store.name!r} holds at most {store.capacity_tokens} "
+                f"{what}, but store {core.name!r} holds at most {core.capacity_tokens} "
                 f"tokens ({t.num_pages} pages of {t.page_tokens}) and {t.max_samples} samples "
                 "even when empty: create it with a larger capacity_tokens (and max_samples), "
                 "or put fewer samples at once"
@@ -159,10 +159,10 @@ class PutTransaction:
                 f"put_many takes PutRequest objects, got {type(request).__name__}: "
                 "PutRequest(sample_id, routes, prompt_len=, token_ids=, policy_version=)"
             )
-        store, P = self.store, self.store.page_tokens
+        core, P = self.core, self.core.page_tokens
         sample_id = request.sample_id
         raw_id = sample_id_bytes(sample_id)
-        rows = store.layout.select_moe(request.routes)  # ids are checked at the copy, in cache
+        rows = core.layout.select_moe(request.routes)  # ids are checked at the copy, in cache
         num_tokens = len(rows)
         if num_tokens == 0:
             raise InvalidRoutesError(f"sample {sample_id!r} has no routed tokens")
@@ -178,7 +178,7 @@ class PutTransaction:
             rows=rows,
             tokens=tokens,
             keys=keys,
-            keyed=store._as_stored(rows[:full]),
+            keyed=core.as_stored(rows[:full]),
             prompt_len=prompt_len,
             digest=NO_DIGEST if tokens is None else token_digest(tokens),
             versions=versions,
@@ -192,7 +192,7 @@ class PutTransaction:
         Content only, compared once, outside any lock; `_lay_out` shares a page of the
         earlier sample only where the two chains also agree on the page before it.
         """
-        P = self.store.page_tokens
+        P = self.core.page_tokens
         self._twin: list[list[int]] = []
         heads: dict[tuple[int, int], list[int]] = {}  # (twin of page i-1, key i) -> samples
         for k, s in enumerate(self.samples):
@@ -218,39 +218,39 @@ class PutTransaction:
 
     def run(self) -> list[RoutingRef]:
         """Store every sample and return their refs, in order; on any error, store none."""
-        store = self.store
-        if not store._seg.is_current():
+        core = self.core
+        if not core.segment.is_current():
             raise StoreUnavailableError(
-                f"store {store.name!r} was removed (swept) or re-created since this process "
+                f"store {core.name!r} was removed (swept) or re-created since this process "
                 "attached it: attach again (or call node_store again) and put there"
             )
         deadline = time.monotonic() + self.timeout
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
         resv, wait, token = Reservation(), 0.001, object()
-        samples = store._samples
+        samples = core.samples
         try:
-            store._puts_running.add(token)
+            core.puts_running.add(token)
             while True:
-                with store._lock.held("put.lookup", lock_deadline):
+                with core.lock.held("put.lookup", lock_deadline):
                     self._refuse_duplicates()
-                    plans = [store._prefix.candidates(s.keys) for s in self.samples]
+                    plans = [core.prefix.candidates(s.keys) for s in self.samples]
                 for s, plan in zip(self.samples, plans, strict=True):
-                    s.plan, s.equal = plan, store._prefix.equal_prefix(plan, s.keyed, s.tokens)
-                with store._lock.held("put.reserve", lock_deadline) as hold:
+                    s.plan, s.equal = plan, core.prefix.equal_prefix(plan, s.keyed, s.tokens)
+                with core.lock.held("put.reserve", lock_deadline) as hold:
                     count = self._lay_out()
                     slots = samples.free_count() >= len(self.samples)
                     ok = slots and self._reserve(hold, count, resv)
                 if ok:
                     self._fill(resv.pages)
-                    with store._lock.held("put.publish", lock_deadline) as hold:
+                    with core.lock.held("put.publish", lock_deadline) as hold:
                         if samples.free_count() >= len(self.samples) and all(
-                            store._prefix.valid(s.plan) for s in self.samples
+                            core.prefix.valid(s.plan) for s in self.samples
                         ):
                             return self._publish(hold, resv)
                         # A shared page was released, or the slots taken: again.
-                        store._pages.unreserve(hold, resv)
+                        core.pages.unreserve(hold, resv)
                     continue
-                if slots and store._spill.enabled and store._spill.make_room(count, lock_deadline):
+                if slots and core.spill.enabled and core.spill.make_room(count, lock_deadline):
                     continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:
                     raise self._full_error(count, slots)
@@ -259,26 +259,26 @@ class PutTransaction:
         finally:
             try:
                 if len(resv.pages) and not resv.published:
-                    with store._lock.held("put.unreserve", store._deadline()) as hold:
-                        store._pages.unreserve(hold, resv)
+                    with core.lock.held("put.unreserve", core.deadline()) as hold:
+                        core.pages.unreserve(hold, resv)
             finally:
-                store._puts_running.discard(token)
+                core.puts_running.discard(token)
 
     def _reserve(self, hold: Hold, count: int, resv: Reservation) -> bool:
         """Reserve `count` pages for this writer (under the lock), reclaiming what dead writers
         left if there are too few; False if there are still too few."""
-        store = self.store
-        lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
-        return store._pages.reserve(hold, count, lease, resv) or (
-            reclaim_dead(store, hold, 1) > 0 and store._pages.reserve(hold, count, lease, resv)
+        core = self.core
+        lease = core.leases.take(hold, lambda i: core.pages.reclaim_lease(hold, i))
+        return core.pages.reserve(hold, count, lease, resv) or (
+            reclaim_dead(core, hold, 1) > 0 and core.pages.reserve(hold, count, lease, resv)
         )
 
     def _refuse_duplicates(self) -> None:
         """Raise if a sample id of the put is stored already (under the lock)."""
         for s in self.samples:
-            if self.store._samples.find(s.raw_id) != NO_PAGE:
+            if self.core.samples.find(s.raw_id) != NO_PAGE:
                 raise DuplicateSampleError(
-                    f"sample {s.raw_id.decode()!r} is already in store {self.store.name!r}: "
+                    f"sample {s.raw_id.decode()!r} is already in store {self.core.name!r}: "
                     "release it first, or give every sample a unique id; nothing of this put "
                     "was stored"
                 )
@@ -287,10 +287,10 @@ class PutTransaction:
         """Each sample's final plan and chain (under the reserve lock); returns how many pages
         to reserve. Chains hold published pages, then pages of an earlier sample of this put
         (same content, same page before), then the sample's own new pages."""
-        store, count = self.store, 0
+        core, count = self.core, 0
         for k, s in enumerate(self.samples):
             if s.equal < len(s.plan):  # same tokens, other routes: an equal twin?
-                s.plan = store._prefix.twins(s.plan.prefix(s.equal), s.keys, s.keyed, s.tokens)
+                s.plan = core.prefix.twins(s.plan.prefix(s.equal), s.keys, s.keyed, s.tokens)
             shared = list(s.plan.pages)
             for i in range(len(shared), len(s.keys) if k else 0):
                 earlier = self.samples[self._twin[k][i]]
@@ -307,20 +307,20 @@ class PutTransaction:
         """Copy each sample's new rows (and token ids) into its reserved pages; check ids."""
         for s in self.samples:
             new = reserved[s.local_base : s.local_base + s.num_pages - s.first_new]
-            fill_pages(self.store, new, s.rows, s.tokens, s.first_new * self.store.page_tokens)
-            if s.rows.dtype != self.store.layout.dtype:
+            fill_pages(self.core, new, s.rows, s.tokens, s.first_new * self.core.page_tokens)
+            if s.rows.dtype != self.core.layout.dtype:
                 # Rows byte-equal to shared pages were checked when those were filled,
                 # unless a wider input wrapped onto them.
-                self.store.layout.check_ids(s.rows[: s.first_new * self.store.page_tokens])
+                self.core.layout.check_ids(s.rows[: s.first_new * self.core.page_tokens])
 
     def _publish(self, hold: Hold, resv: Reservation) -> list[RoutingRef]:
         """Commit every sample (under the lock; every plan was just found valid)."""
-        store = self.store
-        t, samples = store._t, store._samples
+        core = self.core
+        t, samples = core.tables, core.samples
         self._refuse_duplicates()  # put meanwhile by another writer
-        if not store._pages.still_mine(resv).all():
+        if not core.pages.still_mine(resv).all():
             raise CorruptStoreError(
-                f"store {store.name!r}: pages this writer reserved were given to another writer"
+                f"store {core.name!r}: pages this writer reserved were given to another writer"
             )
         first = samples.next_serial()
         hold.write()
@@ -333,8 +333,8 @@ class PutTransaction:
                 before = int(chain[s.first_new - 1]) if s.first_new else NO_PAGE
                 t.p_parent[new] = [before, *new[:-1].tolist()]
             for i in range(s.first_new, len(s.keys)):
-                store._prefix.link(int(chain[i]), int(t.p_parent[chain[i]]), s.keys[i])
-            store._pages.reference(chain)
+                core.prefix.link(int(chain[i]), int(t.p_parent[chain[i]]), s.keys[i])
+            core.pages.reference(chain)
             serial = first + n
             samples.publish(
                 samples.take_slot(hold),
@@ -349,8 +349,8 @@ class PutTransaction:
             refs.append(
                 RoutingRef(
                     s.raw_id.decode(),
-                    store.name,
-                    store.node_id,
+                    core.name,
+                    core.node_id,
                     s.num_tokens,
                     None if s.prompt_len < 0 else s.prompt_len,
                     t.store_uid,
@@ -359,12 +359,12 @@ class PutTransaction:
                     serial,
                 )
             )
-        store._pages.publish(resv)
+        core.pages.publish(resv)
         samples.commit(first + len(self.samples))  # the commit point of the whole put
         return refs
 
     def _full_error(self, needed_pages: int, slots: bool) -> StoreFullError:
-        s = self.store.stats()
+        s = self.core.stats()
         what = (
             f"sample {sample_id_str(self.samples[0])!r}"
             if len(self.samples) == 1
@@ -383,7 +383,7 @@ class PutTransaction:
                 f"page{'s' if needed_pages != 1 else ''}"
             )
         return StoreFullError(
-            f"store {self.store.name!r} is full: {need} and none were released within "
+            f"store {self.core.name!r} is full: {need} and none were released within "
             f"{self.timeout:.1f}s; {self._spill_state(s)}nothing of it was stored. Release "
             "consumed samples with store.release(refs), or create the store with a larger "
             f"{'capacity_tokens (or spill_dir and spill_budget)' if slots else 'max_samples'}"
@@ -392,7 +392,7 @@ class PutTransaction:
     def _spill_state(self, s: StoreStats) -> str:
         if not s.spill_budget:
             return ""
-        spill = self.store._spill
+        spill = self.core.spill
         if spill.error is not None:
             return (
                 f"spilling to {spill.dir} failed ({spill.error.strerror or spill.error}: "
@@ -423,7 +423,7 @@ def _token_ids(token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
 
 
 def fill_pages(
-    store: RoutingStore,
+    core: StoreCore,
     new: np.ndarray,
     rows: np.ndarray,
     tokens: np.ndarray | None,
@@ -433,10 +433,10 @@ def fill_pages(
     ids chunk by chunk, right after each copy while it is in cache.
 
     Repeated ids within a top-k are not scanned for here: that scan costs 10-17x the copy
-    in numpy (benchmarks/store.py), and is done exactly where routes come from an engine
+    in numpy (benchmarks/core.py), and is done exactly where routes come from an engine
     (`integrations`) and where they are used (`replay`, the Megatron feed)."""
-    layout, t = store.layout, store._t
-    P, shape = store.page_tokens, rows.shape[1:]
+    layout, t = core.layout, core.tables
+    P, shape = core.page_tokens, rows.shape[1:]
     flat = t.data.reshape(-1)
     page_values = t.data.shape[1]
     step = max(1, CHECK_CHUNK_BYTES // max(1, rows[:1].nbytes))

@@ -49,18 +49,18 @@ from routing_replay.store.refs import (
 from routing_replay.store.spill import SpillFile
 
 if TYPE_CHECKING:
-    from routing_replay.store.routing_store import RoutingStore
+    from routing_replay.store.core import StoreCore
 
 
 class ReadPlan:
     """Where a read's samples are: slots, serials, chains and generations, found under the lock."""
 
-    def __init__(self, store: RoutingStore, sample_ids: Iterable[str | RoutingRef]) -> None:
-        self.store = store
+    def __init__(self, core: StoreCore, sample_ids: Iterable[str | RoutingRef]) -> None:
+        self.core = core
         refs = as_list(sample_ids)
-        check_store(refs, store.name, store.store_uid)
+        check_store(refs, core.name, core.store_uid)
         raw_ids = [sample_id_bytes(r) for r in refs]
-        samples = store._samples
+        samples = core.samples
         self.chains: list[np.ndarray] = []
         self.gens: list[np.ndarray] = []
         self.num_tokens: list[int] = []
@@ -68,8 +68,8 @@ class ReadPlan:
         self.digests: list[int] = []
         self.serials: list[int] = []  # the put each slot held (`resolve` checked the refs')
         spills: list[int] = []
-        with store._lock.held("read.locate", store._deadline()):
-            self.slots = resolve(samples, store.name, refs, raw_ids, "read")
+        with core.lock.held("read.locate", core.deadline()):
+            self.slots = resolve(samples, core.name, refs, raw_ids, "read")
             for s in self.slots:
                 pages, gens, num_tokens, prompt_len = samples.chain(s)
                 self.chains.append(pages)
@@ -99,9 +99,9 @@ class ReadPlan:
     def _open(self, i: int, code: int) -> SpillFile:
         """Map sample `i`'s spill file; if it is gone, the sample was released (or the disk
         was cleaned under the store)."""
-        path = self.store._spill.path(self.serials[i], code)
+        path = self.core.spill.path(self.serials[i], code)
         try:
-            return SpillFile(self.store, path, self.serials[i], self.digests[i], self.num_tokens[i])
+            return SpillFile(self.core, path, self.serials[i], self.digests[i], self.num_tokens[i])
         except FileNotFoundError:
             self.check_unchanged()
             raise CorruptStoreError(
@@ -124,7 +124,7 @@ class ReadPlan:
         """The copies that read `pieces[i]` of every sample `i`, rows back to back: int64
         `[n, 4]` of (row, first token in the rows, first stored token, count); stored token
         `page * P + offset` (one copy per run of consecutive pages)."""
-        P, out, dst = self.store.page_tokens, [], 0
+        P, out, dst = self.core.page_tokens, [], 0
         bases = self._file_bases()
         for i, spans in enumerate(pieces):
             for span in spans:
@@ -146,10 +146,10 @@ class ReadPlan:
         """Raise if a located sample was released (or its pages reused) since it was located."""
         if not self.chains:
             return
-        store, t = self.store, self.store._t
+        core, t = self.core, self.core.tables
         one = len(self.chains) == 1
         pages = self.chains[0] if one else np.concatenate(self.chains)
-        with store._lock.held("read.check", store._deadline()):
+        with core.lock.held("read.check", core.deadline()):
             gens_now = t.p_gen[pages]
             # A released slot's serial is 0: one compare says "still the same put".
             serials_now = t.s_serial[self.slots].tolist()
@@ -164,7 +164,7 @@ class ReadPlan:
 
     def routes(self, part: Part) -> np.ndarray:
         """Sample 0's routes `[T, L, K]` (`layout.signed_dtype`, -1 missing), a copy."""
-        layout = self.store.layout
+        layout = self.core.layout
         span = self.span(0, part)
         stored = np.empty((len(span), layout.values_per_token), dtype=layout.dtype)
         run_copies(self._stored_routes(), stored, self.copies([[span]]))
@@ -174,12 +174,12 @@ class ReadPlan:
     def _stored_routes(self) -> np.ndarray | Rows:
         """Every stored token's ids, `[num_pages * P, L * K]` (a view of the segment), then
         the spilled samples' (at `_file_bases`)."""
-        rows = self.store._t.data.reshape(-1, self.store.layout.values_per_token)
+        rows = self.core.tables.data.reshape(-1, self.core.layout.values_per_token)
         return self._stored(rows, "routes")
 
     def _stored_tokens(self) -> np.ndarray | Rows:
         """`_stored_routes`' token ids, `[*, 1]`."""
-        return self._stored(self.store._t.tokens.reshape(-1, 1), "tokens")
+        return self._stored(self.core.tables.tokens.reshape(-1, 1), "tokens")
 
     def _stored(self, segment: np.ndarray, field: str) -> np.ndarray | Rows:
         """`segment`, or with spilled samples the segment then each file's `field` rows."""
@@ -192,7 +192,7 @@ class ReadPlan:
     def _file_bases(self) -> dict[int, int]:
         """Sample -> where its file's rows start in `_stored_routes`: after the segment's, one
         row apart (a copy or a union of copies never spans two sources)."""
-        at, bases = len(self.store._t.tokens.reshape(-1)) + 1, {}
+        at, bases = len(self.core.tables.tokens.reshape(-1)) + 1, {}
         for i in self.files:
             bases[i] = at
             at += self.num_tokens[i] + 1
@@ -221,7 +221,7 @@ class ReadPlan:
             for i, p in enumerate(self.prompt_lens)
         ]
         return Request(
-            layout=self.store.layout,
+            layout=self.core.layout,
             sample_ids=self.ids,
             num_tokens=np.array([sum(len(r) for r in p) for p in pieces], dtype=np.int64),
             prompt_lens=prompt,
@@ -261,17 +261,17 @@ class SpilledMeanwhile(Exception):
 
 
 def read_settled(
-    store: RoutingStore, sample_ids: Iterable[str | RoutingRef], read: Callable[[ReadPlan], Any]
+    core: StoreCore, sample_ids: Iterable[str | RoutingRef], read: Callable[[ReadPlan], Any]
 ) -> Any:
     """`read(ReadPlan(...))`, again while a sample was spilled under it: each sample spills
     at most once, so this ends."""
     refs = as_list(sample_ids)
     for _ in range(len(refs) + 1):
         try:
-            return read(ReadPlan(store, refs))
+            return read(ReadPlan(core, refs))
         except SpilledMeanwhile:
             continue
-    return read(ReadPlan(store, refs))
+    return read(ReadPlan(core, refs))
 
 
 class Rows:

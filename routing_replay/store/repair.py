@@ -16,39 +16,39 @@ from routing_replay.store.format import LEASE_HELD
 from routing_replay.store.lock import Hold
 
 if TYPE_CHECKING:
-    from routing_replay.store.routing_store import RoutingStore
+    from routing_replay.store.core import StoreCore
 
 
-def repair(store: RoutingStore) -> None:
+def repair(core: StoreCore) -> None:
     """Rebuild every derived table from the published samples (under the lock).
 
     Ground truth: committed slots (each checked against its checksum), page parents,
     generations and reservation tags, and the kernel's leases. Derived: refcounts,
     buckets, free stacks, counters. Pages reserved by live writers stay theirs.
     """
-    t = store._t
-    store._samples.roll_back_uncommitted()  # a publish holding cut short: none of it stays
-    store._spill.finish()  # a spill holding cut short after its commit point
-    published = store._samples.published()
-    chains = [store._samples.chain(int(s))[0] for s in published]
+    t = core.tables
+    core.samples.roll_back_uncommitted()  # a publish holding cut short: none of it stays
+    core.spill.finish()  # a spill holding cut short after its commit point
+    published = core.samples.published()
+    chains = [core.samples.chain(int(s))[0] for s in published]
     flat = np.concatenate(chains) if chains else np.empty(0, dtype=np.int64)
     referenced = np.bincount(flat, minlength=t.num_pages)
     owners = t.p_owner
     keep = np.zeros(t.num_pages, dtype=bool)
     for owner in np.unique(owners[(owners > 0) & (referenced == 0)]).tolist():
         i = owner - 1
-        if i < t.max_writers and t.leases["state"][i] == LEASE_HELD and store._leases.alive(i):
+        if i < t.max_writers and t.leases["state"][i] == LEASE_HELD and core.leases.alive(i):
             keep |= (owners == owner) & (t.p_owner_gen == t.leases["gen"][i])
-    store._pages.rebuild(referenced, keep)
-    store._prefix.rebuild(referenced)
-    store._samples.rebuild(published, chains)
-    store._spill.rebuild()
-    for i in store._leases.dead_holders():
-        store._leases.mark_free(i)
+    core.pages.rebuild(referenced, keep)
+    core.prefix.rebuild(referenced)
+    core.samples.rebuild(published, chains)
+    core.spill.rebuild()
+    for i in core.leases.dead_holders():
+        core.leases.mark_free(i)
     t.set_dirty(False)
 
 
-def reclaim_dead(store: RoutingStore, hold: Hold, puts_of_caller: int) -> int:
+def reclaim_dead(core: StoreCore, hold: Hold, puts_of_caller: int) -> int:
     """Free pages reserved by writers whose lease the kernel dropped, and this handle's
     orphans (under the lock).
 
@@ -58,15 +58,15 @@ def reclaim_dead(store: RoutingStore, hold: Hold, puts_of_caller: int) -> int:
     from inside a put that holds no pages, 0 from `reclaim`); the count of puts in
     flight can only err high, which skips the clean-up, never frees a live put's pages.
     """
-    freed, dead = 0, store._leases.dead_holders()
+    freed, dead = 0, core.leases.dead_holders()
     for i in dead:
         hold.write()
-        freed += store._pages.reclaim_lease(hold, i)
-        store._leases.mark_free(i)
+        freed += core.pages.reclaim_lease(hold, i)
+        core.leases.mark_free(i)
     if dead:
-        store._spill.clean_due = True  # a spiller among them may have left files: cleaned
+        core.spill.clean_due = True  # a spiller among them may have left files: cleaned
         # by the next spill or reclaim(), outside this holding
-    mine = store._leases.mine()
-    if mine is not None and len(store._puts_running) == puts_of_caller:
-        freed += store._pages.reclaim_lease(hold, *mine)
+    mine = core.leases.mine()
+    if mine is not None and len(core.puts_running) == puts_of_caller:
+        freed += core.pages.reclaim_lease(hold, *mine)
     return freed

@@ -1,9 +1,9 @@
 """`RoutingStore`: the per-node shared-memory store of routes, a small facade over its parts.
 
-Life cycle (create, attach, close, unlink) and repair live here; the protocols live in their
-own modules: `put` (`PutTransaction`: one or many samples, all or none), `read` (`ReadPlan`),
-`verify`. Every change happens inside `CommitLock.held` (dirty flag, repair); liveness of
-writers is a kernel lease, never a pid.
+Life cycle (create, attach, close, unlink) lives here; the protocols live in their own
+modules and work on the handle's `StoreCore`: `put` (`PutTransaction`: one or many samples,
+all or none), `read` (`ReadPlan`), `spill`, `repair`, `verify`. Every change happens inside
+`CommitLock.held` (dirty flag, repair); liveness of writers is a kernel lease, never a pid.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
+from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
     DEFAULT_MAX_WRITERS,
@@ -37,7 +37,6 @@ from routing_replay.store.format import (
     MAGIC,
     MAX_PAGE_TOKENS,
     MAX_TABLE,
-    MIN_LOCK_WAIT_S,
     NO_PAGE,
     NO_SERIAL,
     OWNER_LEASE,
@@ -45,10 +44,6 @@ from routing_replay.store.format import (
     pow2_at_least,
     regions,
 )
-from routing_replay.store.leases import Leases
-from routing_replay.store.lock import CommitLock
-from routing_replay.store.pages import PageAllocator
-from routing_replay.store.prefix import PrefixIndex
 from routing_replay.store.put import PutTransaction
 from routing_replay.store.read import WireBatch, read_settled
 from routing_replay.store.refs import (
@@ -61,11 +56,9 @@ from routing_replay.store.refs import (
     resolve,
     sample_id_bytes,
 )
-from routing_replay.store.repair import reclaim_dead, repair
-from routing_replay.store.samples import SampleIndex
+from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.segment import Segment
 from routing_replay.store.spill import (
-    Spiller,
     budget_for,
     make_spill_dir,
     page_file_bytes,
@@ -73,28 +66,8 @@ from routing_replay.store.spill import (
     spill_slots,
     sweep_spill_dirs,
 )
-from routing_replay.store.tables import Tables, initialise
+from routing_replay.store.tables import initialise
 from routing_replay.store.verify import verify
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Capacity and use of a store, in tokens and bytes."""
-
-    capacity_tokens: int
-    page_tokens: int
-    pages_total: int
-    pages_used: int
-    pages_pending: int  # reserved by writers that have not published (or died)
-    samples: int
-    tokens_stored: int  # sum of the samples' token counts
-    bytes_used: int  # page bytes actually held by published samples
-    bytes_unshared: int  # page bytes the same samples would take without sharing
-    dedup_saved_bytes: int
-    segment_bytes: int
-    samples_spilled: int = 0  # samples whose routes are in spill files (among `samples`)
-    spilled_bytes: int = 0  # the size of those files
-    spill_budget: int = 0  # the most they may take; 0: the store does not spill
 
 
 def default_node_id() -> str:
@@ -123,8 +96,8 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
             forget_frames(e)
             raise
         finally:
-            self._lock.settle()
-            self._spill.settle()
+            self._core.lock.settle()
+            self._core.spill.settle()
 
     return call
 
@@ -154,20 +127,20 @@ class RoutingStore:
     # -- life cycle -------------------------------------------------------------------
 
     def __init__(self, segment: Segment, put_timeout: float) -> None:
-        self._seg = segment
-        self._t = Tables(segment.name, segment.mmap)
-        self.put_timeout = put_timeout
-        self.layout = self._t.layout
-        self.node_id = self._t.node_id
-        self.page_tokens = self._t.page_tokens
-        self.capacity_tokens = self._t.num_pages * self.page_tokens
-        self._lock = CommitLock(segment, self._t, lambda: repair(self))
-        self._leases = Leases(segment, self._t)
-        self._pages = PageAllocator(self._t)
-        self._samples = SampleIndex(self._t)
-        self._prefix = PrefixIndex(self._t)
-        self._spill = Spiller(self)
-        self._puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
+        self._core = StoreCore(segment, put_timeout)
+        self.layout = self._core.layout
+        self.node_id = self._core.node_id
+        self.page_tokens = self._core.page_tokens
+        self.capacity_tokens = self._core.capacity_tokens
+
+    @property
+    def put_timeout(self) -> float:
+        """How long a put waits for room (and every call for the lock), in seconds."""
+        return self._core.put_timeout
+
+    @put_timeout.setter
+    def put_timeout(self, seconds: float) -> None:
+        self._core.put_timeout = seconds
 
     @classmethod
     def create(
@@ -296,27 +269,37 @@ class RoutingStore:
     @property
     def name(self) -> str:
         """The store's name (its segment is /dev/shm/rr_<name>)."""
-        return self._seg.name
+        return self._core.segment.name
 
     @property
     def store_uid(self) -> int:
         """Random id of this store's incarnation (refs carry it)."""
-        return self._t.store_uid
+        return self._core.tables.store_uid
+
+    @property
+    def spill_dir(self) -> str:
+        """This store's own directory of spill files under the `spill_dir` it was created
+        with ("": it does not spill)."""
+        return self._core.spill.dir
+
+    @property
+    def _spill(self):  # TODO(issue 31): drop once tests/test_stops.py uses spill_dir
+        return self._core.spill
 
     @property
     def is_owner(self) -> bool:
         """Whether this handle created the store (and so unlinks it)."""
-        return self._seg.owner
+        return self._core.segment.owner
 
     def close(self) -> None:
         """Unmap the store in this process; stored samples stay for other processes."""
-        if self._seg.fd < 0:
+        if self._core.segment.fd < 0:
             return
-        self._t.release_views()
+        self._core.tables.release_views()
         try:
-            self._seg.close()
+            self._core.segment.close()
         except BufferError:
-            self._t.map(self._seg.mmap)  # still open, still usable
+            self._core.tables.map(self._core.segment.mmap)  # still open, still usable
             raise BufferError(
                 f"store {self.name!r} cannot be closed: numpy arrays that view its shared "
                 "memory are still alive (get/read return copies; views come from store "
@@ -325,21 +308,21 @@ class RoutingStore:
 
     def owner_alive(self) -> bool:
         """Whether the process that created this store still holds its owner lease."""
-        return self._leases.owner_alive()
+        return self._core.leases.owner_alive()
 
     def is_current(self) -> bool:
         """Whether this mapping is still the store at its name (not swept or recreated)."""
-        return self._seg.is_current()
+        return self._core.segment.is_current()
 
     def unlink(self) -> None:
         """Remove the segment and its spill files (owner only); processes that mapped it keep
         their view of the segment."""
-        if not self._seg.owner:
+        if not self._core.segment.owner:
             raise RoutingReplayError(
                 f"only the process that created store {self.name!r} unlinks it; call close()"
             )
-        self._seg.unlink()
-        remove_spill_dir(self._spill.dir)
+        self._core.segment.unlink()
+        remove_spill_dir(self._core.spill.dir)
 
     def __enter__(self) -> RoutingStore:
         return self
@@ -348,9 +331,9 @@ class RoutingStore:
         """The owner's block ends: the segment and its spill files go whatever happened; then
         the mapping closes (a failure to close never hides the block's own error)."""
         try:
-            if self._seg.owner:
-                self._seg.unlink()
-                remove_spill_dir(self._spill.dir)
+            if self._core.segment.owner:
+                self._core.segment.unlink()
+                remove_spill_dir(self._core.spill.dir)
         finally:
             try:
                 self.close()
@@ -361,20 +344,15 @@ class RoutingStore:
     def __repr__(self) -> str:
         return f"RoutingStore({self.name!r}, {self.layout}, capacity_tokens={self.capacity_tokens})"
 
-    def _deadline(self, timeout: float | None = None) -> float:
-        """Lock deadline of an operation: its timeout, but never under MIN_LOCK_WAIT_S."""
-        wait = self.put_timeout if timeout is None else timeout
-        return time.monotonic() + max(wait, MIN_LOCK_WAIT_S)
-
     # -- repair -----------------------------------------------------------------------
 
     @store_call
     def reclaim(self) -> int:
         """Free pages reserved by writers that died mid-put (and this handle's orphans), and
         spill files no sample holds; returns how many pages were freed."""
-        with self._lock.held("reclaim", self._deadline()) as hold:
-            freed = reclaim_dead(self, hold, 0)
-        self._spill.clean()
+        with self._core.lock.held("reclaim", self._core.deadline()) as hold:
+            freed = reclaim_dead(self._core, hold, 0)
+        self._core.spill.clean()
         return freed
 
     # -- writing ----------------------------------------------------------------------
@@ -402,7 +380,7 @@ class RoutingStore:
         filters (`routing_replay.ray.split_stale`).
         """
         request = PutRequest(sample_id, routes, prompt_len, token_ids, policy_version)
-        return PutTransaction(self, [request], timeout).run()[0]
+        return PutTransaction(self._core, [request], timeout).run()[0]
 
     @store_call
     def put_many(
@@ -416,13 +394,7 @@ class RoutingStore:
         the put that share a prefix (GRPO's n samples of a prompt, with `token_ids`) store
         its full pages once.
         """
-        return PutTransaction(self, list(requests), timeout).run()
-
-    def _as_stored(self, rows: np.ndarray) -> np.ndarray:
-        """Rows in the stored dtype: the rows themselves when narrow, else a converted copy."""
-        if rows.dtype == self.layout.dtype:
-            return rows
-        return self.layout.convert(rows, np.empty(rows.shape, dtype=self.layout.dtype))
+        return PutTransaction(self._core, list(requests), timeout).run()
 
     # -- releasing --------------------------------------------------------------------
 
@@ -438,17 +410,17 @@ class RoutingStore:
         raw_ids = [sample_id_bytes(s) for s in refs]
         check_distinct(raw_ids, "release")
         files = []
-        with self._lock.held("release", self._deadline()) as hold:
-            found = resolve(self._samples, self.name, refs, raw_ids, "release")
-            chains = [self._samples.chain(s)[0] for s in found]
+        with self._core.lock.held("release", self._core.deadline()) as hold:
+            found = resolve(self._core.samples, self.name, refs, raw_ids, "release")
+            chains = [self._core.samples.chain(s)[0] for s in found]
             hold.write()
             for raw_id, slot, chain in zip(raw_ids, found, chains, strict=True):
-                files.append(self._spill.forget(slot))
-                self._samples.remove(slot, raw_id, len(chain))
-                freed = self._pages.dereference(chain)
+                files.append(self._core.spill.forget(slot))
+                self._core.samples.remove(slot, raw_id, len(chain))
+                freed = self._core.pages.dereference(chain)
                 for p in freed.tolist():
-                    self._prefix.unlink(p)
-                self._pages.push(freed)
+                    self._core.prefix.unlink(p)
+                self._core.pages.push(freed)
         for path in files:
             if path is not None:  # after the commit: a crash here leaves a file `clean` removes
                 with contextlib.suppress(FileNotFoundError):
@@ -459,7 +431,7 @@ class RoutingStore:
     @store_call
     def get(self, sample_id: str | RoutingRef, part: Part = "all") -> np.ndarray:
         """One sample's routes `[T, L, K]` (`layout.signed_dtype`, -1 missing), a copy."""
-        return read_settled(self, [sample_id], lambda plan: plan.routes(part))
+        return read_settled(self._core, [sample_id], lambda plan: plan.routes(part))
 
     @store_call
     def read(
@@ -483,7 +455,7 @@ class RoutingStore:
         page faults of fresh memory. The batch (and `to_torch` of it) are views of `out`:
         do not overwrite it while they are in use.
         """
-        return read_settled(self, sample_ids, lambda plan: plan.batch(part, out, ranges))
+        return read_settled(self._core, sample_ids, lambda plan: plan.batch(part, out, ranges))
 
     @store_call
     def read_wire(
@@ -496,55 +468,29 @@ class RoutingStore:
         """`read` in the form to send to another node: the stored tokens its rows need, each
         once (samples that share pages share them), and the copies that rebuild the rows
         there; `.batch()` is then what `read` returns here, `.nbytes` what travels."""
-        return read_settled(self, sample_ids, lambda plan: plan.wire(part, ranges))
+        return read_settled(self._core, sample_ids, lambda plan: plan.wire(part, ranges))
 
     @store_call
     def __contains__(self, sample_id: object) -> bool:
         """Whether the id is stored (for a ref: whether the very put it names is)."""
         raw_id = sample_id_bytes(sample_id)
-        with self._lock.held("contains", self._deadline()):
-            slot = self._samples.find(raw_id)
+        with self._core.lock.held("contains", self._core.deadline()):
+            slot = self._core.samples.find(raw_id)
             if slot == NO_PAGE:
                 return False
             serial = getattr(sample_id, "serial", NO_SERIAL)
-            return serial in (NO_SERIAL, self._samples.serial(slot))
+            return serial in (NO_SERIAL, self._core.samples.serial(slot))
 
     def __len__(self) -> int:
-        return self._t.counter("samples", self._t.max_samples)
+        return self._core.tables.counter("samples", self._core.tables.max_samples)
 
     @store_call
     def verify(self) -> None:
         """Check every invariant of the shared tables (`routing_replay.store.verify`); raise
         CorruptStoreError on the first break. For tests and `routing-replay ls --verify`."""
-        verify(self)
+        verify(self._core)
 
     @store_call
     def stats(self) -> StoreStats:
         """Capacity, use and prefix-sharing savings (from the header's counters)."""
-        t = self._t
-        with self._lock.held("stats", self._deadline()):
-            used = t.counter("pages_used", t.num_pages)
-            pending = t.counter("pages_reserved", t.num_pages)
-            referenced = t.counter("pages_referenced", MAX_TABLE * t.max_samples)
-            samples = t.counter("samples", t.max_samples)
-            spilled = t.counter("spilled", samples)
-            spilled_bytes = t.counter("spilled_bytes", 1 << 62)
-            in_files = spilled_bytes // self.layout.bytes_per_token
-            tokens = t.counter("tokens", referenced * t.page_tokens + in_files)
-        page_bytes = self.page_tokens * self.layout.bytes_per_token
-        return StoreStats(
-            capacity_tokens=self.capacity_tokens,
-            page_tokens=self.page_tokens,
-            pages_total=t.num_pages,
-            pages_used=used,
-            pages_pending=pending,
-            samples=samples,
-            tokens_stored=tokens,
-            bytes_used=used * page_bytes,
-            bytes_unshared=referenced * page_bytes,
-            dedup_saved_bytes=(referenced - used) * page_bytes,
-            segment_bytes=self._seg.size,
-            samples_spilled=spilled,
-            spilled_bytes=spilled_bytes,
-            spill_budget=self._spill.budget,
-        )
+        return self._core.stats()

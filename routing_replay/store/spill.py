@@ -75,7 +75,7 @@ from routing_replay.store.tables import Tables
 
 if TYPE_CHECKING:
     from routing_replay.layout import RoutingLayout
-    from routing_replay.store.routing_store import RoutingStore
+    from routing_replay.store.core import StoreCore
 
 SPILL_MAGIC = b"RRSPILL1"
 SPILL_SUFFIX = ".spill"
@@ -167,8 +167,8 @@ class SpillFile:
     """One spilled sample's file, mapped read-only: its header checked against the slot it
     was named by, each chunk's CRC-32 checked the first time a read copies from it."""
 
-    def __init__(self, store: RoutingStore, path: str, serial: int, digest: int, num_tokens: int):
-        layout, P = store.layout, store.page_tokens
+    def __init__(self, core: StoreCore, path: str, serial: int, digest: int, num_tokens: int):
+        layout, P = core.layout, core.page_tokens
         self.path, self._P = path, P
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # FileNotFoundError: gone
         try:
@@ -184,7 +184,7 @@ class SpillFile:
         finally:
             os.close(fd)
         head = np.frombuffer(self._map, SPILL_HEADER, 1)[0]
-        want = (SPILL_MAGIC, store.store_uid, serial, digest, num_tokens, P)
+        want = (SPILL_MAGIC, core.store_uid, serial, digest, num_tokens, P)
         got = tuple(
             head[f].item()
             for f in ("magic", "store_uid", "serial", "digest", "num_tokens", "chunk_tokens")
@@ -238,9 +238,9 @@ class Spiller:
     same file. A thread that waits for another's spill then finds the room it made.
     """
 
-    def __init__(self, store: RoutingStore) -> None:
-        self.store = store
-        self.dir, self.budget = store._t.spill_dir, store._t.spill_budget
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+        self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
         self.error: OSError | None = None  # why the last spill could not write, if it failed
         self.clean_due = False  # a dead writer was reclaimed: its files may be left
@@ -274,12 +274,12 @@ class Spiller:
         self._mutex.release_if_mine()
 
     def _spill(self, pages: int, deadline: float) -> bool:
-        store = self.store
-        with store._lock.held("spill.pick", deadline) as hold:
-            needed = pages - store._pages.free_count()
+        core = self.core
+        with core.lock.held("spill.pick", deadline) as hold:
+            needed = pages - core.pages.free_count()
             if needed <= 0:
                 return True  # another writer's spill or release made the room
-            lease = store._leases.take(hold, lambda i: store._pages.reclaim_lease(hold, i))
+            lease = core.leases.take(hold, lambda i: core.pages.reclaim_lease(hold, i))
             victims = self._pick(needed)
         if not victims:
             return False
@@ -297,7 +297,7 @@ class Spiller:
                 self.error = OSError(e.errno, e.strerror, e.filename)
             if not written:
                 return False
-            with store._lock.held("spill.commit", deadline) as hold:
+            with core.lock.held("spill.commit", deadline) as hold:
                 done = self._commit(hold, written, code)
             return done > 0
         finally:
@@ -307,21 +307,21 @@ class Spiller:
     def _pick(self, pages: int) -> list[Victim]:
         """In-memory samples to spill, unread first, oldest put first, until `pages` would be
         free and within the budget (under the lock)."""
-        store, t = self.store, self.store._t
+        core, t = self.core, self.core.tables
         room = self.budget - t.counter("spilled_bytes", 1 << 62)
         slots = np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill == NOT_SPILLED))
         order = np.lexsort((t.s_serial[slots], t.s_flags[slots] & READ))
         left: dict[int, int] = {}  # page -> samples still holding it, once the picks are gone
         victims, freed = [], 0
         for slot in slots[order].tolist():
-            chain, gens, num_tokens, _ = store._samples.chain(slot)
-            digest = store._samples.digest(slot)
-            nbytes = file_bytes(store.layout, store.page_tokens, num_tokens, digest)
+            chain, gens, num_tokens, _ = core.samples.chain(slot)
+            digest = core.samples.digest(slot)
+            nbytes = file_bytes(core.layout, core.page_tokens, num_tokens, digest)
             if nbytes > room:
                 continue
             room -= nbytes
             victims.append(
-                Victim(slot, store._samples.serial(slot), chain, gens, num_tokens, digest, nbytes)
+                Victim(slot, core.samples.serial(slot), chain, gens, num_tokens, digest, nbytes)
             )
             for p in chain.tolist():
                 left[p] = left.get(p, int(t.p_refcount[p])) - 1
@@ -335,21 +335,21 @@ class Spiller:
         a published sample never change, and the commit checks it is still published). A
         file of that name is what an earlier, interrupted spill of this handle left: no slot
         names it (the victim is in memory), so it is overwritten."""
-        store, t, P = self.store, self.store._t, self.store.page_tokens
+        core, t, P = self.core, self.core.tables, self.core.page_tokens
         has = v.digest != NO_DIGEST
-        where = regions(v.num_tokens, has, P, store.layout.bytes_per_token)
-        routes = t.data.reshape(-1, store.layout.values_per_token)
+        where = regions(v.num_tokens, has, P, core.layout.bytes_per_token)
+        routes = t.data.reshape(-1, core.layout.values_per_token)
         tokens = t.tokens.reshape(-1)
         head = np.zeros(1, SPILL_HEADER)
         head[0] = (
             SPILL_MAGIC,
-            store.store_uid,
+            core.store_uid,
             v.serial,
             v.digest,
             v.num_tokens,
             P,
-            store.layout.values_per_token,
-            store.layout.dtype.str.encode(),
+            core.layout.values_per_token,
+            core.layout.dtype.str.encode(),
             has,
         )
         crcs = np.empty(len(v.pages), dtype="<u4")
@@ -376,7 +376,7 @@ class Spiller:
     def _commit(self, hold: Hold, victims: list[Victim], code: int) -> int:
         """Make every victim still the same put, in memory and within the budget a spilled
         sample (under the lock); returns how many."""
-        store, t, samples = self.store, self.store._t, self.store._samples
+        core, t, samples = self.core, self.core.tables, self.core.samples
         done = 0
         for v in victims:
             if (
@@ -391,10 +391,10 @@ class Spiller:
                 raise t.corrupt(f"slot {v.slot}: its chain changed while it was published")
             hold.write()
             mark_spilled(t, v.slot, code)  # the commit point, then what repair can finish
-            freed = store._pages.dereference(pages)
+            freed = core.pages.dereference(pages)
             for p in freed.tolist():
-                store._prefix.unlink(p)
-            store._pages.push(freed)
+                core.prefix.unlink(p)
+            core.pages.push(freed)
             t.add("pages_referenced", -len(pages))
             t.add("spilled", 1)
             t.add("spilled_bytes", v.nbytes)
@@ -404,8 +404,8 @@ class Spiller:
     def _discard(self, victims: list[Victim], code: int, deadline: float) -> None:
         """Remove the files of this attempt that no slot names (under the lock, which first
         finishes a commit an interruption cut short: what is committed is known there)."""
-        t = self.store._t
-        with self.store._lock.held("spill.discard", max(deadline, time.monotonic() + 1)):
+        t = self.core.tables
+        with self.core.lock.held("spill.discard", max(deadline, time.monotonic() + 1)):
             doomed = [
                 self.path(v.serial, code)
                 for v in victims
@@ -423,13 +423,13 @@ class Spiller:
     def forget(self, slot: int) -> str | None:
         """A spilled slot being released: its counters dropped (inside a write); the path to
         remove once the release committed (None: not spilled)."""
-        samples, t = self.store._samples, self.store._t
+        samples, t = self.core.samples, self.core.tables
         code = samples.spill(slot)
         if code == NOT_SPILLED:
             return None
         size = file_bytes(
-            self.store.layout,
-            self.store.page_tokens,
+            self.core.layout,
+            self.core.page_tokens,
             int(t.s_num_tokens[slot]),
             samples.digest(slot),
         )
@@ -445,7 +445,7 @@ class Spiller:
         whose checksum is not yet the spilled one still has the chain it was published with
         (its pages are not reused before the holding ends), checked as put before finishing.
         """
-        t, samples, torn = self.store._t, self.store._samples, 0
+        t, samples, torn = self.core.tables, self.core.samples, 0
         for slot in np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill != NOT_SPILLED)).tolist():
             try:
                 samples.chain(slot)  # the spilled checksum: only chain fields may be left
@@ -457,11 +457,11 @@ class Spiller:
 
     def rebuild(self) -> None:
         """Repair: the spill counters from the published slots."""
-        t, store = self.store._t, self.store
+        t, core = self.core.tables, self.core
         spilled = np.flatnonzero((t.s_state == PUBLISHED) & (t.s_spill != NOT_SPILLED))
         t.hdr["spilled"] = len(spilled)
         t.hdr["spilled_bytes"] = sum(
-            file_bytes(store.layout, store.page_tokens, int(t.s_num_tokens[s]), int(t.s_digest[s]))
+            file_bytes(core.layout, core.page_tokens, int(t.s_num_tokens[s]), int(t.s_digest[s]))
             for s in spilled.tolist()
         )
 
@@ -478,9 +478,9 @@ class Spiller:
             return 0  # no directory (removed), nothing of ours to clean
         if not names:
             return 0
-        t = self.store._t
-        deadline = self.store._deadline() if deadline is None else deadline
-        with self.store._lock.held("spill.clean", deadline):
+        t = self.core.tables
+        deadline = self.core.deadline() if deadline is None else deadline
+        with self.core.lock.held("spill.clean", deadline):
             published = t.s_state == PUBLISHED
             by_serial = dict(
                 zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
@@ -502,7 +502,7 @@ class Spiller:
 
     def _writer_alive(self, code: int) -> bool:
         index, gen = (code >> 32) - 1, code & 0xFFFFFFFF
-        t, leases = self.store._t, self.store._leases
+        t, leases = self.core.tables, self.core.leases
         return (
             0 <= index < t.max_writers
             and t.leases["state"][index] == LEASE_HELD

@@ -11,10 +11,10 @@ from routing_replay.store.format import FIRST_SERIAL, NO_PAGE, NO_SERIAL, NOT_SP
 from routing_replay.store.spill import file_bytes
 
 if TYPE_CHECKING:
-    from routing_replay.store.routing_store import RoutingStore
+    from routing_replay.store.core import StoreCore
 
 
-def verify(store: RoutingStore) -> None:
+def verify(core: StoreCore) -> None:
     """Check every invariant of `store`'s tables; raise CorruptStoreError on the first break.
 
     Every published sample passes its checksum, is findable by id, and holds a committed
@@ -24,8 +24,8 @@ def verify(store: RoutingStore) -> None:
     key; free slots are on the free-slot stack; a spilled sample holds no pages and its
     file is there, whole; the header counters agree.
     """
-    t, samples, prefix = store._t, store._samples, store._prefix
-    with store._lock.held("verify", store._deadline()):
+    t, samples, prefix = core.tables, core.samples, core.prefix
+    with core.lock.held("verify", core.deadline()):
         published = samples.published()
         chains = []
         for s in published.tolist():
@@ -66,9 +66,9 @@ def verify(store: RoutingStore) -> None:
         spilled = published[t.s_spill[published] != NOT_SPILLED]
         spilled_bytes = 0
         for s in spilled.tolist():
-            path = store._spill.path(int(t.s_serial[s]), int(t.s_spill[s]))
+            path = core.spill.path(int(t.s_serial[s]), int(t.s_spill[s]))
             size = file_bytes(
-                store.layout, t.page_tokens, int(t.s_num_tokens[s]), int(t.s_digest[s])
+                core.layout, t.page_tokens, int(t.s_num_tokens[s]), int(t.s_digest[s])
             )
             if t.s_num_pages[s] != 0 or t.s_last_page[s] != NO_PAGE:
                 raise t.corrupt(f"spilled slot {s} still names pages")
