@@ -628,30 +628,15 @@ def run_scenario(scenario: Scenario, mode: str, tmp_path: Any, every: bool) -> N
 
 
 MODES = ["kill", "interrupt"]
-ISSUE_31 = pytest.mark.xfail(reason="issue 31: store fixes pending", strict=True)
+CASES = [(s, m) for s in SCENARIOS for m in MODES]
 
 
-def cases(failing: set[str]) -> list[Any]:
-    """(scenario, mode) pairs; those in `failing` (failing today) marked for issue 31."""
-    return [
-        pytest.param(s, m, id=f"{s}-{m}", marks=[ISSUE_31] if f"{s}-{m}" in failing else [])
-        for s in SCENARIOS
-        for m in MODES
-    ]
-
-
-@pytest.mark.parametrize(
-    ("scenario", "mode"),
-    cases({"spill-kill", "spill-interrupt", "load-interrupt", "release-kill", "release-interrupt"}),
-)
+@pytest.mark.parametrize(("scenario", "mode"), CASES)
 def test_stopped_at_sampled_lines(scenario, mode, tmp_path):
     run_scenario(SCENARIOS[scenario], mode, tmp_path, every=False)
 
 
 @pytest.mark.stress
-@pytest.mark.parametrize(
-    ("scenario", "mode"),
-    cases({"spill-kill", "spill-interrupt", "load-interrupt", "release-kill", "release-interrupt"}),
-)
+@pytest.mark.parametrize(("scenario", "mode"), CASES)
 def test_stopped_at_each_line(scenario, mode, tmp_path):
     run_scenario(SCENARIOS[scenario], mode, tmp_path, every=True)

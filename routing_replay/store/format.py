@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 6  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
-# 6: spill to disk
+VERSION = 7  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
+# 6: spill to disk; 7: a release of several samples commits at one point
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -38,7 +38,7 @@ WRITER_LEASE = LEASE_BASE + 1
 
 NO_PAGE = -1  # also "no slot" and "end of a bucket chain"
 NO_OWNER = 0  # page owner field: 0, or writer lease index + 1
-FREE, PUBLISHED = 0, 1  # slot states
+FREE, PUBLISHED, RELEASING = 0, 1, 2  # slot states (RELEASING: only inside a release holding)
 LEASE_FREE, LEASE_HELD = 0, 1  # lease record states
 NO_DIGEST = 0  # a sample put without token ids
 FIRST_SERIAL = 1  # serials start here
@@ -75,6 +75,9 @@ HEADER_DTYPE = np.dtype(
         ("spill_budget", "<i8"),  # bytes of spill files allowed; 0: the store does not spill
         ("spilled", "<i8"),  # published samples whose routes are in a spill file
         ("spilled_bytes", "<i8"),  # the size of their files
+        # Set inside a release holding once its slots are all RELEASING: the commit point of
+        # the release. Repair frees RELEASING slots if it is set, else publishes them again.
+        ("releasing", "<u4"),
         ("node_id", "S128"),
         ("layout", "S2048"),
         ("spill_dir", f"S{MAX_SPILL_DIR_BYTES}"),  # this store's own directory of spill files

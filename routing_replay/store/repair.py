@@ -27,6 +27,7 @@ def repair(core: StoreCore) -> None:
     buckets, free stacks, counters. Pages reserved by live writers stay theirs.
     """
     t = core.tables
+    core.samples.finish_release()  # a release holding cut short: all of it goes, or none
     core.samples.roll_back_uncommitted()  # a publish holding cut short: none of it stays
     core.spill.finish()  # a spill holding cut short after its commit point
     published = core.samples.published()

@@ -283,10 +283,6 @@ class RoutingStore:
         return self._core.spill.dir
 
     @property
-    def _spill(self):  # TODO(issue 31): drop once tests/test_stops.py uses spill_dir
-        return self._core.spill
-
-    @property
     def is_owner(self) -> bool:
         """Whether this handle created the store (and so unlinks it)."""
         return self._core.segment.owner
@@ -409,18 +405,20 @@ class RoutingStore:
         check_store(refs, self.name, self.store_uid)
         raw_ids = [sample_id_bytes(s) for s in refs]
         check_distinct(raw_ids, "release")
-        files = []
-        with self._core.lock.held("release", self._core.deadline()) as hold:
-            found = resolve(self._core.samples, self.name, refs, raw_ids, "release")
-            chains = [self._core.samples.chain(s)[0] for s in found]
+        core, files = self._core, []
+        with core.lock.held("release", core.deadline()) as hold:
+            found = resolve(core.samples, self.name, refs, raw_ids, "release")
+            chains = [core.samples.chain(s)[0] for s in found]
             hold.write()
+            core.samples.release(found)  # the commit point: then all go, even if cut short
             for raw_id, slot, chain in zip(raw_ids, found, chains, strict=True):
-                files.append(self._core.spill.forget(slot))
-                self._core.samples.remove(slot, raw_id, len(chain))
-                freed = self._core.pages.dereference(chain)
+                files.append(core.spill.forget(slot))
+                core.samples.remove(slot, raw_id, len(chain))
+                freed = core.pages.dereference(chain)
                 for p in freed.tolist():
-                    self._core.prefix.unlink(p)
-                self._core.pages.push(freed)
+                    core.prefix.unlink(p)
+                core.pages.push(freed)
+            core.samples.released()
         for path in files:
             if path is not None:  # after the commit: a crash here leaves a file `clean` removes
                 with contextlib.suppress(FileNotFoundError):

@@ -12,7 +12,8 @@ A publish holding fills the slots of all its samples, then raises the header's
 `next_serial` past their serials: that is the commit point of a put (of one sample or
 many). A holding cut short (its process killed, or an exception) leaves slots whose serial
 is not below `next_serial`; repair frees them, so a batch is stored whole or not at all.
-Setting `state = FREE` is the commit point of a release.
+A release (of one sample or many) marks its slots RELEASING, then sets the header's
+`releasing` flag: that is its commit point, so a release too is whole or not at all.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from routing_replay.store.format import (
     NOT_SPILLED,
     PUBLISHED,
     READ,
+    RELEASING,
     TOKEN_DTYPE,
 )
 from routing_replay.store.lock import Hold
@@ -216,10 +218,32 @@ class SampleIndex:
         t.add("tokens", num_tokens)
         t.add("pages_referenced", len(chain))
 
-    def remove(self, slot: int, raw_id: bytes, num_pages: int) -> None:
-        """Free a published slot (inside a write): the commit point of a release."""
+    def release(self, slots: list[int]) -> None:
+        """Commit to removing published slots, all or none (inside a write): they become
+        RELEASING, then one header write is the commit point; `remove` each, then `released`.
+        Cut short, repair (`finish_release`) frees them all if the commit point was reached,
+        else publishes them all again."""
         t = self._t
-        t.s_state[slot] = FREE  # the commit point
+        t.s_state[slots] = RELEASING
+        t.hdr["releasing"] = 1  # the commit point of the whole release
+
+    def released(self) -> None:
+        """Every slot of the committed release is removed (inside a write)."""
+        self._t.hdr["releasing"] = 0
+
+    def finish_release(self) -> int:
+        """Repair: the slots of a release cut short, freed if it was committed, else published
+        again; returns how many. Safe to stop and run again at any point."""
+        t = self._t
+        doomed = np.flatnonzero(t.s_state == RELEASING)
+        t.s_state[doomed] = FREE if t.hdr["releasing"] else PUBLISHED
+        t.hdr["releasing"] = 0
+        return len(doomed)
+
+    def remove(self, slot: int, raw_id: bytes, num_pages: int) -> None:
+        """Free a slot of a committed release (inside a write)."""
+        t = self._t
+        t.s_state[slot] = FREE
         t.s_serial[slot] = NO_SERIAL  # a reader that located it sees the change
         t.s_spill[slot] = NOT_SPILLED
         t.add("samples", -1)

@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from routing_replay.store.format import FIRST_SERIAL, NO_PAGE, NO_SERIAL, NOT_SPILLED, PUBLISHED
+from routing_replay.store.format import (
+    FIRST_SERIAL,
+    FREE,
+    NO_PAGE,
+    NO_SERIAL,
+    NOT_SPILLED,
+    PUBLISHED,
+)
 from routing_replay.store.spill import file_bytes
 
 if TYPE_CHECKING:
@@ -38,6 +45,8 @@ def verify(core: StoreCore) -> None:
             raise t.corrupt(f"a published serial lies outside [{FIRST_SERIAL}, {next_serial})")
         if len(np.unique(serials)) != len(serials):
             raise t.corrupt("two published samples hold the same put serial")
+        if int(t.hdr["releasing"]) or not np.isin(t.s_state, (FREE, PUBLISHED)).all():
+            raise t.corrupt("a release was left half-done outside its lock holding")
         if (t.s_serial[t.s_state != PUBLISHED] != NO_SERIAL).any():
             raise t.corrupt("a free slot still holds a put serial")
         flat = np.concatenate(chains) if chains else np.empty(0, dtype=np.int64)
