@@ -16,6 +16,7 @@ import pytest
 from routing_replay import (
     CorruptArchiveError,
     Episode,
+    InvalidArgumentError,
     LayoutMismatchError,
     PutRequest,
     RoutingLayout,
@@ -170,6 +171,9 @@ def test_an_empty_selection_loads_nothing(stores, tmp_path):
     assert len(dst) == 0 and dst.stats().pages_used == 0
     with pytest.raises(LayoutMismatchError, match="holds routes of"):  # the layout still counts
         load_routes(path, stores(WIDE), [])
+    with pytest.raises(InvalidArgumentError, match="more than once"):  # one ref twice
+        load_routes(path, dst, [refs[0], refs[1], refs[0]])
+    assert len(dst) == 0
 
 
 def test_token_ids_are_checked_against_their_digest_before_any_put(stores, tmp_path):

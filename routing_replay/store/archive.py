@@ -442,6 +442,8 @@ def load_routes(
         refs = list(refs)
         if not all(isinstance(r, RoutingRef) for r in refs):
             raise InvalidArgumentError("load_routes takes a list of RoutingRefs (or None: all)")
+        if len({r.sample_id for r in refs}) != len(refs):
+            raise InvalidArgumentError("load_routes names a sample more than once; nothing loaded")
     archive = RouteArchive(path)
     archive.check(store.layout, refs)
     if refs is not None and not refs:
