@@ -37,6 +37,7 @@ import asyncio
 import base64
 import binascii
 import collections
+import contextlib
 import functools
 import io
 import numbers
@@ -505,6 +506,16 @@ class VllmRollout(Rollout):
     logprobs: np.ndarray | None = None  # [completion length]
 
 
+def current_or_none(store: RoutingStore | None) -> RoutingStore | None:
+    """A cached handle if it is still the store at its name, else None (closed, if it can
+    be: a handle still viewed by a put of another thread stays mapped until it is done)."""
+    if store is None or store.is_current():
+        return store
+    with contextlib.suppress(BufferError, OSError):
+        store.close()
+    return None
+
+
 class StoreHost:
     """What the vLLM hosts share: the served model's routing layout and the store its routes
     go to (`store_name`: that store, one node, no Ray; else the Ray node store of `job`)."""
@@ -537,6 +548,7 @@ class StoreHost:
         thread (`off_loop`)."""
         if self.store_name is not None:
             with self._attach_lock:
+                self._store = current_or_none(self._store)  # re-created: attach it anew
                 if self._store is None:
                     timeout = {} if self.put_timeout is None else {"put_timeout": self.put_timeout}
                     self._store = RoutingStore.attach(self.store_name, self.layout, **timeout)

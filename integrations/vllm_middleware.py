@@ -59,6 +59,7 @@ from routing_replay import InvalidRoutesError, RoutingRef, RoutingReplayError, R
 from routing_replay.integrations.vllm import (
     RoutesNotStoredError,
     StoreCounts,
+    current_or_none,
     error_text,
     http_choice_put,
     off_loop,
@@ -212,9 +213,11 @@ class RoutesToRefs:
         self._attach_lock = threading.Lock()  # store() runs in the store threads
 
     def store(self) -> RoutingStore:
-        """The store named by `$RR_STORE_NAME`, attached once (blocking: call it off the
-        event loop), with `$RR_PUT_TIMEOUT` as its put timeout when set."""
+        """The store named by `$RR_STORE_NAME`, attached once, and again when the store was
+        removed and created anew (a trainer restarted; blocking: call it off the event
+        loop), with `$RR_PUT_TIMEOUT` as its put timeout when set."""
         with self._attach_lock:
+            self._store = current_or_none(self._store)
             if self._store is None:
                 name = os.environ.get(STORE_ENV)
                 if not name:
