@@ -75,7 +75,9 @@ def reads(tokens: int, directory: str) -> dict:
             refs.append(store.put(f"s{i}", r, token_ids=np.arange(tokens)))
             put_s.append((time.perf_counter() - t, store.stats().samples_spilled > before))
         files = {
-            int(n[:16], 16): os.path.join(store.spill_dir, n) for n in os.listdir(store.spill_dir)
+            int(n[:16], 16): os.path.join(store.spill_dir, n)
+            for n in os.listdir(store.spill_dir)
+            if n.endswith(".spill")
         }
         spilled = [r for r in refs if r.serial in files]
         memory = [r for r in refs if r.serial not in files]

@@ -182,7 +182,7 @@ def check_whole(store: RoutingStore, layout, refs: dict, T: int, spill_root, fai
     if failed is not None:
         assert failed not in store
     assert len(store) == len(refs)
-    files = os.listdir(store_dir(spill_root))
+    files = [f for f in os.listdir(store_dir(spill_root)) if f.endswith(".spill")]
     assert len(files) == store.stats().samples_spilled, f"files left behind: {sorted(files)}"
 
 
@@ -197,12 +197,14 @@ def _efbig_child(name: str, spill_root: str) -> dict:
     import resource
 
     store = RoutingStore.attach(name)
-    files = sorted(os.listdir(store_dir(spill_root)))
+    files = sorted([f for f in os.listdir(store_dir(spill_root)) if f.endswith(".spill")])
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, hard))
     out: dict = {"files_before": files}
     out["put"] = timed_put(store, "x", routes_of(SMALL, "x", 48))._asdict()
-    out["files_after"] = sorted(os.listdir(store_dir(spill_root)))
+    out["files_after"] = sorted(
+        [f for f in os.listdir(store_dir(spill_root)) if f.endswith(".spill")]
+    )
     out["x_stored"] = "x" in store
     out["after_failure"] = state(store)
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again: the limit raised
@@ -305,14 +307,18 @@ def test_spill_directory_removed_between_puts(name, tmp_path):
         store.release(["s0", "s1"])  # lost: released, as the error says
         store.verify()
         if os.path.exists(directory):  # nothing of the failed put was left there
-            assert os.listdir(directory) == []
+            assert [f for f in os.listdir(directory) if f.endswith(".spill")] == []
         # Room again: the directory is back (as the store made it: 0700).
         os.makedirs(directory, 0o700, exist_ok=True)
         store.put("x", routes_of(SMALL, "x", T), timeout=TIMEOUT)
         store.verify()
         for sid in ("s2", "s3", "x"):
             np.testing.assert_array_equal(store.get(sid), routes_of(SMALL, sid, T))
-        assert len(os.listdir(directory)) == store.stats().samples_spilled == 1
+        assert (
+            len([f for f in os.listdir(directory) if f.endswith(".spill")])
+            == store.stats().samples_spilled
+            == 1
+        )
 
 
 # -- create on a full disk ------------------------------------------------------------------
@@ -332,3 +338,38 @@ def test_create_on_a_full_spill_disk_is_refused_clearly(name, tmpfs):
     assert os.listdir(tmpfs) == ["filler"]
     with pytest.raises(StoreUnavailableError):
         RoutingStore.attach(name)
+
+
+# -- a spill disk remounted read-only -----------------------------------------------------------
+
+
+def test_a_release_on_a_read_only_spill_disk_commits_and_its_file_goes_later(name, tmpfs):
+    """ext4 remounts read-only on errors: a release of a spilled sample still commits and
+    returns (its file cannot go yet), and the next spill once the disk is writable again
+    removes it."""
+    T = 16
+    store = RoutingStore.create(  # 5 pages: room for two samples and a half
+        name, SMALL, 2 * T + 8, page_tokens=8, spill_dir=tmpfs, spill_budget=1 << 20
+    )
+    try:
+        for sid in ("s0", "s1", "s2"):
+            store.put(sid, routes_of(SMALL, sid, T))  # s0 spilled
+        assert store.stats().samples_spilled == 1
+        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+        try:
+            store.release(["s0", "s1"])  # no raw OSError: the commit stands
+            assert "s0" not in store and "s1" not in store
+            assert len([f for f in os.listdir(store_dir(tmpfs)) if f.endswith(".spill")]) == 1
+            np.testing.assert_array_equal(store.get("s2"), routes_of(SMALL, "s2", T))
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+        for sid in ("s3", "s4", "s5"):  # spills again: the left file goes on the way
+            store.put(sid, routes_of(SMALL, sid, T))
+        files = [f for f in os.listdir(store_dir(tmpfs)) if f.endswith(".spill")]
+        assert len(files) == store.stats().samples_spilled >= 1  # s0's is gone
+        for sid in ("s2", "s3", "s4", "s5"):
+            np.testing.assert_array_equal(store.get(sid), routes_of(SMALL, sid, T))
+        store.verify()
+    finally:
+        store.close()
+        store.unlink()

@@ -475,7 +475,7 @@ def test_a_spilling_node_store_serves_spilled_samples_to_the_other_node(cluster,
         np.testing.assert_array_equal(routes, sample_routes(i, 96)[40:70])
     assert ray.get(reader.release.remote(refs)) == 8
     (store_dir,) = tmp_path.iterdir()
-    assert list(store_dir.iterdir()) == []
+    assert list(store_dir.glob("*.spill")) == []
     shutdown_node_stores(job)
     assert list(tmp_path.iterdir()) == []  # the owner's unlink removed the store's directory
 

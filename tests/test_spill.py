@@ -104,7 +104,7 @@ def test_round_trip_exact(name, tmp_path, layout):
         assert np.array_equal(to_torch(wire.batch()).numpy(), want)
         # Releases remove the files of spilled samples; the store is empty after.
         store.release(refs)
-        assert os.listdir(store.spill_dir) == []
+        assert [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")] == []
         stats = store.stats()
         assert (stats.samples, stats.samples_spilled, stats.spilled_bytes, stats.pages_used) == (
             0,
@@ -173,7 +173,7 @@ def test_damaged_files_raise(name, tmp_path):
         a = LAYOUTS[0].random_routes(rng, 3 * P)
         ref = store.put("a", a, token_ids=np.arange(3 * P))
         store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # a goes to disk
-        (file,) = os.listdir(store.spill_dir)
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
         path = os.path.join(store.spill_dir, file)
         data = bytearray(Path(path).read_bytes())
         data[-1] ^= 1  # the last route byte: the last chunk's CRC fails, the first's not
@@ -333,7 +333,7 @@ def test_rollout_of_three_stores_with_slow_trainers(name, tmp_path):
         assert max(s.value for s in spilled) > 20, [s.value for s in spilled]  # it did spill
         stats = store.stats()
         assert (stats.samples, stats.samples_spilled, stats.pages_used) == (0, 0, 0)
-        assert os.listdir(store.spill_dir) == []
+        assert [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")] == []
         store.verify()
 
 
@@ -352,3 +352,85 @@ def test_spilled_samples_with_and_without_token_ids_read_together(name, tmp_path
             want = np.concatenate([bare, with_ids, last])
             assert np.array_equal(to_torch(batch).numpy(), want)
             assert batch.column("token_ids").to_pylist() == [None, ids.tolist(), None]
+
+
+# -- a bit flipped at every byte of a spill file --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stride",
+    [pytest.param(1, marks=pytest.mark.stress, id="every-byte"), pytest.param(7, id="sampled")],
+)
+def test_a_flipped_bit_anywhere_in_a_spill_file_raises_or_reads_exactly(name, tmp_path, stride):
+    """Every bit of every byte (every `stride`-th in the fast tier) of a spill file (header,
+    CRCs, token ids, routes) flipped in turn: each read (whole, ranged, wire) of the sample
+    raises CorruptStoreError or returns exactly its routes; never another error, never other
+    routes."""
+    rng = np.random.default_rng(11)
+    with make(name, tmp_path, pages=4) as store:
+        a = LAYOUTS[0].random_routes(rng, 2 * P + 3)
+        store.put("a", a, prompt_len=4, token_ids=np.arange(2 * P + 3))
+        store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # a goes to disk
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        path = os.path.join(store.spill_dir, file)
+        clean = Path(path).read_bytes()
+        outcomes = {"exact": 0, "refused": 0}
+        bad = []
+        for byte in range(0, len(clean), stride):
+            for bit in range(8):
+                data = bytearray(clean)
+                data[byte] ^= 1 << bit
+                Path(path).write_bytes(data)
+                for how, read in (
+                    ("get", lambda: store.get("a")),
+                    ("ranged", lambda: to_torch(store.read(["a"], ranges=[(P, P + 4)])).numpy()),
+                    ("wire", lambda: to_torch(store.read_wire(["a"]).batch()).numpy()),
+                ):
+                    want = a[P : P + 4] if how == "ranged" else a
+                    try:
+                        got = read()
+                    except CorruptStoreError:
+                        outcomes["refused"] += 1
+                        continue
+                    except Exception as e:
+                        bad.append(f"byte {byte} bit {bit} {how}: {type(e).__name__}: {e}")
+                        continue
+                    if np.array_equal(got, want):
+                        outcomes["exact"] += 1
+                    else:
+                        bad.append(f"byte {byte} bit {bit} {how}: other routes")
+        Path(path).write_bytes(clean)
+        assert np.array_equal(store.get("a"), a)
+        assert not bad, f"{len(bad)} bad reads: {bad[:10]}"
+        assert outcomes["refused"] > 0 and outcomes["exact"] > 0, outcomes
+        store.verify()
+
+
+# -- files a releaser killed after its commit left -------------------------------------------
+
+
+def _release_and_die(name: str) -> None:
+    """Release "a" (spilled), and die right after the release committed: before its file
+    goes."""
+    store = RoutingStore.attach(name)
+    with interleave(lambda point: point == "release:drop" and os.kill(os.getpid(), 9)):
+        store.release(["a"])
+    os._exit(3)  # not reached
+
+
+def test_a_file_a_killed_releaser_left_goes_with_the_next_spill(name, tmp_path):
+    rng = np.random.default_rng(12)
+    with make(name, tmp_path, pages=4) as store:
+        store.put("a", LAYOUTS[0].random_routes(rng, 2 * P))
+        store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # a spilled
+        assert len(spilled_serials(store)) == 1
+        p = FORK.Process(target=_release_and_die, args=(name,))
+        p.start()
+        p.join()
+        assert p.exitcode == -signal.SIGKILL
+        assert "a" not in store and len(spilled_serials(store)) == 1  # released, file left
+        c = LAYOUTS[0].random_routes(rng, 4 * P)
+        ref = store.put("c", c)  # spills b, and removes what no sample names
+        assert spilled_serials(store) == {2}  # b's file only (put serial 2)
+        assert np.array_equal(store.get(ref), c) and store.get("b").shape == (4 * P, 3, 2)
+        store.verify()

@@ -27,6 +27,10 @@ at event N:
   calls on its own handle (`stats`, `verify`): another process must not find the store
   wedged. Then the child checks the store through the same handle it was interrupted on,
   and once the child has exited, the parent checks again.
+- nested: the tracer calls the store there, on the same handle and thread, as a signal
+  handler would (`stats()`, a lookup). The nested call runs, or is refused with
+  `StoreBusyError` (raised into the outer call, as a handler's error is), never inside the
+  outer call's change; the sequence goes on or ends in that error; then the same checks.
 
 A check (`check`): `verify()` passes; every sample put before the sequence and not
 released by it reads back exactly (`get` and `read`, routes and token ids, compared with the
@@ -330,7 +334,7 @@ def spill_dir(store: RoutingStore, spill_root: str) -> str:
 def no_leftovers(store: RoutingStore, spill_root: str) -> None:
     """No page reserved, and no spill file but the spilled samples' (verify checks those)."""
     stats = store.stats()
-    files = sorted(os.listdir(spill_dir(store, spill_root)))
+    files = sorted([f for f in os.listdir(spill_dir(store, spill_root)) if f.endswith(".spill")])
     assert stats.pages_pending == 0, f"{stats.pages_pending} pages still reserved"
     assert len(files) == stats.samples_spilled, (
         f"{len(files)} spill files for {stats.samples_spilled} spilled samples: {files}"
@@ -358,13 +362,17 @@ def where(frame: Any) -> str:
 
 class Tracer:
     """Counts 'line' events of package code; at event `stop`, kills this process ("kill"),
-    raises KeyboardInterrupt once ("interrupt"), or only records ("count")."""
+    raises KeyboardInterrupt once ("interrupt"), calls the store as a signal handler would
+    ("nested": `stats()` and a lookup on the same handle, its error raised there as a
+    handler's is), or only records ("count")."""
 
     def __init__(self, mode: str, stop: int, conn: Any) -> None:
         self.mode, self.stop, self.conn = mode, stop, conn
         self.events = 0
         self.lines: list[str] = []  # every event's place ("count")
         self.at: str | None = None  # the stop's place
+        self.store: RoutingStore | None = None  # the handle a "nested" call uses
+        self.inner: str | None = None  # how the nested call ended
 
     def start(self) -> None:
         sys.settrace(self._call)
@@ -383,11 +391,29 @@ class Tracer:
             self.lines.append(where(frame))
         elif n == self.stop:
             self.at = where(frame)
+            if self.mode == "nested":
+                return self._nested()
             if self.mode == "kill":
                 self.conn.send(("stop", self.at))
                 os.kill(os.getpid(), signal.SIGKILL)
             sys.settrace(None)
             raise KeyboardInterrupt  # (an exception from a tracer also ends tracing)
+        return self._line
+
+    def _nested(self) -> Any:
+        sys.settrace(None)  # the handler's own lines are not events of the sequence
+        try:
+            self.store.stats()
+            assert ("g-1" in self.store) is not None
+            self.inner = "ok"
+        except StoreBusyError:
+            self.inner = "StoreBusyError"
+            raise  # into the interrupted line, as a handler's error is
+        except BaseException as e:
+            self.inner = describe(e)
+            raise
+        finally:
+            sys.settrace(self._call)
         return self._line
 
 
@@ -400,6 +426,7 @@ def _child(conn: Any, run: Run) -> None:
         for sample_id in SPEC:
             content(sample_id)  # computed before the trace: no event of the test's own
         store = RoutingStore.attach(run.store.name, put_timeout=PUT_TIMEOUT)
+        tracer.store = store
         for group in scenario.fill:
             put_group(store, group)
         try:
@@ -413,8 +440,13 @@ def _child(conn: Any, run: Run) -> None:
                     conn.send(("spilled", phase, store.stats().samples_spilled))
         except BaseException as e:
             tracer.pause()
-            if tracer.at is None:
-                raise  # not stopped yet: the sequence itself failed
+            if tracer.at is None or (run.mode == "nested" and tracer.inner != "StoreBusyError"):
+                raise  # not stopped yet, or not by the stop: the sequence itself failed
+            if run.mode == "nested":  # refused inside the outer call, which then failed
+                conn.send(("nested", tracer.inner, describe(e)))
+                states, together = scenario.expect(phase)
+                conn.send(("report", *check(store, run.spill_root, states, together, "same")))
+                return
             # Interrupted: the call should end in the KeyboardInterrupt; say if not.
             other = None if type(e) is KeyboardInterrupt else describe(e)
             conn.send(("stopped", phase, tracer.at, other))
@@ -422,6 +454,11 @@ def _child(conn: Any, run: Run) -> None:
             states, together = scenario.expect(phase)
             conn.send(("report", *check(store, run.spill_root, states, together, "same handle")))
         else:
+            if run.mode == "nested":  # the nested call ran, and the sequence to its end
+                conn.send(("nested", tracer.inner, None))
+                states, together = scenario.expect(len(scenario.steps))
+                conn.send(("report", *check(store, run.spill_root, states, together, "same")))
+                return
             conn.send(("done", tracer.events, tracer.lines))
     except BaseException as e:
         tracer.pause()
@@ -538,7 +575,7 @@ def stop_at(
     run = Run(scenario, store, spill_root, archive, mode, stop)
     try:
         run.start()
-        problems = (killed if mode == "kill" else interrupted)(run, at)
+        problems = {"kill": killed, "interrupt": interrupted, "nested": nested}[mode](run, at)
         files = spill_dir(store, spill_root)
         short = {files: "<spill dir>", spill_root: "<spill root>", store.name: "<store>"}
         for long, token in short.items():
@@ -592,6 +629,28 @@ def interrupted(run: Run, at: str) -> list[str]:
     return [*problems, *child_problems, *gone]
 
 
+def nested(run: Run, at: str) -> list[str]:
+    """A store call made at the stop on the same thread (a signal handler's): it runs, or is
+    refused with StoreBusyError, which the outer call then raises; the store stays whole."""
+    msg = run.next()
+    if msg[0] != "nested":
+        return [f"the nested call did not end as allowed: {str(msg)[:300]}"]
+    _, inner, outer = msg
+    problems = []
+    if inner not in ("ok", "StoreBusyError"):
+        problems.append(f"the nested call raised {inner}")
+    if outer is not None and not outer.startswith("StoreBusyError"):
+        problems.append(f"the outer call raised {outer}")
+    msg = run.next()
+    if msg[0] != "report":
+        return [*problems, f"the child's check did not end: {str(msg)[:300]}"]
+    _, child_problems, found = msg
+    run.wait()
+    states = {s: "present" if there else "absent" for s, there in found.items()}
+    gone = check(run.store, run.spill_root, states, [], "another process, child gone")[0]
+    return [*problems, *child_problems, *gone]
+
+
 def stop_points(events: list[str], every: bool) -> list[int]:
     """The stress tier's stop points: each distinct line at its first and second event; the
     default tier's: every STRIDE-th of those."""
@@ -627,7 +686,7 @@ def run_scenario(scenario: Scenario, mode: str, tmp_path: Any, every: bool) -> N
     )
 
 
-MODES = ["kill", "interrupt"]
+MODES = ["kill", "interrupt", "nested"]
 CASES = [(s, m) for s in SCENARIOS for m in MODES]
 
 

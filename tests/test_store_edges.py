@@ -4,6 +4,7 @@ a wiped /dev/shm, and spill files or directories that are not the user's own."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import stat
 import subprocess
@@ -29,6 +30,7 @@ from routing_replay.store.spill import page_file_bytes
 TINY = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
 QWEN = RoutingLayout(num_layers=48, top_k=8, num_experts=128)  # 384 bytes a token
 P = 8
+FORK = mp.get_context("fork")
 
 
 def store_dirs(spill_dir) -> list[str]:
@@ -126,14 +128,23 @@ def test_a_spilling_store_has_slots_for_its_budget(name, tmp_path):
 # -- spill directories that no store owns, and files that are not ours --------------------------
 
 
+def _spill_and_exit(name: str, spill_dir: str) -> None:
+    """Create a spilling store, spill two samples, exit without unlinking (a node that dies)."""
+    rng = np.random.default_rng(3)
+    store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=spill_dir)
+    for i, pages in enumerate((2, 2, 4)):  # the first two spilled
+        store.put(f"s{i}", TINY.random_routes(rng, pages * P))
+    os._exit(0)
+
+
 def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
     rng = np.random.default_rng(3)
-    gone = RoutingStore.create(name + "-a", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
-    for i, pages in enumerate((2, 2, 4)):  # the first two spilled
-        gone.put(f"s{i}", TINY.random_routes(rng, pages * P))
-    gone_dir = gone.spill_dir
-    assert len(os.listdir(gone_dir)) == 2
-    os.unlink(segment_path(gone.name))  # /dev/shm wiped: a reboot, a pod restart
+    child = FORK.Process(target=_spill_and_exit, args=(name + "-a", str(tmp_path)))
+    child.start()
+    child.join()
+    (gone_dir,) = store_dirs(tmp_path)
+    assert len([f for f in os.listdir(tmp_path / gone_dir) if f.endswith(".spill")]) == 2
+    os.unlink(segment_path(name + "-a"))  # /dev/shm wiped: a reboot, a pod restart
     live = RoutingStore.create(name + "-b", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
     live.put("x", TINY.random_routes(rng, 4 * P))
     live.put("y", TINY.random_routes(rng, 2 * P))  # x spilled: live's dir has a file
@@ -142,19 +153,69 @@ def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
     foreign = tmp_path / f"rr_{name}-c-{1:016x}"  # not mode 0700: not judged, left alone
     foreign.mkdir(mode=0o755)
     os.chmod(foreign, 0o755)
-    orphan = tmp_path / f"rr_{name}-d-{2:016x}"  # ours, no segment: swept
+    orphan = tmp_path / f"rr_{name}-d-{2:016x}"  # ours, made over a minute ago, no owner
     orphan.mkdir(mode=0o700)
+    os.utime(orphan, (time.time() - 120, time.time() - 120))
+    young = tmp_path / f"rr_{name}-e-{3:016x}"  # no owner file yet: being made, kept
+    young.mkdir(mode=0o700)
     assert sweep_spill_dirs(tmp_path, dry_run=True) == [str(orphan)]
     assert orphan.exists()
     cli = [sys.executable, "-m", "routing_replay.cli", "sweep", "--spill-dir", str(tmp_path)]
     out = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
     assert f"removed {orphan} (no live store owns it)" in out
     assert "removed 1 orphaned spill directory" in out
-    assert store_dirs(tmp_path) == sorted([os.path.basename(live.spill_dir), foreign.name])
+    kept = [os.path.basename(live.spill_dir), foreign.name, young.name]
+    assert store_dirs(tmp_path) == sorted(kept)
     assert live.get("x").shape == (4 * P, 3, 2)  # its spilled file is still there
-    gone.close()
     live.close()
     live.unlink()
+
+
+def _own_store_elsewhere(name: str, spill_dir: str, shm: str, ready, done) -> None:
+    """A store of another pod: its own shared-memory directory, the same spill_dir."""
+    os.environ["ROUTING_REPLAY_SHM_DIR"] = shm
+    code = f"""
+import sys, numpy as np
+from routing_replay import RoutingLayout, RoutingStore
+store = RoutingStore.create({name!r}, RoutingLayout(num_layers=3, top_k=2, num_experts=16),
+                            16, page_tokens=8, spill_dir={spill_dir!r})
+store.put("a", np.zeros((16, 3, 2), np.int64))
+store.put("b", np.ones((16, 3, 2), np.int64))  # a spilled
+print("ready", flush=True)
+sys.stdin.readline()
+print(store.get("a").sum(), flush=True)
+store.close()
+store.unlink()
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    ready.put(proc.stdout.readline().strip())
+    done.get()
+    out, _ = proc.communicate("go\n", timeout=60)
+    ready.put(out.strip())
+
+
+def test_a_live_store_of_another_pod_keeps_its_spill_dir(name, tmp_path):
+    """Pods with their own /dev/shm sharing one spill disk: a create, and a sweep, here never
+    remove the directory of a store that lives there (its owner holds its lock)."""
+    shm = tmp_path / "other-pod-shm"
+    shm.mkdir()
+    spill = tmp_path / "spill"
+    ready, done = FORK.Queue(), FORK.Queue()
+    pod = FORK.Process(target=_own_store_elsewhere, args=(name, str(spill), str(shm), ready, done))
+    pod.start()
+    assert ready.get(timeout=60) == "ready"
+    (theirs,) = store_dirs(spill)
+    ours = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=spill)  # same name
+    assert sweep_spill_dirs(spill) == []
+    assert theirs in store_dirs(spill)
+    done.put(None)
+    assert ready.get(timeout=60) == "0"  # its spilled sample still read back
+    pod.join(60)
+    assert store_dirs(spill) == [os.path.basename(ours.spill_dir)]
+    ours.close()
+    ours.unlink()
 
 
 def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
@@ -165,7 +226,7 @@ def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
         a = TINY.random_routes(rng, 2 * P)
         store.put("a", a)
         store.put("b", TINY.random_routes(rng, 4 * P))  # a spilled
-        (file,) = os.listdir(store.spill_dir)
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
         path = os.path.join(store.spill_dir, file)
         os.chmod(path, 0o644)
         with pytest.raises(CorruptStoreError, match="has mode 0644, not 0600"):
@@ -180,3 +241,32 @@ def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
         store.put("c", TINY.random_routes(rng, 4 * P))  # spills b
         assert stat.S_IMODE(os.stat(store.spill_dir).st_mode) == 0o700
         store.verify()
+
+
+# -- argument edges ---------------------------------------------------------------------------
+
+
+def test_timeouts_are_checked_and_inf_waits_without_end(name):
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, put_timeout=float("inf")) as s:
+        routes = TINY.random_routes(np.random.default_rng(5), P)
+        s.put("a", routes, timeout=1e10)  # no OverflowError: a wait is at most MAX_WAIT_S
+        assert s.stats().samples == 1 and np.array_equal(s.get("a"), routes)
+        for bad in (float("nan"), -1, "1", True):
+            with pytest.raises(InvalidArgumentError, match="seconds >= 0"):
+                s.put("b", routes, timeout=bad)
+            with pytest.raises(InvalidArgumentError, match="put_timeout"):
+                s.put_timeout = bad
+        assert "b" not in s
+    with pytest.raises(InvalidArgumentError, match="put_timeout"):
+        RoutingStore.create(name, TINY, 4 * P, put_timeout=float("nan"))
+    assert not os.path.exists(segment_path(name))
+
+
+def test_ids_that_are_not_utf8_and_reads_of_no_list_are_refused(name):
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P) as s:
+        with pytest.raises(InvalidArgumentError, match="must be printable"):
+            s.put("a\udc80", TINY.random_routes(np.random.default_rng(6), P))
+        with pytest.raises(InvalidArgumentError, match="an iterable of them"):
+            s.read(None)
+        assert len(s) == 0
+        s.verify()

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import zlib
 from collections import Counter
@@ -40,7 +41,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
+from routing_replay import (
+    PutRequest,
+    RoutingLayout,
+    RoutingStore,
+    StoreUnavailableError,
+    to_torch,
+)
 from routing_replay.store.segment import SHM_DIR, segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)  # 6 bytes a token, uint8
@@ -101,7 +108,7 @@ def spill_files(spill_root: str) -> list[str]:
     """The files in the store's own spill directory (`<spill_dir>/rr_<name>-<uid>`)."""
     dirs = [d for d in os.listdir(spill_root) if d.startswith("rr_")]
     assert len(dirs) == 1, dirs
-    return os.listdir(os.path.join(spill_root, dirs[0]))
+    return [f for f in os.listdir(os.path.join(spill_root, dirs[0])) if f.endswith(".spill")]
 
 
 def run_threads(store: RoutingStore, prefix: str, per_writer: int) -> dict:
@@ -415,3 +422,44 @@ def test_threaded_rollout_actor_and_store_actor_on_ray(tmp_path):
         for path in glob.glob(os.path.join(SHM_DIR, f"rr_{job}.*")):
             os.unlink(path)
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_handle_closed_while_another_thread_calls_it(name):
+    """`close` from one thread while another reads through the same handle (the Ray client
+    closes a dead store's handle this way): close waits for no call in flight, and the reader
+    gets either its routes or `StoreUnavailableError` (closed), never a raw OSError."""
+    layout = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
+    routes = layout.random_routes(np.random.default_rng(0), 64)
+    owner = RoutingStore.create(name, layout, 1024, page_tokens=8)
+    owner.put("a", routes)
+    for _ in range(20):
+        handle = RoutingStore.attach(name)
+        outcomes, started = Counter(), threading.Event()
+
+        def reader(h=handle, seen=outcomes, go=started):
+            while True:
+                go.set()
+                try:
+                    ok = np.array_equal(h.get("a"), routes)
+                    seen["exact" if ok else "wrong"] += 1
+                except StoreUnavailableError:
+                    seen["closed"] += 1
+                    return
+                except Exception as e:
+                    seen[f"{type(e).__name__}: {e}"] += 1
+                    return
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        started.wait()
+        while True:
+            try:
+                handle.close()
+                break
+            except BufferError:  # a call of the reader in flight: again
+                time.sleep(0)
+        thread.join()
+        assert set(outcomes) <= {"exact", "closed"} and outcomes["closed"] == 1, outcomes
+    owner.verify()
+    owner.close()
+    owner.unlink()

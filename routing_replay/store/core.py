@@ -65,6 +65,8 @@ class StoreCore:
         self.prefix = PrefixIndex(self.tables)
         self.spill = Spiller(self)
         self.puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
+        self.calls: dict[object, int] = {}  # store calls in flight: token -> thread ident
+        self.closing = False  # set by close(): calls starting then refuse
 
     def deadline(self, timeout: float | None = None) -> float:
         """Lock deadline of an operation: its timeout, but never under MIN_LOCK_WAIT_S."""

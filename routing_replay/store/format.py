@@ -29,6 +29,7 @@ DEFAULT_PAGE_TOKENS = 128
 DEFAULT_PUT_TIMEOUT_S = 30.0
 DEFAULT_MAX_WRITERS = 1024
 MIN_LOCK_WAIT_S = 1.0  # a put with timeout=0 still waits this long for the lock
+MAX_WAIT_S = 1e8  # the longest wait (3 years): `inf` means this
 CHECK_CHUNK_BYTES = 1 << 18  # put copies and checks ids in chunks that stay in L2
 ATTACH_WAIT_S = 5.0
 
@@ -78,6 +79,9 @@ HEADER_DTYPE = np.dtype(
         # Set inside a release holding once its slots are all RELEASING: the commit point of
         # the release. Repair frees RELEASING slots if it is set, else publishes them again.
         ("releasing", "<u4"),
+        # A hint, set without the dirty flag: spill files no sample names may be left (a
+        # releaser or spiller died before removing them); the next spill's `clean` looks.
+        ("spill_garbage", "<u4"),
         ("node_id", "S128"),
         ("layout", "S2048"),
         ("spill_dir", f"S{MAX_SPILL_DIR_BYTES}"),  # this store's own directory of spill files

@@ -26,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from routing_replay.errors import StoreBusyError
+from routing_replay.store.calls import calls_running
 from routing_replay.store.segment import Segment, fork_epoch
 from routing_replay.store.tables import Tables
 
@@ -61,14 +63,24 @@ class Mutex:
     def __init__(self) -> None:
         self._lock, self._epoch = threading.RLock(), fork_epoch()
 
-    def acquire(self, deadline: float) -> bool:
-        """Take it by `deadline` (time.monotonic); True at once if this thread holds it
-        already: only a call cut short leaves it so, and that call is over."""
+    def acquire(self, deadline: float, store: str) -> bool:
+        """Take it by `deadline` (time.monotonic). If this thread holds it already, either a
+        store call cut short left it so and is over (then it is ours again at once), or
+        this is a store call made inside one that holds it (a signal handler, a finalizer):
+        refused, never run inside the outer call's change."""
         if self._epoch != fork_epoch():
             self._lock, self._epoch = threading.RLock(), fork_epoch()
-        if self._lock._is_owned():
+        if self._lock._is_owned():  # CPython's RLock, what threading.Condition uses
+            if calls_running(sys._getframe(1)) > 1:
+                raise StoreBusyError(
+                    f"store {store!r} was called from inside another call of it on the same "
+                    "thread (a signal handler, a finalizer or a trace hook that uses the "
+                    "store): the inner call is refused. Call the store from the program's "
+                    "own flow, or from another thread"
+                )
             return True
-        return self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
+        wait = min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)
+        return self._lock.acquire(timeout=wait)
 
     def release(self) -> None:
         self._lock.release()
@@ -80,7 +92,8 @@ class Mutex:
     def release_if_mine(self) -> None:
         """Release it if this thread holds it."""
         if self.owned():
-            self._lock.release()
+            with contextlib.suppress(RuntimeError):  # released meanwhile by the same thread
+                self._lock.release()
 
 
 class Hold:
@@ -104,7 +117,7 @@ class Hold:
         lock = self._lock
         if _hook is not None:
             _hook(f"{self._point}:take")
-        if not lock._mutex.acquire(self._deadline):
+        if not lock._mutex.acquire(self._deadline, lock._tables.name):
             raise lock._busy(self._deadline)
         try:
             lock._take(self._deadline)

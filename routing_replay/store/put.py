@@ -53,6 +53,7 @@ from routing_replay.store.refs import (
     policy_spans,
     prompt_len_value,
     sample_id_bytes,
+    timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.samples import token_digest
@@ -121,7 +122,7 @@ class PutTransaction:
         self, core: StoreCore, requests: Sequence[PutRequest], timeout: float | None
     ) -> None:
         self.core = core
-        self.timeout = core.put_timeout if timeout is None else timeout
+        self.timeout = core.put_timeout if timeout is None else timeout_seconds(timeout)
         if not requests:
             raise InvalidArgumentError("put_many needs at least one PutRequest")
         self.samples = [self._prepare(r) for r in requests]

@@ -10,6 +10,7 @@ takes refs instead of reading or releasing the new sample.
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from routing_replay.errors import (
 from routing_replay.store.format import (
     FORBIDDEN_ID_CHARS,
     MAX_SAMPLE_ID_BYTES,
+    MAX_WAIT_S,
     NO_DIGEST,
     NO_PAGE,
     NO_SERIAL,
@@ -85,9 +87,13 @@ def sample_id_bytes(sample_id: Any) -> bytes:
         sample_id = sample_id.sample_id
     if not isinstance(sample_id, str) or not sample_id:
         raise InvalidArgumentError(f"sample_id must be a non-empty str, got {sample_id!r}")
-    raw = sample_id.encode()
+    try:
+        raw = sample_id.encode()
+    except UnicodeEncodeError:  # a lone surrogate: not UTF-8
+        raw = b""
     if (
-        len(raw) > MAX_SAMPLE_ID_BYTES
+        not raw
+        or len(raw) > MAX_SAMPLE_ID_BYTES
         or not sample_id.isprintable()
         or not _ID_SAFE.isdisjoint(sample_id)
     ):
@@ -155,7 +161,27 @@ def as_list(sample_ids: Iterable[str | RoutingRef] | str | RoutingRef) -> list[A
     """One id or ref, or many, as a list."""
     if isinstance(sample_ids, (str, RoutingRef)):
         return [sample_ids]
-    return list(sample_ids)
+    try:
+        return list(sample_ids)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"sample ids must be an id or ref, or an iterable of them, got {sample_ids!r}"
+        ) from None
+
+
+def timeout_seconds(value: Any, what: str = "timeout") -> float:
+    """A wait in seconds, checked: a number >= 0; `inf` (or anything longer than
+    MAX_WAIT_S) waits MAX_WAIT_S, which is without end in practice."""
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, numbers.Real)
+        or math.isnan(value)
+        or value < 0
+    ):
+        raise InvalidArgumentError(
+            f"{what} must be a number of seconds >= 0 (inf: no limit), got {value!r}"
+        )
+    return min(float(value), MAX_WAIT_S)
 
 
 def check_distinct(raw_ids: list[bytes], action: str) -> None:

@@ -65,8 +65,7 @@ def reclaim_dead(core: StoreCore, hold: Hold, puts_of_caller: int) -> int:
         freed += core.pages.reclaim_lease(hold, i)
         core.leases.mark_free(i)
     if dead:
-        core.spill.clean_due = True  # a spiller among them may have left files: cleaned
-        # by the next spill or reclaim(), outside this holding
+        core.tables.hdr["spill_garbage"] = 1  # a spiller among them may have left files
     mine = core.leases.mine()
     if mine is not None and len(core.puts_running) == puts_of_caller:
         freed += core.pages.reclaim_lease(hold, *mine)

@@ -9,12 +9,11 @@ all or none), `read` (`ReadPlan`), `spill`, `repair`, `verify`. Every change hap
 from __future__ import annotations
 
 import contextlib
-import functools
 import numbers
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
+from routing_replay.store.calls import others_in_flight, store_call
 from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
@@ -55,6 +55,7 @@ from routing_replay.store.refs import (
     check_store,
     resolve,
     sample_id_bytes,
+    timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.segment import Segment
@@ -80,54 +81,13 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{boot}"
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A public store call: it ends with this thread's holdings settled (an interruption can
-    cut one short anywhere, even in the code that ends it) and, if it raises, with no frame
-    of ours in the error keeping views of the segment (which would keep it from closing)."""
-
-    @functools.wraps(method)
-    def call(self: RoutingStore, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except BaseException as e:
-            forget_frames(e)
-            raise
-        finally:
-            self._core.lock.settle()
-            self._core.spill.settle()
-
-    return call
-
-
-def forget_frames(error: BaseException) -> None:
-    """Clear the locals of routing_replay's frames that `error` (and the errors chained to
-    it) carry: the frames are done, and their locals may view the segment. Frames still
-    running, the caller's among them, are left as they are."""
-    todo, seen = [error], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
-                with contextlib.suppress(RuntimeError):  # a frame still running
-                    tb.tb_frame.clear()
-            tb = tb.tb_next
-        todo += [e.__cause__, e.__context__]
-
-
 class RoutingStore:
     """Per-node shared-memory store of routes: `create` by the owner, `attach` by others."""
 
     # -- life cycle -------------------------------------------------------------------
 
     def __init__(self, segment: Segment, put_timeout: float) -> None:
-        self._core = StoreCore(segment, put_timeout)
+        self._core = StoreCore(segment, timeout_seconds(put_timeout, "put_timeout"))
         self.layout = self._core.layout
         self.node_id = self._core.node_id
         self.page_tokens = self._core.page_tokens
@@ -140,7 +100,7 @@ class RoutingStore:
 
     @put_timeout.setter
     def put_timeout(self, seconds: float) -> None:
-        self._core.put_timeout = seconds
+        self._core.put_timeout = timeout_seconds(seconds, "put_timeout")
 
     @classmethod
     def create(
@@ -164,6 +124,7 @@ class RoutingStore:
         `spill_budget` bytes (default: half the disk's free space); reads of spilled samples
         map their files. The store's files live in a directory of their own, removed with it.
         """
+        timeout_seconds(put_timeout, "put_timeout")
         for what, value, hi in (
             ("capacity_tokens", capacity_tokens, MAX_TABLE * MAX_PAGE_TOKENS),
             ("page_tokens", page_tokens, MAX_PAGE_TOKENS),
@@ -215,15 +176,19 @@ class RoutingStore:
             "layout": layout_json,
         }
         seg = Segment.create(name, offsets["end"], OWNER_LEASE)
-        spill_path = ""
+        spill_path, owner_fd = "", -1
         try:
-            if spill_root:  # after the segment: a directory without one is an orphan
-                spill_path = make_spill_dir(spill_root, name, uid)
+            if spill_root:  # after the segment: a directory whose store is gone is an orphan
+                spill_path, owner_fd = make_spill_dir(spill_root, name, uid)
             initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
-            return cls(seg, put_timeout)
+            store = cls(seg, put_timeout)
+            store._core.spill.owner_fd, owner_fd = owner_fd, -1
+            return store
         except BaseException:
             seg.unlink()  # nothing half-made stays behind
             remove_spill_dir(spill_path)
+            if owner_fd >= 0:
+                os.close(owner_fd)
             raise
 
     @classmethod
@@ -289,13 +254,26 @@ class RoutingStore:
 
     def close(self) -> None:
         """Unmap the store in this process; stored samples stay for other processes."""
-        if self._core.segment.fd < 0:
+        core = self._core
+        if core.segment.fd < 0:
             return
+        core.closing = True  # calls starting now refuse; those in flight may end
+        deadline = core.deadline()
+        while others_in_flight(core.calls):
+            if time.monotonic() >= deadline:
+                core.closing = False
+                raise BufferError(
+                    f"store {self.name!r} cannot be closed: another thread is inside a call "
+                    "of this handle. Close it once that call returned"
+                )
+            time.sleep(0.001)
         self._core.tables.release_views()
         try:
             self._core.segment.close()
+            core.spill.close()
         except BufferError:
             self._core.tables.map(self._core.segment.mmap)  # still open, still usable
+            core.closing = False
             raise BufferError(
                 f"store {self.name!r} cannot be closed: numpy arrays that view its shared "
                 "memory are still alive (get/read return copies; views come from store "
@@ -420,8 +398,8 @@ class RoutingStore:
                 core.pages.push(freed)
             core.samples.released()
         for path in files:
-            if path is not None:  # after the commit: a crash here leaves a file `clean` removes
-                with contextlib.suppress(FileNotFoundError):
+            if path is not None:  # after the commit: a stop here, or a disk that refuses (a
+                with contextlib.suppress(OSError):  # read-only remount), leaves it to `clean`
                     os.unlink(path)
 
     # -- reading ----------------------------------------------------------------------

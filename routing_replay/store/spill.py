@@ -33,6 +33,7 @@ taken by a put) sees the pages' generations change and reads again (`ReadPlan`).
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -54,7 +55,6 @@ from routing_replay.store.format import (
     NO_DIGEST,
     NO_PAGE,
     NOT_SPILLED,
-    OWNER_LEASE,
     PAGE_DTYPE,
     PUBLISHED,
     READ,
@@ -67,7 +67,6 @@ from routing_replay.store.prefix import runs
 from routing_replay.store.samples import EMPTY, checksum
 from routing_replay.store.segment import (
     is_store_name,
-    lease_held,
     segment_path,
     untrusted_reason,
 )
@@ -95,6 +94,9 @@ SPILL_HEADER = np.dtype(
 _NAME = re.compile(r"^([0-9a-f]{16})-([0-9a-f]{16})\.spill$")
 _DIR_NAME = re.compile(r"^rr_(.+)-([0-9a-f]{16})$")
 DIR_MODE, FILE_MODE = 0o700, 0o600  # a store's spill directory and files: this user's only
+CLEAN_EVERY_S = 5.0  # a handle looks for files left behind at most this often
+OWNER_FILE = "owner.lock"  # in a store's directory: its owner holds a flock on it
+HALF_MADE_S = 60.0  # a store directory without its owner file is being made for this long
 
 
 def spill_name(serial: int, code: int) -> str:
@@ -192,7 +194,7 @@ class SpillFile:
         if (
             got != want
             or head["values_per_token"] != layout.values_per_token
-            or head["dtype"].decode() != layout.dtype.str
+            or bytes(head["dtype"]) != layout.dtype.str.encode()
         ):
             raise self._corrupt(f"header {got} is not put #{serial} of this store")
         n_chunks = -(-num_tokens // P)
@@ -243,7 +245,8 @@ class Spiller:
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
         self.error: OSError | None = None  # why the last spill could not write, if it failed
-        self.clean_due = False  # a dead writer was reclaimed: its files may be left
+        self._cleaned = -CLEAN_EVERY_S  # when this handle last cleaned (time.monotonic)
+        self.owner_fd = -1  # the owner's: its lock on the directory (`make_spill_dir`)
 
     @property
     def enabled(self) -> bool:
@@ -259,14 +262,21 @@ class Spiller:
         some (try again), False if nothing could be spilled: nothing in memory, the budget
         spent, or the disk failed (`self.error`). Writing stops at `deadline` after the first
         victim."""
-        if not self._mutex.acquire(deadline):
+        if not self._mutex.acquire(deadline, self.core.name):
             return False  # another thread of this handle spills, past our deadline
         try:
-            if self.clean_due:
+            due = time.monotonic() - self._cleaned >= CLEAN_EVERY_S
+            if due and self.core.tables.hdr["spill_garbage"]:
                 self.clean(deadline)
             return self._spill(pages, deadline)
         finally:
             self._mutex.release_if_mine()
+
+    def close(self) -> None:
+        """The handle closes: the owner's directory lock goes with it."""
+        if self.owner_fd >= 0:
+            os.close(self.owner_fd)
+            self.owner_fd = -1
 
     def settle(self) -> None:
         """At the end of a store call: release the spill mutex if an interruption left this
@@ -435,6 +445,7 @@ class Spiller:
         )
         t.add("spilled", -1)
         t.add("spilled_bytes", -size)
+        t.hdr["spill_garbage"] = 1  # until the releaser has removed the file
         return self.path(samples.serial(slot), code)
 
     def finish(self) -> int:
@@ -469,7 +480,7 @@ class Spiller:
         """Remove spill files no slot names whose writer is dead or whose sample is gone;
         returns how many. The directory is listed and the files removed outside the lock:
         a file judged so under it can never be named again."""
-        self.clean_due = False
+        self._cleaned = time.monotonic()
         if not self.enabled:
             return 0
         try:
@@ -481,6 +492,7 @@ class Spiller:
         t = self.core.tables
         deadline = self.core.deadline() if deadline is None else deadline
         with self.core.lock.held("spill.clean", deadline):
+            t.hdr["spill_garbage"] = 0  # what is left now is judged here
             published = t.s_state == PUBLISHED
             by_serial = dict(
                 zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
@@ -553,13 +565,22 @@ def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | No
     return free // 2 if budget is None else budget
 
 
-def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> str:
-    """Create a new store's own spill directory (private to this user), once its segment
-    exists (`sweep_spill_dirs` treats a directory without one as orphaned); its path."""
+def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]:
+    """Create a new store's own spill directory (private to this user) and take its owner
+    lock: a flock on `OWNER_FILE` in it, which the kernel drops when the owner dies, seen
+    by every process of the host whatever its /dev/shm (`sweep_spill_dirs` judges by it).
+    Returns the path and the lock's descriptor, for the owner to keep open."""
     path = store_spill_dir(spill_dir, name, store_uid)
     os.mkdir(path, DIR_MODE)
-    os.chmod(path, DIR_MODE)  # whatever the umask
-    return path
+    try:
+        os.chmod(path, DIR_MODE)  # whatever the umask
+        flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(os.path.join(path, OWNER_FILE), flags, FILE_MODE)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+    except BaseException:
+        remove_spill_dir(path)
+        raise
+    return path, fd
 
 
 def check_dir(path: str) -> None:
@@ -581,10 +602,13 @@ def check_dir(path: str) -> None:
 def sweep_spill_dirs(
     spill_dir: str | os.PathLike, *, dead_owners: bool = True, dry_run: bool = False
 ) -> list[str]:
-    """Remove the store directories under `spill_dir` that no live store on this node owns:
-    no segment of that name (a wiped /dev/shm, a reboot), one of another incarnation, or
-    (`dead_owners`) one whose owner is dead. Only this user's own (mode 0700) directories
-    are judged. Returns the paths removed (with `dry_run`: that would be)."""
+    """Remove the store directories under `spill_dir` whose owner is dead (its lock in the
+    directory is free): with `dead_owners=False` only those no store of this node names
+    any more (no segment of that name, a wiped /dev/shm, a reboot; or one of another
+    incarnation), so that processes still reading a dead owner's store keep its files.
+    A directory shared with other hosts or pods keeps their live stores' directories: their
+    owners hold their locks. Only this user's own (mode 0700) directories are judged.
+    Returns the paths removed (with `dry_run`: that would be)."""
     try:
         entries = list(os.scandir(spill_dir))
     except OSError:
@@ -598,29 +622,52 @@ def sweep_spill_dirs(
             check_dir(entry.path)
         except OSError:
             continue  # not ours to judge
-        if _orphaned(m.group(1), int(m.group(2), 16), dead_owners):
+        if _owner_dead(entry.path) and (
+            dead_owners or not _named_here(m.group(1), int(m.group(2), 16))
+        ):
             if not dry_run:
                 remove_spill_dir(entry.path)
             removed.append(entry.path)
     return removed
 
 
-def _orphaned(name: str, store_uid: int, dead_owners: bool) -> bool:
-    """Whether no live store on this node owns the directory of store `name` incarnation
-    `store_uid` (a half-made store, still without its header, owns it)."""
+def _owner_dead(path: str) -> bool:
+    """Whether the owner lock of a store directory is free (a directory without one, of a
+    store being created, counts as owned for a minute)."""
     try:
-        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return True
+        try:
+            return time.time() - os.lstat(path).st_mtime > HALF_MADE_S
+        except OSError:
+            return False
     except OSError:
         return False  # something we cannot judge: left alone
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (drops the lock if we took it)
+    return True
+
+
+def _named_here(name: str, store_uid: int) -> bool:
+    """Whether this node's shared memory holds store `name` of incarnation `store_uid` (or a
+    store of that name still being created)."""
+    try:
+        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # something we cannot judge: left alone
+    try:
         raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
         if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
-            return False  # being created
-        if int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"]) != store_uid:
-            return True
-        return dead_owners and not lease_held(fd, OWNER_LEASE)
+            return True  # being created
+        return int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"]) == store_uid
     finally:
         os.close(fd)
 
@@ -632,8 +679,10 @@ def remove_spill_dir(path: str) -> None:
 
 
 def _unlink(path: str) -> int:
+    """Remove a file no slot names; 0 if it is gone, or cannot go now (a read-only or
+    failing disk): `clean` tries again later."""
     try:
         os.unlink(path)
         return 1
-    except FileNotFoundError:
+    except OSError:
         return 0

@@ -1,0 +1,96 @@
+"""The boundary of every public store call: what an interruption or an error leaves behind.
+
+`store_call` wraps each public method of `RoutingStore`. Around the method it
+
+- counts the call as in flight on the handle, so that `close` never unmaps (and frees the
+  descriptors of) a handle another thread is using;
+- at the end, settles this thread's holdings of the handle's locks: an interruption can cut
+  a holding short anywhere, even in the code that ends it;
+- on an error, clears the locals of the package's finished frames the error carries: they
+  may view the segment, and a view would keep the store from closing.
+
+A store call made while another runs on the same thread (a signal handler, a finalizer or a
+trace hook calling the store) settles nothing: it is nested (`calls_running`), and one that
+needs a lock the outer call holds is refused (`Mutex.acquire`) instead of running inside
+the outer call's change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from routing_replay.errors import StoreUnavailableError
+
+if TYPE_CHECKING:
+    from routing_replay.store.routing_store import RoutingStore
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a public `RoutingStore` method (see the module's docstring)."""
+
+    @functools.wraps(method)
+    def call(self: RoutingStore, *args: Any, **kwargs: Any) -> Any:
+        core = self._core
+        nested = calls_running(sys._getframe(1)) > 0
+        token = object()
+        try:
+            core.calls[token] = threading.get_ident()
+            if core.closing:
+                raise StoreUnavailableError(f"store {core.name!r} is closed in this process")
+            return method(self, *args, **kwargs)
+        except BaseException as e:
+            forget_frames(e)
+            raise
+        finally:
+            core.calls.pop(token, None)
+            if not nested:
+                core.lock.settle()
+                core.spill.settle()
+
+    _CALLS.add(call.__code__)
+    return call
+
+
+_CALLS: set[Any] = set()  # the code of `store_call`'s wrapper
+
+
+def calls_running(frame: Any) -> int:
+    """How many store calls are running at `frame` and below it, on this thread's stack."""
+    count = 0
+    while frame is not None:
+        count += frame.f_code in _CALLS
+        frame = frame.f_back
+    return count
+
+
+def others_in_flight(calls: dict[object, int]) -> bool:
+    """Whether a thread other than this one (and alive) is inside a call of a handle."""
+    me, alive = threading.get_ident(), {t.ident for t in threading.enumerate()}
+    return any(ident != me and ident in alive for ident in list(calls.values()))
+
+
+def forget_frames(error: BaseException) -> None:
+    """Clear the locals of routing_replay's frames that `error` (and the errors chained to
+    it) carry: the frames are done, and their locals may view the segment. Frames still
+    running, the caller's among them, are left as they are."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+                with contextlib.suppress(RuntimeError):  # a frame still running
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
+        todo += [e.__cause__, e.__context__]
