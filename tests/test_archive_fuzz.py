@@ -211,7 +211,7 @@ def check(tmp_path, kind: str, stride: int, start: int = 0) -> None:
     assert hit and [outcomes[i] for i in hit] == [REFUSED] * len(hit)
 
 
-@pytest.mark.parametrize("kind", ["uint8", "uint16"])
+@pytest.mark.parametrize("kind", ["uint8"])  # uint16 too under stress, every byte
 def test_a_flipped_bit_raises_or_loads_exactly(tmp_path, kind):
     """Every 11th byte (each layout at others): the default tier's share of the fuzz."""
     check(tmp_path, kind, stride=11, start=0 if kind == "uint8" else 5)

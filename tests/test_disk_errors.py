@@ -240,6 +240,7 @@ def state(store: RoutingStore) -> dict:
     return {"verify": verified, "reads": reads, "spilled": store.stats().samples_spilled}
 
 
+@pytest.mark.stress  # a subprocess that imports the package: 2 s
 def test_file_too_large_for_the_writer(name, tmp_path):
     # A 16-page store: a0, a1 (1 page each) spill here, freely, when b2 arrives; b0, b1, b2
     # fill memory. A writer whose files may not exceed 100 bytes then puts x (6 pages): its

@@ -22,6 +22,7 @@ from routing_replay import (
     RoutingLayout,
     RoutingStore,
     StoreFullError,
+    cli,
 )
 from routing_replay.store import sweep_spill_dirs
 from routing_replay.store.segment import segment_path
@@ -137,7 +138,7 @@ def _spill_and_exit(name: str, spill_dir: str) -> None:
     os._exit(0)
 
 
-def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
+def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path, capsys):
     rng = np.random.default_rng(3)
     child = FORK.Process(target=_spill_and_exit, args=(name + "-a", str(tmp_path)))
     child.start()
@@ -160,8 +161,8 @@ def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path):
     young.mkdir(mode=0o700)
     assert sweep_spill_dirs(tmp_path, dry_run=True) == [str(orphan)]
     assert orphan.exists()
-    cli = [sys.executable, "-m", "routing_replay.cli", "sweep", "--spill-dir", str(tmp_path)]
-    out = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+    assert cli.main(["sweep", "--spill-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
     assert f"removed {orphan} (no live store owns it)" in out
     assert "removed 1 orphaned spill directory" in out
     kept = [os.path.basename(live.spill_dir), foreign.name, young.name]
@@ -196,6 +197,7 @@ store.unlink()
     ready.put(out.strip())
 
 
+@pytest.mark.stress  # a subprocess that imports the package
 def test_a_live_store_of_another_pod_keeps_its_spill_dir(name, tmp_path):
     """Pods with their own /dev/shm sharing one spill disk: a create, and a sweep, here never
     remove the directory of a store that lives there (its owner holds its lock)."""
