@@ -90,6 +90,8 @@ PUT_TIMEOUT = 1.0  # a wedged lock or a full store fails fast
 BUDGET = 1 << 20  # spill budget: room for every spill here
 PKG = os.path.dirname(os.path.abspath(routing_replay.__file__)) + os.sep
 FORK = mp.get_context("fork")
+LEAN = mp.get_context("forkserver")  # workers forked from a process that imported little
+HELD = " [held]"  # marks a counted event where the call holds one of the handle's locks
 WAIT_S = 60.0  # longest wait for a child's next message
 STRIDE = 90  # the default tier stops at every STRIDE-th stop point of the stress tier
 
@@ -388,7 +390,10 @@ class Tracer:
             return self._line
         n, self.events = self.events, self.events + 1
         if self.mode == "count":
-            self.lines.append(where(frame))
+            held = self.store is not None and (
+                self.store._core.lock._mutex.owned() or self.store._core.spill._mutex.owned()
+            )
+            self.lines.append(where(frame) + HELD * held)
         elif n == self.stop:
             self.at = where(frame)
             if self.mode == "nested":
@@ -548,7 +553,8 @@ def fresh_store(name: str, spill_root: str) -> RoutingStore:
 
 
 def count_events(scenario: Scenario, name: str, spill_root: str, archive: str) -> list[str]:
-    """Run the sequence to its end once: every line event's place, in order."""
+    """Run the sequence to its end once: every line event's place, in order (marked HELD
+    where the call holds one of the handle's locks: where a nested call can be refused)."""
     store = fresh_store(name, spill_root)
     run = Run(scenario, store, spill_root, archive, "count")
     try:
@@ -651,38 +657,67 @@ def nested(run: Run, at: str) -> list[str]:
     return [*problems, *child_problems, *gone]
 
 
-def stop_points(events: list[str], every: bool) -> list[int]:
-    """The stress tier's stop points: each distinct line at its first and second event; the
-    default tier's: every STRIDE-th of those."""
+def stop_points(events: list[str], every: bool, mode: str) -> list[int]:
+    """The stress tier's stop points: each distinct line at its first and second event (for
+    "nested", only those where the call holds a lock: elsewhere a nested call simply runs);
+    the default tier's: every STRIDE-th of those."""
     seen: Counter[str] = Counter()
     points = []
     for n, place in enumerate(events):
         seen[place] += 1
-        if seen[place] <= 2:
+        if seen[place] <= 2 and (mode != "nested" or place.endswith(HELD)):
             points.append(n)
     return points if every else points[STRIDE // 2 :: STRIDE]
 
 
-def run_scenario(scenario: Scenario, mode: str, tmp_path: Any, every: bool) -> None:
-    spill_root = str(tmp_path / "spill")
-    os.makedirs(spill_root)
-    archive = str(tmp_path / "routes.arrow")
-    make_archive(archive)
-    prefix = f"stops-{uuid.uuid4().hex[:8]}"
-    events = count_events(scenario, prefix, spill_root, archive)
-    points = stop_points(events, every)
+def warm_up(archive: str) -> None:
+    """Load the archive once in this process: each forked child then finds Arrow's memory
+    pool and threads started, instead of starting them (a 10x slower load)."""
+    name = f"stops-warm-{uuid.uuid4().hex[:8]}"
+    with RoutingStore.create(name, LAYOUT, 64 * P, page_tokens=P) as store:
+        load_routes(archive, store)
+
+
+def run_points(
+    name: str, mode: str, every: bool, tmp: str, prefix: str, part: int = 0, parts: int = 1
+) -> tuple[int, int, list[str]]:
+    """Count the events here, then stop at every `parts`-th of the stop points from `part`
+    (in a worker of the stress tier, or in the test's own process): (events, stop points,
+    failures). Counted and stopped in one process: which lines run depends on its state
+    (caches, Arrow's threads), and each fork inherits it."""
+    scenario = SCENARIOS[name]
+    spill_root, archive = os.path.join(tmp, "spill"), os.path.join(tmp, "routes.arrow")
+    warm_up(archive)
+    events = count_events(scenario, f"{prefix}-count", spill_root, archive)
+    points = stop_points(events, every, mode)
     failures = []
-    for n in points:
-        problems = stop_at(scenario, f"{prefix}-{n}", spill_root, archive, mode, n, events[n])
+    for n in points[part::parts]:
+        at = events[n].removesuffix(HELD)
+        problems = stop_at(scenario, f"{prefix}-{n}", spill_root, archive, mode, n, at)
         if problems:
             more = f" | (+{len(problems) - 4} more)" if len(problems) > 4 else ""
-            failures.append(f"#{n} {events[n]}: " + " | ".join(problems[:4]) + more)
-    assert os.listdir(spill_root) == []
+            failures.append(f"#{n} {at}: " + " | ".join(problems[:4]) + more)
+    return len(events), len(points), failures
+
+
+def run_scenario(scenario: Scenario, mode: str, tmp_path: Any, every: bool) -> None:
+    os.makedirs(tmp_path / "spill")
+    make_archive(str(tmp_path / "routes.arrow"))
+    prefix = f"stops-{uuid.uuid4().hex[:8]}"
+    if every:  # two lean workers: a fork of this pytest process costs 3x more
+        args = [(scenario.name, mode, every, str(tmp_path), f"{prefix}{i}", i, 2) for i in (0, 1)]
+        with LEAN.Pool(2) as pool:
+            parts = pool.starmap(run_points, args)
+        assert len({(e, p) for e, p, _ in parts}) == 1, "the workers counted other events"
+        (events, points, _), failures = parts[0], [f for _, _, part in parts for f in part]
+    else:
+        events, points, failures = run_points(scenario.name, mode, every, str(tmp_path), prefix)
+    assert os.listdir(tmp_path / "spill") == []
     shm = os.path.dirname(segment_path(prefix))
     assert not [f for f in os.listdir(shm) if f.startswith(f"rr_{prefix}")]
     assert not failures, (
-        f"{scenario.name}, {mode}: {len(failures)} of {len(points)} stop points "
-        f"({len(events)} events) leave a broken store:\n" + "\n".join(failures)
+        f"{scenario.name}, {mode}: {len(failures)} of {points} stop points "
+        f"({events} events) leave a broken store:\n" + "\n".join(failures)
     )
 
 

@@ -220,6 +220,35 @@ def test_a_live_store_of_another_pod_keeps_its_spill_dir(name, tmp_path):
     ours.unlink()
 
 
+def test_a_sweep_at_each_line_of_a_create_keeps_the_new_stores_dir(name, tmp_path):
+    """Another process's sweep runs between any two lines of the code that makes a store's
+    spill directory (here: from this thread, at each line event there): it never takes the
+    new store's owner lock, so the create succeeds and its directory stays."""
+    from routing_replay.store import spill
+
+    code, swept = spill.make_spill_dir.__code__, []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        if event == "line":
+            swept.extend(sweep_spill_dirs(tmp_path))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    finally:
+        sys.settrace(None)
+    assert swept == []
+    assert store_dirs(tmp_path) == [os.path.basename(store.spill_dir)]
+    store.put("a", np.zeros((4 * P, 3, 2), np.int64))
+    store.put("b", np.ones((2 * P, 3, 2), np.int64))  # a spilled into that directory
+    assert store.get("a").sum() == 0
+    store.close()
+    store.unlink()
+
+
 def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
     rng = np.random.default_rng(4)
     with RoutingStore.create(

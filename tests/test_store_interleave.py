@@ -492,7 +492,9 @@ SPILL = pytest.mark.parametrize("spill", [False, True], ids=["in-memory", "spill
 
 @pytest.mark.parametrize(
     ("scenario", "spill"),
-    [(s, False) for s in SCENARIOS] + [(s, True) for s in SCENARIOS + SPILL_SCENARIOS],
+    [(s, False) for s in SCENARIOS]
+    + [pytest.param(s, True, marks=pytest.mark.slow) for s in SCENARIOS]  # the fast tier: once
+    + [(s, True) for s in SPILL_SCENARIOS],
     ids=lambda x: x.__name__ if callable(x) else ("spilling" if x else "in-memory"),
 )
 def test_every_interleaving_reads_back_exactly(name, other, scenario, spill, tmp_path):

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -63,12 +65,12 @@ _CALLS: set[Any] = set()  # the code of `store_call`'s wrapper
 
 
 def calls_running(frame: Any) -> int:
-    """How many store calls are running at `frame` and below it, on this thread's stack."""
-    count = 0
-    while frame is not None:
-        count += frame.f_code in _CALLS
-        frame = frame.f_back
-    return count
+    """How many store calls are running at `frame` and below it, on this thread's stack (one
+    line however deep the stack: the same code runs the same lines everywhere)."""
+    return sum(map(_CALLS.__contains__, map(_CODE, map(_FRAME, traceback.walk_stack(frame)))))
+
+
+_CODE, _FRAME = operator.attrgetter("f_code"), operator.itemgetter(0)
 
 
 def others_in_flight(calls: dict[object, int]) -> bool:

@@ -30,6 +30,7 @@ from routing_replay.store.calls import others_in_flight, store_call
 from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
+    CLOSE_WAIT_S,
     DEFAULT_MAX_WRITERS,
     DEFAULT_PAGE_TOKENS,
     DEFAULT_PUT_TIMEOUT_S,
@@ -258,7 +259,7 @@ class RoutingStore:
         if core.segment.fd < 0:
             return
         core.closing = True  # calls starting now refuse; those in flight may end
-        deadline = core.deadline()
+        deadline = time.monotonic() + CLOSE_WAIT_S
         while others_in_flight(core.calls):
             if time.monotonic() >= deadline:
                 core.closing = False

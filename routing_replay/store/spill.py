@@ -574,9 +574,12 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]
     os.mkdir(path, DIR_MODE)
     try:
         os.chmod(path, DIR_MODE)  # whatever the umask
+        # Locked under a name no sweep opens, then renamed: a sweep sees no owner file (a
+        # store being created) or a held one, never a free lock of a live store.
         flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(os.path.join(path, OWNER_FILE), flags, FILE_MODE)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+        fd = os.open(os.path.join(path, OWNER_FILE + ".new"), flags, FILE_MODE)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new name: nobody else holds it
+        os.rename(os.path.join(path, OWNER_FILE + ".new"), os.path.join(path, OWNER_FILE))
     except BaseException:
         remove_spill_dir(path)
         raise
