@@ -23,3 +23,9 @@ def keeps_no_tokens(cache: Any, layer_idx: int) -> bool:
     if mixin is None or not isinstance(layers, list) or not 0 <= layer_idx < len(layers):
         return False
     return not isinstance(layers[layer_idx], mixin)
+
+
+def phimoe_multiplier(router: Any) -> Any:
+    """PhiMoE's autograd function for its training-time weights (the Heun gradient estimator),
+    from the module defining the router: `modeling_phimoe.PhimoeMultiplier`, 5.0 - 5.25."""
+    return sys.modules[type(router).__module__].PhimoeMultiplier

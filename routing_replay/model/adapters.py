@@ -1,143 +1,163 @@
-"""Routers of transformers MoE models, and one adapter per score function.
+"""Routers of transformers MoE models: which classes replay knows, and where a model has them.
 
 Every transformers 5.x MoE router returns `(router_logits, top_k_weights, top_k_index)` and its
-MoE block hands the last two to the experts module. An adapter recomputes `top_k_weights` from
-the live logits at *given* expert ids with the family's own formula, so replay can force the ids
-while the router keeps its gradient.
+MoE block hands the last two to the experts module. Replay recomputes `top_k_weights` from the
+router's live first output at *given* expert ids with the family's own formula (`scores`), so
+it can force the ids while the router keeps its gradient.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from routing_replay.errors import LayoutMismatchError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
+from routing_replay.model import outputs, scores
+from routing_replay.model.scores import ScoreFunction
 
-# weights_TK = score(router, logits_TE, ids_TK): the family's weights at the given ids.
-ScoreFunction = Callable[[nn.Module, Tensor, Tensor], Tensor]
-
-
-def softmax_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """Jamba (and the start of the softmax families): float softmax over all experts at the ids."""
-    return torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(1, ids_TK)
-
-
-def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """Qwen2/3/3.5-MoE, Qwen3-Next, (Flex)OLMoE, Mixtral, MiniMax, HunYuan: float softmax at ids."""
-    if hasattr(router, "norm_topk_prob"):  # Qwen2/3-MoE, Qwen3-Next, OLMoE, FlexOlmo
-        weights_TK = softmax_at_ids(router, logits_TE, ids_TK)
-        renorm = router.norm_topk_prob
-    else:  # Mixtral, MiniMax, Qwen3.5, HunYuan: no flag, always renormalise (same ops)
-        weights_TK = torch.softmax(logits_TE.float(), dim=-1).gather(1, ids_TK)
-        renorm = True
-    if renorm:
-        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-    return weights_TK
-
-
-def softmax_scaled(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """DeepSeek-V2: float32 softmax over all experts at the ids, times the scaling factor.
-
-    Greedy or group-limited, the group limit only chooses: no renormalisation.
-    """
-    return softmax_at_ids(router, logits_TE, ids_TK) * router.routed_scaling_factor
-
-
-def softmax_clamped_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """ERNIE 4.5: float softmax at the ids, over their sum clamped at `norm_min`.
-
-    The expert bias (`moe_statics`) only chooses experts.
-    """
-    weights_TK = softmax_at_ids(router, logits_TE, ids_TK)
-    return weights_TK / torch.clamp(weights_TK.sum(dim=-1, keepdim=True), min=router.norm_min)
-
-
-def topk_then_softmax(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """GPT-OSS, Granite MoE: softmax over the chosen experts' logits only."""
-    return torch.softmax(logits_TE.gather(1, ids_TK), dim=1, dtype=logits_TE.dtype)
-
-
-def topk_then_score(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """Cohere2-MoE: float softmax, or sigmoid (renormalised if asked), of the chosen logits."""
-    top_TK = logits_TE.gather(1, ids_TK)
-    if router.expert_selection_fn == "softmax":
-        return torch.softmax(top_TK, dim=1, dtype=torch.float)
-    weights_TK = torch.sigmoid(top_TK)
-    if router.norm_topk_prob:
-        weights_TK = weights_TK / torch.sum(weights_TK, dim=-1, keepdim=True)
-    return weights_TK
-
-
-def sigmoid_with_bias(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """DeepSeek-V3(.2), GLM-4-MoE(-Lite), GLM-4.5V, dots1, EXAONE: sigmoid at the ids, scaled.
-
-    The correction bias and the group limit only choose experts; they never enter the weights.
-    """
-    weights_TK = logits_TE.sigmoid().gather(1, ids_TK)
-    if router.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights_TK * router.routed_scaling_factor
-
-
-def sigmoid_eps_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """LFM2-MoE: sigmoid scores at the ids (the expert bias only chooses), over their sum
-    (+1e-6) if `norm_topk_prob`, times the scaling factor."""
-    weights_TK = logits_TE.sigmoid().gather(1, ids_TK)
-    if router.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-6)
-    return weights_TK * router.routed_scaling_factor
-
-
-def score_fn_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """DeepSeek-V4 (learned and hash routers): the router's `score_fn` at the ids, over their
-    sum (+1e-20), times the scaling factor (the bias, or the hash table, only chooses)."""
-    weights_TK = router.score_fn(logits_TE).gather(1, ids_TK)
-    weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights_TK * router.routed_scaling_factor
-
-
-def sigmoid_renorm(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
-    """MiniMax-M2: float sigmoid scores at the ids over their sum (the bias only chooses)."""
-    weights_TK = logits_TE.float().sigmoid().gather(1, ids_TK)
-    return weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-
-
-# Router class name -> score function. Only classes whose forward was read and tested are here.
+# Router class name -> score function: every token-choice top-k router class of transformers
+# 5.25 whose forward returns (logits or probabilities, weights, ids), each read and tested.
 _SCORES: dict[str, ScoreFunction] = {
-    "Qwen3MoeTopKRouter": softmax_then_topk,
-    "Qwen3NextTopKRouter": softmax_then_topk,
-    "Qwen2MoeTopKRouter": softmax_then_topk,
-    "OlmoeTopKRouter": softmax_then_topk,
-    "FlexOlmoTopKRouter": softmax_then_topk,
-    "MixtralTopKRouter": softmax_then_topk,
-    "MiniMaxTopKRouter": softmax_then_topk,
-    "Qwen3_5MoeTopKRouter": softmax_then_topk,
-    "Qwen3VLMoeTextTopKRouter": softmax_then_topk,
-    "HunYuanMoEV1Gate": softmax_then_topk,
-    "JambaTopKRouter": softmax_at_ids,
-    "DeepseekV2TopkRouter": softmax_scaled,
-    "Ernie4_5_MoeTopKRouter": softmax_clamped_renorm,
-    "GptOssTopKRouter": topk_then_softmax,
-    "GraniteMoeTopKRouter": topk_then_softmax,
-    "Cohere2MoeTopKRouter": topk_then_score,
-    "DeepseekV3TopkRouter": sigmoid_with_bias,
-    "DeepseekV32TopkRouter": sigmoid_with_bias,
-    "Glm4MoeTopkRouter": sigmoid_with_bias,
-    "Dots1TopkRouter": sigmoid_with_bias,
-    "Glm4MoeLiteTopkRouter": sigmoid_with_bias,
-    "Glm4vMoeTextTopkRouter": sigmoid_with_bias,
-    "ExaoneMoeTopkRouter": sigmoid_with_bias,
-    "KimiLinearTopkRouter": sigmoid_with_bias,
-    "Lfm2MoeTopKRouter": sigmoid_eps_renorm,
-    "MiniMaxM2TopKRouter": sigmoid_renorm,
-    "DeepseekV4TopKRouter": score_fn_renorm,
-    "DeepseekV4HashRouter": score_fn_renorm,
+    **dict.fromkeys(
+        (
+            "Qwen2MoeTopKRouter",
+            "Qwen3MoeTopKRouter",
+            "Qwen3NextTopKRouter",
+            "Qwen3_5MoeTopKRouter",
+            "Qwen3VLMoeTextTopKRouter",
+            "Qwen3OmniMoeThinkerTextTopKRouter",
+            "Qwen3OmniMoeTalkerTextTopKRouter",
+            "Qwen3OmniMoeTextTopKRouter",
+            "Qwen4ExpTextTopKRouter",
+            "OlmoeTopKRouter",
+            "FlexOlmoTopKRouter",
+            "MixtralTopKRouter",
+            "MiniMaxTopKRouter",
+            "HunYuanMoEV1Gate",
+            "MellumTopKRouter",
+            "LaraMiniTopKRouter",
+        ),
+        scores.softmax_then_topk,
+    ),
+    "JambaTopKRouter": scores.softmax_at_ids,
+    **dict.fromkeys(
+        (
+            "DeepseekV2TopkRouter",
+            "DeepseekOcr2TextTopkRouter",
+            "UnlimitedOcrTextTopkRouter",
+            "LongcatFlashTopkRouter",
+        ),
+        scores.softmax_scaled,
+    ),
+    "Ernie4_5_MoeTopKRouter": scores.softmax_clamped_renorm,
+    "Mistral4TopkRouter": scores.softmax_eps_renorm_scaled,
+    "MistralLarge4TextTopkRouter": scores.softmax_eps_renorm_scaled,
+    "Gemma4TextRouter": scores.probs_renorm_per_expert_scale,
+    **dict.fromkeys(
+        (
+            "GptOssTopKRouter",
+            "GraniteMoeTopKRouter",
+            "GraniteMoeSWATopKRouter",
+            "GraniteMoeHybridTopKRouter",
+            "GraniteMoeSharedTopKRouter",
+            "AriaTextTopKRouter",
+        ),
+        scores.topk_then_softmax,
+    ),
+    "OpenAIPrivacyFilterTopKRouter": scores.topk_then_softmax_over_k,
+    "Cohere2MoeTopKRouter": scores.topk_then_score,
+    **dict.fromkeys(
+        (
+            "DeepseekV3TopkRouter",
+            "DeepseekV32TopkRouter",
+            "Glm4MoeTopkRouter",
+            "Glm4MoeLiteTopkRouter",
+            "Glm4vMoeTextTopkRouter",
+            "Glm5NextTextTopkRouter",
+            "GlmMoeDsaTopkRouter",
+            "Dots1TopkRouter",
+            "Dots3NoteTextTopkRouter",
+            "ExaoneMoeTopkRouter",
+            "KimiLinearTopkRouter",
+            "AXK1TopkRouter",
+            "AXK2TopkRouter",
+            "BailingHybridTopkRouter",
+            "HYV4TopkRouter",
+            "HYV4VLTopkRouter",
+            "MiMoV2FlashTopkRouter",
+            "MiniCPM5MoeTopkRouter",
+            "NemotronHTopkRouter",
+            "SolarOpenTopkRouter",
+        ),
+        scores.sigmoid_with_bias,
+    ),
+    "BeamTopKRouter": scores.sigmoid_flag_renorm_eps,
+    "AfmoeTokenChoiceRouter": scores.sigmoid_route_scale,
+    "HYV3TopKRouter": scores.sigmoid_router_scale,
+    "ErgoTopkRouter": scores.sigmoid_always_renorm_scaled,
+    "MuseSparkTopkRouter": scores.sigmoid_renorm_eps15_scaled,
+    "Lfm2MoeTopKRouter": scores.sigmoid_eps_renorm,
+    **dict.fromkeys(
+        ("MiniMaxM2TopKRouter", "MiniMaxM3VLTopKRouter", "Step3p7TopKRouter", "LagunaTopKRouter"),
+        scores.sigmoid_renorm,
+    ),
+    **dict.fromkeys(
+        ("Kolibri1TopKRouter", "Kolibri1_1TopKRouter", "FlintTopKRouter"),
+        scores.sigmoid_flag_renorm,
+    ),
+    **dict.fromkeys(
+        ("DeepseekV4TopKRouter", "DeepseekV4HashRouter", "Inkling2TopKRouter"),
+        scores.score_fn_renorm,
+    ),
+    "PhimoeTopKRouter": scores.sparsemixer_at_ids,
+    "Llama4Router": scores.sigmoid_of_chosen,
 }
+# How a router's output carries its choice, where it is not (scores, weights, ids, ...).
+_OUTPUTS: dict[str, Any] = {"Llama4Router": outputs.SCATTER}
+
+_NOT_YET = "not supported yet: "
+# Router classes of transformers 5.25 replay refuses, and why: their forward is not a
+# token-choice top-k that a forced choice can replace.
+REFUSED: dict[str, str] = {
+    "NllbMoeTop2Router": "a capacity-limited top-2 router of an encoder-decoder model: it drops "
+    "tokens per batch, so a token's experts are not its own choice",
+    "SwitchTransformersTop1Router": "a capacity-limited top-1 router of an encoder-decoder "
+    "model: it drops tokens per batch, so a token's experts are not its own choice",
+    # Not yet: each needs more than a score function (issue 32 lists them).
+    "DbrxRouter": _NOT_YET + "DBRX picks its experts in the FFN block (route_tokens_to_experts)",
+    "DbrxFFN": _NOT_YET + "DBRX picks its experts in this block, not in a router module",
+    "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline, with no router module",
+    "DiffusionGemmaTextRouter": _NOT_YET + "an encoder and a decoder stack route apart",
+    "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
+    "Ernie4_5_VLMoeMoeTopKRouter": _NOT_YET + "two routers a layer (text and image tokens)",
+    "Inkling2LoopTopKRouter": _NOT_YET + "a looped layer's router runs several times a token",
+    "InklingTopkRouter": _NOT_YET + "its weights are normalised with the shared experts' gammas",
+    "JetMoeTopKGating": _NOT_YET + "a sorted 5-tuple output, two routers a layer (MLP, attention)",
+    "ZayaRouter": _NOT_YET + "a skip expert (id E) rewritten inside the router",
+}
+
+# Classes named like routers that are not MoE routers (gates of linear attention, of looped or
+# residual layers, a vision density router): models keep them and replay leaves them alone.
+NOT_ROUTERS: frozenset[str] = frozenset(
+    (
+        "BailingHybridForgetGate",
+        "KimiLinearForgetGate",
+        "Glm5NextTextForgetGate",
+        "Inkling2LoopMessageGate",
+        "ErgoResidualGate",
+        "MuseSparkResidualGate",
+        "GraniteDoclingDensityRouter",
+    )
+)
+
+
+def known_routers() -> list[str]:
+    """The router classes replay forces, sorted."""
+    return sorted(_SCORES)
 
 
 def register_router(class_name: str, score: ScoreFunction) -> None:
@@ -153,6 +173,7 @@ class Router:
     name: str
     module: nn.Module
     score: ScoreFunction
+    output: Any = outputs.TRIPLE  # outputs.Triple or outputs.Scatter: where the choice is
 
 
 @dataclass(frozen=True)
@@ -172,12 +193,20 @@ def find_routers(model: nn.Module) -> MoeModel:
     config = getattr(model, "config", None)
     if config is None:  # a DistributedDataParallel-style wrapper
         config = getattr(getattr(model, "module", None), "config", None)
+    modules = list(model.named_modules())
+    for name, module in modules:
+        why = REFUSED.get(type(module).__name__)
+        if why is not None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: replay cannot force {name!r} ({type(module).__name__}): "
+                f"{why}"
+            )
     try:
         layout = RoutingLayout.from_hf_config(config)
     except (ValueError, AttributeError) as err:
         raise UnsupportedModelError(f"{type(model).__name__} is not an MoE model: {err}") from err
     found: dict[int, Router] = {}
-    for name, module in model.named_modules():
+    for name, module in modules:
         score = _SCORES.get(type(module).__name__)
         if score is None:
             continue
@@ -189,12 +218,14 @@ def find_routers(model: nn.Module) -> MoeModel:
             raise UnsupportedModelError(
                 f"layer {layer} has two routers: {found[layer].name!r} and {name!r}"
             )
-        found[layer] = Router(layer, name, module, score)
+        output = _OUTPUTS.get(type(module).__name__, outputs.TRIPLE)
+        found[layer] = Router(layer, name, module, score, output)
     unknown = [i for i in layout.moe_layers if i not in found]
     if unknown:
         raise UnsupportedModelError(
             f"{type(model).__name__}: no known router in MoE layer(s) {unknown} "
-            f"({_describe_layer(model, unknown[0])}). Known router classes: {sorted(_SCORES)}. "
+            f"({_describe_layer(model, unknown[0])}); replay knows {len(_SCORES)} router classes "
+            "(routing_replay.model.adapters.known_routers()). "
             "Replay would silently route natively; register the router's score function with "
             "routing_replay.register_router(class_name, score) if its forward returns "
             "(logits, weights, ids)."

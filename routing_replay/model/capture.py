@@ -168,9 +168,11 @@ class Capture:
         return int(torch.stack([t.reshape(()).to(device) for t in lengths]).max())  # the read
 
     def _recorder(self, j: int) -> Any:
+        read = self.moe.routers[j].output
+
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
             if self._current is not None:  # None: outside a forward (e.g. a checkpoint recompute)
-                self._current.ids_L[j] = output[2]
+                self._current.ids_L[j] = read.ids(module, output)
 
         return hook
 

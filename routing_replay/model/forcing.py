@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward
 from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
-from routing_replay.model.adapters import MoeModel, Router, ScoreFunction, find_routers
+from routing_replay.model.adapters import MoeModel, Router, find_routers
+from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class ReplayingForward:
         self.layer = layer  # index among the MoE layers (the L of the routes)
         self.name = router.name
         self.score: ScoreFunction = router.score
+        self.output = router.output
         self.inner = inner  # an instance forward found when installing, or None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,7 +153,8 @@ def _hook_registered(module: nn.Module, handle: Any) -> bool:
 
 
 def _force(slot: ReplayingForward, module: nn.Module, output: tuple) -> tuple:
-    """The forced ids and the family's weights at them, merged with the native missing rows."""
+    """The router's output with the forced ids and the family's weights at them, merged with
+    the native missing rows."""
     state, j = slot.state, slot.layer
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
@@ -160,26 +163,24 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple) -> tuple:
             state.owner._count_pass()
         if state.all_missing_L[j]:
             return output
-    logits_TE, native_w_TK, native_ids_TK = output[:3]
+    rows_T = slot.output.rows(output)
     routes = state.layer_routes[j]
     ids_NLK = routes.ids.flatten(0, -3)  # the rows the routers see (a view)
-    if native_ids_TK.shape[0] != ids_NLK.shape[0]:
+    if rows_T.shape[0] != ids_NLK.shape[0]:
         raise InvalidRoutesError(
-            f"router {slot.name!r} sees {native_ids_TK.shape[0]} tokens but the routes "
+            f"router {slot.name!r} sees {rows_T.shape[0]} tokens but the routes "
             f"have {ids_NLK.shape[0]} rows (batch shape {list(state.batch_shape)})"
         )
-    if not compiling and ids_NLK.device != native_ids_TK.device:  # a model moved since
-        routes = state.owner._device_routes(native_ids_TK.device)
+    if not compiling and ids_NLK.device != rows_T.device:  # a model moved since
+        routes = state.owner._device_routes(rows_T.device)
         ids_NLK = routes.ids.flatten(0, -3)
     ids_TK = ids_NLK[:, j].long()  # widened per layer: the batch stays narrow
-    weights_TK = slot.score(module, logits_TE, ids_TK).to(native_w_TK.dtype)
     # Compiled: always merge (uniform ops, so the graph does not depend on which layers have
     # missing rows in this batch). Eager: only where a row is missing (the same values).
+    missing_T1 = None
     if compiling or state.any_missing_L[j]:
         missing_T1 = routes.missing.flatten(0, -2)[:, j, None]
-        ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
-        weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
-    return (logits_TE, weights_TK, ids_TK, *output[3:])
+    return slot.output.force(module, output, slot.score, ids_TK, missing_T1)
 
 
 def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:

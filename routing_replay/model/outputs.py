@@ -1,0 +1,76 @@
+"""How a router's output carries its choice: where capture reads the ids, and how replay
+writes forced ids and their weights back into the same output.
+
+`Triple`: `(scores_TE, weights_TK, ids_TK, *rest)`, what nearly every transformers 5.x router
+returns and its MoE block hands to the experts. `Scatter`: Llama 4's `(scores_TE, logits_TE)`,
+the chosen experts' weights scattered into a `[T, E]` matrix (0 elsewhere) that the block
+multiplies every expert's output by. A forced output keeps the rows whose routes are missing
+(`missing_T1`, or None when none is) as the router made them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from routing_replay.model.scores import ScoreFunction
+
+
+class Triple:
+    """`(scores_TE, weights_TK, ids_TK, *rest)`: forced ids and their weights replace the
+    middle two; the scores (and anything after) stay the router's own."""
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        return output[2]
+
+    def rows(self, output: tuple) -> Tensor:
+        """The tensor whose first dimension is the router's token count."""
+        return output[2]
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+    ) -> tuple:
+        scores_TE, native_w_TK, native_ids_TK = output[:3]
+        weights_TK = score(module, scores_TE, ids_TK).to(native_w_TK.dtype)
+        if missing_T1 is not None:
+            ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
+            weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
+        return (scores_TE, weights_TK, ids_TK, *output[3:])
+
+
+class Scatter:
+    """Llama 4's `(scores_TE, logits_TE)`: the ids are the top-k of the logits (the router's
+    own op); forced, `scores_TE` holds the score function's weights at the forced ids and 0
+    elsewhere, in the router's dtype."""
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        return torch.topk(output[1], module.top_k, dim=1).indices
+
+    def rows(self, output: tuple) -> Tensor:
+        return output[1]
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+    ) -> tuple:
+        native_TE, logits_TE = output[:2]
+        weights_TK = score(module, logits_TE, ids_TK).to(native_TE.dtype)
+        scores_TE = torch.zeros_like(native_TE).scatter(1, ids_TK, weights_TK)
+        if missing_T1 is not None:
+            scores_TE = torch.where(missing_T1, native_TE, scores_TE)
+        return (scores_TE, logits_TE, *output[2:])
+
+
+TRIPLE: Any = Triple()
+SCATTER: Any = Scatter()

@@ -1,0 +1,224 @@
+"""A tiny, seeded model of any transformers MoE model type, built from its own config class.
+
+`tests/moe_models.py` writes one config per family by hand; this builds the others generically:
+the config class's defaults with every size field it has shrunk (hidden 64, 3 layers, the
+first dense where the family has dense layers, 8 experts, top-2, 2 expert groups of which 1
+is kept), per-layer lists cut to 3 entries, and the few fields a family needs besides.
+Routers get spread weights and random selection biases and per-expert scales, so that
+ties never decide routing and a formula that dropped a bias or a scale would show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+
+import torch
+import transformers
+from transformers import CONFIG_MAPPING, PreTrainedModel
+from transformers.models.auto import modeling_auto
+
+from routing_replay.model.adapters import known_routers
+
+LAYERS, EXPERTS, TOP_K = 3, 8, 2
+
+SIZES = {  # applied where the config class has the field
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "dense_intermediate_size": 64,
+    "first_dense_intermediate_size": 64,
+    "mlp_only_intermediate_size": 64,
+    "prefix_dense_intermediate_size": 64,
+    "share_expert_dim": 32,
+    "expert_ffn_hidden_size": 32,
+    "moe_hidden_size": 32,
+    "shared_experts_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 16,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "router_hidden_size": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "linear_num_heads": 2,
+    "linear_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "mamba_n_heads": 4,
+    "mamba_head_dim": 16,
+    "mamba_d_state": 8,
+    "ssm_state_size": 8,
+    "mamba_d_head": 16,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "time_step_rank": 8,
+    "mamba_dt_rank": 8,
+    "sliding_window": 16,
+    "attention_chunk_size": 16,
+    "kv_channels": 16,
+    "num_experts_per_tok": TOP_K,
+    "top_k_experts": TOP_K,
+    "moe_topk": TOP_K,
+    "moe_k": TOP_K,
+    "num_experts_per_token": TOP_K,
+    "experts_per_token": TOP_K,
+    "num_experts": EXPERTS,
+    "n_routed_experts": EXPERTS,
+    "num_local_experts": EXPERTS,
+    "moe_num_experts": EXPERTS,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "moe_num_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "num_expert_group": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "attention_dropout": 0.0,
+    # Routing settings away from their neutral defaults: a formula that drops one shows.
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "moe_routed_scaling_factor": 1.5,
+    "route_scale": 1.7,
+    "router_scaling_factor": 2.0,
+}
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+
+# What some families need besides the shrunk sizes.
+EXTRA: dict[str, dict] = {
+    "gemma4_text": {
+        "enable_moe_block": True,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 256,
+    },
+    "glm4v_moe_text": {"rope_parameters": {**MROPE, "partial_rotary_factor": 0.5}},
+    "hy_v4_vl_text": {"rope_parameters": MROPE},
+    "kolibri1_1": {"index_num_heads": 2},
+    "ernie4_5_vl_moe_text": {
+        "moe_intermediate_size": [32, 32],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [3, 3, 2],
+        },
+    },
+    "glm5_next_text": {"num_key_value_heads": 4, "qk_rope_head_dim": 0},
+    "granitemoehybrid": {
+        "mamba_d_head": 32,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    },
+    "qwen4_exp_text": {
+        "layer_types": ["linear_attention", "linear_attention", "indexed_attention"],
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
+    },
+    "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 32},
+    # PhiMoE masks experts whose logit is 2 x this (relative) below the top one: at the
+    # default 0.01 only the top expert is left in a tiny model, and its router gets no gradient.
+    "phimoe": {"router_jitter_noise": 0.3},
+    **{
+        t: {"num_key_value_heads": 4}
+        for t in ("axk2", "glm_moe_dsa", "mistral_large4_text", "dots3_note_text")
+    },
+}
+
+
+def tiny_config(model_type: str):
+    """The model type's config class with every size field shrunk (see the module docstring)."""
+    cls = CONFIG_MAPPING[model_type]
+    names = {f.name for f in dataclasses.fields(cls)}
+    default = cls()
+    kwargs = {k: v for k, v in SIZES.items() if k in names}
+    layers = getattr(default, "num_hidden_layers", None)
+    for name in ("num_hidden_layers", "num_layers", "n_layers"):
+        if name in names:
+            kwargs[name] = LAYERS
+    for name in sorted(names):  # per-layer lists: cut to LAYERS entries
+        try:
+            value = getattr(default, name, None)
+        except RuntimeError:  # a per-layer attribute with differing values
+            value = None
+        if name == "mlp_layer_types" and value is None:
+            kwargs[name] = ["dense"] + ["sparse"] * (LAYERS - 1)
+        elif isinstance(value, list) and layers and len(value) == layers and name not in kwargs:
+            if name == "mlp_layer_types":
+                sparse = [t for t in dict.fromkeys(value) if t != "dense"]
+                first = ["dense"] if "dense" in value else sparse[:1]
+                kwargs[name] = first + [sparse[i % len(sparse)] for i in range(LAYERS - 1)]
+            elif name in ("layer_types", "layers_block_type"):
+                kinds = list(dict.fromkeys(value))
+                kwargs[name] = [kinds[i % len(kinds)] for i in range(LAYERS)]
+            else:
+                kwargs[name] = value[:LAYERS]
+    if "first_k_dense_replace" in names:
+        kwargs["first_k_dense_replace"] = 1
+    if "mlp_only_layers" in names:
+        kwargs["mlp_only_layers"] = [0]
+    for name in ("num_dense_layers", "num_dense_blocks"):
+        if name in names:
+            kwargs[name] = 1
+    if "moe_layer_start_index" in names:
+        kwargs.update(moe_layer_start_index=1, moe_layer_end_index=LAYERS - 1)
+    kwargs.update(EXTRA.get(model_type, {}))
+    return cls(**kwargs)
+
+
+def model_class(config) -> type:
+    """The causal LM class of the config's type, else its base model class, else the module's
+    model class typed with this config (text stacks of multimodal models)."""
+    for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"):
+        name = getattr(modeling_auto, table).get(config.model_type)
+        if name:
+            return getattr(transformers, name)
+    module = importlib.import_module(
+        type(config).__module__.replace(".configuration_", ".modeling_")
+    )
+    found = [
+        c
+        for c in vars(module).values()
+        if inspect.isclass(c)
+        and issubclass(c, PreTrainedModel)
+        and c.__module__ == module.__name__
+        and getattr(c, "config_class", None) is type(config)
+        and not c.__name__.endswith("PreTrainedModel")
+    ]
+    found.sort(key=lambda c: (not c.__name__.endswith("ForCausalLM"), len(c.__name__)))
+    return found[0]
+
+
+def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny model of `model_type` in eval mode, its routers spread (see the docstring)."""
+    config = tiny_config(model_type)
+    torch.manual_seed(seed)
+    model = model_class(config)(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    known = set(known_routers())
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ in known:
+                weight = next(p for p in module.parameters() if p.dim() == 2)
+                weight.copy_(torch.randn(weight.shape, generator=gen) * 0.5)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
+            elif name.endswith("per_expert_scale"):
+                tensor.copy_(torch.rand(tensor.shape, generator=gen) + 0.5)
+    return model.to(dtype).eval()
