@@ -6,9 +6,12 @@ spans, token digest and put serial. The schema's metadata (layout, version, samp
 batch counts) carries a CRC-32 of itself; every record batch carries a CRC-32 of its index
 and everything it holds (lengths, null counts, validity, offsets, values) in its custom
 metadata. `save_routes` streams: it reads `chunk_tokens` tokens at a time (reading the next
-chunk while a thread checksums and writes the last), so saving 10 GB needs two chunks of
-memory; it writes to a temporary name, fsyncs, renames and fsyncs the directory, so a
-crash never leaves a partial archive under the name. `load_routes` checks the schema (its
+chunk while a thread checksums and writes the last, unless `read` returns memory of the
+batch being written, as a read into one reused `out=` buffer does: then the file is written
+again, each chunk read once the last is written), so saving 10 GB needs two chunks of
+memory; it writes to a temporary name of its own, fsyncs, renames and fsyncs the directory,
+so a crash never leaves a partial archive under the name (and of saves to one path at once,
+the last to finish is the file, whole). `load_routes` checks the schema (its
 metadata's CRC before parsing the layout, then the whole schema), the layout, every batch
 (fully validated by Arrow and checked against its CRC before any column is decoded), the
 refs asked for, and the token ids against their digests, then puts the samples with one
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import struct
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +43,7 @@ from routing_replay.errors import (
     RoutingReplayError,
     SampleNotFoundError,
     SampleReplacedError,
+    StoreUnavailableError,
 )
 from routing_replay.reader import stored_ids
 from routing_replay.schema import (
@@ -150,9 +155,13 @@ def save_routes(
     """Save the refs' samples to the archive `path`; returns the bytes written.
 
     `read(refs)` returns their Arrow batch (`store.read` in one process,
-    `routing_replay.ray.fetch_batch` on Ray). Samples are read and written `chunk_tokens`
-    tokens at a time; the file appears under `path` only once complete (fsynced, and its
-    directory after the rename).
+    `routing_replay.ray.fetch_batch` on Ray; memory they reuse, `out=`, is fine). Samples
+    are read and written `chunk_tokens` tokens at a time; the file appears under `path`
+    only once complete (fsynced, and its directory after the rename). Each save writes its
+    own temporary file: of saves to one path at once, the last to finish is the file. A
+    path that is a directory, or in one that does not exist, is an `InvalidArgumentError`;
+    a disk that fails or fills up a `StoreUnavailableError` (an `OSError`): either leaves
+    nothing behind.
     """
     refs = list(refs)
     if not refs or not all(isinstance(r, RoutingRef) for r in refs):
@@ -162,33 +171,137 @@ def save_routes(
     if chunk_tokens < 1:
         raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     path = os.fspath(path)
-    tmp = f"{path}.partial-{os.getpid()}"
+    if os.path.isdir(path):
+        raise InvalidArgumentError(
+            f"save_routes: {path} is a directory: name the archive file in it, e.g. "
+            f"{os.path.join(path, 'routes.arrow')}"
+        )
     chunks = list(_chunks(refs, chunk_tokens))
+    f, tmp = _temp_file(path)
     try:
-        with open(tmp, "wb") as f, ThreadPoolExecutor(1, "save_routes") as pool:
-            writer, pending, schema = None, None, None
-            # Two stages, two chunks in flight: read the next chunk here while a thread
-            # checksums and writes the last (zlib and Arrow's file writes release the GIL).
-            for i, chunk in enumerate(chunks):
-                batch = read(chunk)
-                if schema is None:
-                    schema = archive_schema(layout_of(batch), len(refs), len(chunks))
-                batch = _archive_batch(batch, chunk, schema)
-                if pending is not None:
-                    pending.result()
-                writer = writer or ipc.new_file(f, schema)
-                pending = pool.submit(_write, writer, batch, i)
-            pending.result()
-            writer.close()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path) or ".")  # the rename itself survives a power cut
+        try:
+            # Reading the next chunk while the last is written is safe only if `read`
+            # returns new memory: when it returns memory of the batch still being written
+            # (`out=`), the file may hold its next batch's routes, so it is written again,
+            # each batch written before the next is read.
+            if not _write_batches(f, path, refs, chunks, read, overlap=True):
+                with _disk(path, "rewriting"):
+                    f.seek(0)
+                    f.truncate()
+                _write_batches(f, path, refs, chunks, read, overlap=False)
+            with _disk(path, "syncing"):
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            with contextlib.suppress(OSError):  # after an error, flushing may fail again
+                f.close()
+        with _disk(path, "renaming the finished file to"):
+            os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return os.path.getsize(path)
+    with _disk(path, "syncing the directory of", saved=True):
+        _fsync_dir(os.path.dirname(path) or ".")  # the rename itself survives a power cut
+        return os.path.getsize(path)
+
+
+def _temp_file(path: str) -> tuple[Any, str]:
+    """A new file, `path` plus `.partial-<pid>-<random>`, for this save alone (other saves
+    to `path`, of other threads or of other containers' pid 1, write their own)."""
+    for _ in range(16):
+        tmp = f"{path}.partial-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise InvalidArgumentError(
+                f"save_routes: cannot create {path} ({e.strerror}): its directory "
+                f"{os.path.dirname(path) or '.'} does not exist; create it first"
+            ) from e
+        except OSError as e:
+            raise StoreUnavailableError(
+                f"save_routes: cannot create a file next to {path} ({e}): check the path "
+                "and that this process may write in its directory; nothing was saved"
+            ) from e
+        return os.fdopen(fd, "wb"), tmp
+    raise StoreUnavailableError(f"save_routes: no free temporary name next to {path}")
+
+
+@contextlib.contextmanager
+def _disk(path: str, what: str, saved: bool = False) -> Iterator[None]:
+    """Writing the archive `path`: an OSError (a full disk, a file size limit, a failing
+    device) is a StoreUnavailableError that says so."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, RoutingReplayError):
+            raise
+        done = (
+            "the archive is complete under that name, but the rename may not survive a power cut"
+            if saved
+            else "nothing was saved there"
+        )
+        raise StoreUnavailableError(
+            f"save_routes: {what} {path} failed ({type(e).__name__}: {e}): {done}; free "
+            "space on that disk (or raise its limits) and save again"
+        ) from e
+
+
+def _write_batches(
+    f: Any,
+    path: str,
+    refs: list[RoutingRef],
+    chunks: list[list[RoutingRef]],
+    read: Callable[[list[RoutingRef]], pa.RecordBatch],
+    *,
+    overlap: bool,
+) -> bool:
+    """Write the chunks' batches to `f`: with `overlap`, read each while a thread checksums
+    and writes the one before (zlib and Arrow's file writes release the GIL). False if a
+    read returned memory of the batch being written (it may have changed under the write:
+    what `f` holds is not the archive), once that write is done; else True."""
+    with ThreadPoolExecutor(1, "save_routes") as pool:
+        # `last`: the batch being written, kept alive until the next one is compared with
+        # it (memory it freed may be new memory of the next: that is no reuse).
+        writer, pending, schema, last = None, None, None, None
+        for i, chunk in enumerate(chunks):
+            if pending is not None and not overlap:
+                with _disk(path, "writing"):
+                    pending.result()
+            batch = read(chunk)
+            if schema is None:
+                schema = archive_schema(layout_of(batch), len(refs), len(chunks))
+            batch = _archive_batch(batch, chunk, schema)
+            if pending is not None:
+                with _disk(path, "writing"):
+                    pending.result()
+                if overlap and _overlaps(_memory(batch), _memory(last)):
+                    with _disk(path, "writing"):
+                        writer.close()
+                    return False
+            with _disk(path, "writing"):
+                writer = writer or ipc.new_file(f, schema)
+            pending, last = pool.submit(_write, writer, batch, i), batch
+        with _disk(path, "writing"):
+            pending.result()
+            writer.close()
+    return True
+
+
+def _memory(batch: pa.RecordBatch) -> list[tuple[int, int]]:
+    """The memory the batch's buffers (children's too) span, as `(start, stop)` addresses."""
+    spans = []
+    for column in batch.columns:
+        for buf in column.buffers():
+            if buf is not None and buf.size:
+                spans.append((buf.address, buf.address + buf.size))
+    return spans
+
+
+def _overlaps(a: list[tuple[int, int]], b: Sequence[tuple[int, int]]) -> bool:
+    return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
 
 
 def _fsync_dir(path: str) -> None:

@@ -109,19 +109,28 @@ def _whole(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and x >= 0
 
 
+MAX_POLICY_VERSION = 2**63 - 1  # route archives store versions as int64
+
+
 def policy_spans(value: Any, num_tokens: int, sample_id: str) -> tuple[tuple[int, int], ...]:
     """`put`'s policy_version as `(first token, version)` spans: an int is one span from 0;
-    a sequence of pairs must start at token 0, rise strictly and stay inside the sample."""
+    a sequence of pairs must start at token 0, rise strictly and stay inside the sample.
+    A version is at most `MAX_POLICY_VERSION` (2**63 - 1)."""
     if value is None:
         return ()
     pairs = [(0, value)] if isinstance(value, numbers.Integral) else list(value)
     if not pairs or not all(
-        isinstance(p, (tuple, list)) and len(p) == 2 and _whole(p[0]) and _whole(p[1])
+        isinstance(p, (tuple, list))
+        and len(p) == 2
+        and _whole(p[0])
+        and _whole(p[1])
+        and p[1] <= MAX_POLICY_VERSION
         for p in pairs
     ):
         raise InvalidArgumentError(
             f"policy_version for sample {sample_id!r} must be an int >= 0 or a sequence of "
-            f"(first token, version) pairs of ints >= 0, got {value!r}"
+            f"(first token, version) pairs of ints >= 0, versions at most 2**63 - 1 (route "
+            f"archives store them as int64), got {value!r}"
         )
     spans = tuple((int(start), int(version)) for start, version in pairs)
     starts = [start for start, _ in spans]

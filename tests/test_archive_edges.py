@@ -1,0 +1,185 @@
+"""Route archive edges: a `read` that reuses one `out` buffer, saves to one path at once,
+policy versions an archive cannot hold, and a disk or path that refuses the file. Each
+save either writes exactly the samples read or raises a routing_replay error and leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from routing_replay import (
+    InvalidArgumentError,
+    RoutingLayout,
+    RoutingStore,
+    StoreUnavailableError,
+    load_routes,
+    save_routes,
+)
+from routing_replay.store.segment import segment_path
+
+LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
+
+
+@pytest.fixture
+def stores():
+    """Make stores that are removed afterwards."""
+    made = []
+
+    def make(capacity_tokens=1 << 16):
+        name = f"test-archive-edges-{uuid.uuid4().hex[:10]}"
+        store = RoutingStore.create(name, LAYOUT, capacity_tokens=capacity_tokens, page_tokens=8)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+        store.unlink()
+        assert not os.path.exists(segment_path(store.name))
+
+
+def put_samples(store, prefix, count, tokens, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        store.put(
+            f"{prefix}{i}",
+            LAYOUT.random_routes(rng, tokens),
+            token_ids=rng.integers(0, 1000, tokens),
+            policy_version=i,
+        )
+        for i in range(count)
+    ]
+
+
+def assert_loads_exactly(stores, path, src, refs):
+    dst = stores()
+    new = load_routes(path, dst)
+    assert [r.sample_id for r in new] == [r.sample_id for r in refs]
+    assert dst.read(new).equals(src.read(refs))
+    assert [r.policy_versions for r in new] == [r.policy_versions for r in refs]
+
+
+def test_a_read_into_one_reused_out_buffer_saves_each_sample_with_its_own_routes(stores, tmp_path):
+    # `read` fills one `out` buffer each call: the batch being written is a view of it.
+    # Before, the next chunk was read into it while a thread still checksummed and wrote
+    # the last: samples of the archive held later samples' routes (with valid CRCs) or
+    # failed their CRC. Now such a save is written again, each batch before the next read.
+    src = stores()
+    refs = put_samples(src, "x", 64, 500)
+    buf = np.empty(1000 * LAYOUT.bytes_per_token, np.uint8)
+    reads = []
+
+    def read(chunk):
+        reads.append(len(chunk))
+        return src.read(chunk, out=buf)
+
+    path = tmp_path / "routes.arrow"
+    save_routes(path, refs, read=read, chunk_tokens=1000)  # two samples a chunk
+    assert_loads_exactly(stores, path, src, refs)
+    assert sorted(os.listdir(tmp_path)) == ["routes.arrow"]
+    # A read of new memory keeps reading one chunk while the last is written: once each.
+    fresh = []
+
+    def read_new(chunk):
+        fresh.append(len(chunk))
+        return src.read(chunk)
+
+    save_routes(path, refs, read=read_new, chunk_tokens=1000)
+    assert len(fresh) == 32
+    assert_loads_exactly(stores, path, src, refs)
+
+
+def test_saves_to_one_path_at_once_each_write_their_own_file_and_the_last_wins(stores, tmp_path):
+    # Before, both wrote "<path>.partial-<pid>": one raised FileNotFoundError from
+    # os.replace and the file held a mix of both (failing its CRCs) or the other's samples.
+    src = stores()
+    first, second = put_samples(src, "a", 6, 40, 1), put_samples(src, "b", 6, 40, 2)
+    path = tmp_path / "routes.arrow"
+    both_writing = threading.Barrier(2, timeout=10)
+    first_done = threading.Event()
+    results = {}
+
+    def save(key, refs):
+        calls = []
+
+        def read(chunk):
+            calls.append(chunk)
+            if len(calls) == 2:  # both temp files exist and hold a batch
+                both_writing.wait()
+            if key == "second" and len(calls) == 3:
+                assert first_done.wait(10)
+            return src.read(chunk)
+
+        try:
+            results[key] = save_routes(path, refs, read=read, chunk_tokens=80)  # 3 chunks
+        except Exception as e:  # reported below
+            results[key] = e
+        finally:
+            if key == "first":
+                first_done.set()
+
+    threads = [
+        threading.Thread(target=save, args=("first", first)),
+        threading.Thread(target=save, args=("second", second)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(results.get(k), int) for k in ("first", "second")), results
+    assert results["second"] == os.path.getsize(path)
+    assert_loads_exactly(stores, path, src, second)  # the last save to finish, whole
+    assert sorted(os.listdir(tmp_path)) == ["routes.arrow"]
+
+
+def test_policy_versions_beyond_int64_are_refused_at_put(stores, tmp_path):
+    # Before, put took them and save_routes raised a raw OverflowError (spans are int64).
+    src = stores()
+    routes = LAYOUT.random_routes(np.random.default_rng(3), 6)
+    for version in (2**63, 2**70, [(0, 1), (3, 2**64)]):
+        with pytest.raises(InvalidArgumentError, match="at most 2\\*\\*63 - 1"):
+            src.put("v", routes, policy_version=version)
+        assert "v" not in src
+    top = src.put("v", routes, policy_version=[(0, 5), (2, 2**63 - 1)])
+    path = tmp_path / "routes.arrow"
+    save_routes(path, [top], read=src.read)
+    assert load_routes(path, stores())[0].policy_versions == ((0, 5), (2, 2**63 - 1))
+
+
+def test_a_disk_that_refuses_the_file_is_a_store_unavailable_error_and_leaves_nothing(
+    stores, tmp_path
+):
+    # Before: a raw OSError (EFBIG under RLIMIT_FSIZE, as ENOSPC on a full disk).
+    src = stores()
+    refs = put_samples(src, "x", 8, 500)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(StoreUnavailableError, match="File too large") as raised:
+            save_routes(tmp_path / "routes.arrow", refs, read=src.read, chunk_tokens=1000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert isinstance(raised.value, OSError) and "routes.arrow" in str(raised.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_path_in_a_missing_directory_or_naming_one_is_refused_before_any_read(stores, tmp_path):
+    # Before: raw FileNotFoundError, and IsADirectoryError from os.replace after every
+    # sample was read and written.
+    src = stores()
+    refs = put_samples(src, "x", 2, 30)
+
+    def read(chunk):
+        raise AssertionError("read before the path was checked")
+
+    with pytest.raises(InvalidArgumentError, match="does not exist; create it first"):
+        save_routes(tmp_path / "nope" / "routes.arrow", refs, read=read)
+    with pytest.raises(InvalidArgumentError, match="is a directory"):
+        save_routes(tmp_path, refs, read=read)
+    assert os.listdir(tmp_path) == []
