@@ -38,6 +38,12 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
   `routing_replay_routes_refused_total{error="StoreFullError"}`,
   `routing_replay_routes_in_flight`). `choice_ref(choice)` gives a choice's `RoutingRef`,
   or raises `RoutesNotStoredError` with its `routing_error`.
+- A response whose routes were stored but that does not reach the client is released, all
+  its choices' samples (their refs reached nobody): the client went away during the put
+  (its disconnect is watched meanwhile; the body then goes out with null refs), the send
+  raised, or the request was cancelled (a put still running is released when it ends).
+  Counted in `COUNTS.undelivered` and `routing_replay_routes_undelivered_total{reason=...}`
+  (`disconnect`, `cancelled`, or the send's error class), logged at WARNING.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
   A/B runs). The routes are still base64-encoded and JSON-serialised by vLLM before this
   middleware decodes them: only the wire and the client's decode are saved.
@@ -45,6 +51,8 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -63,6 +71,7 @@ from routing_replay.integrations.vllm import (
     error_text,
     http_choice_put,
     off_loop,
+    store_executor,
 )
 
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
@@ -77,11 +86,26 @@ ID_PREFIX_CHARS = 96  # + "-" + 12 hex + "-" + index: within the store's 128-byt
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 _HEADER_CHARS = 1000
 
-COUNTS = StoreCounts()  # this process's puts: stored, refused by error class, in flight
+DISCONNECT = {"type": "http.disconnect"}
+
+
+@dataclasses.dataclass
+class MiddlewareCounts(StoreCounts):
+    """`StoreCounts`, and `undelivered`: responses whose routes were stored but that did
+    not reach the client, by reason (`disconnect`, `cancelled`, the send's error class):
+    their samples were released."""
+
+    undelivered: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**super().as_dict(), "undelivered": dict(self.undelivered)}
+
+
+COUNTS = MiddlewareCounts()  # this process's puts: stored, refused, in flight, undelivered
 log = logging.getLogger(__name__)
 
 
-def _prometheus() -> tuple[Any, Any, Any] | None:
+def _prometheus() -> tuple[Any, Any, Any, Any] | None:
     """The counters vLLM's `/metrics` shows (prometheus_client's default registry), or
     None without prometheus_client."""
     try:
@@ -97,6 +121,13 @@ def _prometheus() -> tuple[Any, Any, Any] | None:
             ("error",),
         ),
         (Gauge, "routing_replay_routes_in_flight", "responses whose routes are being put", ()),
+        (
+            Counter,
+            "routing_replay_routes_undelivered",
+            "responses whose routes were stored, then released: the response did not reach "
+            "the client (disconnect, cancelled, or the send's error class)",
+            ("reason",),
+        ),
     )
     metrics = []
     for kind, name, doc, labels in specs:
@@ -162,6 +193,21 @@ def header_text(text: str) -> bytes:
     return "".join(c if " " <= c <= "~" else "?" for c in text)[:_HEADER_CHARS].encode()
 
 
+def unstored_body(body: bytes, text: str) -> bytes:
+    """A rewritten body whose refs were released: each ref null, `routing_error` `text`."""
+    response = json.loads(body)
+    for choice in response.get("choices") or []:
+        if isinstance(choice, dict) and choice.get("routing_ref") is not None:
+            choice["routing_ref"] = None
+            choice[ERROR_FIELD] = text
+    return json.dumps(response, separators=(",", ":")).encode()
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # (a receive that raised: nothing to do, no "never retrieved")
+
+
 def weight_versions_env() -> dict[str, int] | None:
     """The label -> policy version map in `$RR_WEIGHT_VERSIONS` (None when unset)."""
     raw = os.environ.get(VERSIONS_ENV)
@@ -195,13 +241,15 @@ def choice_puts_args(
 @dataclasses.dataclass
 class Rewritten:
     """A response body after `RoutesToRefs.rewrite`: `error` when its routes were not
-    stored (the body then carries null refs and the error's text), `stored` when they were."""
+    stored (the body then carries null refs and the error's text), `stored` when they were
+    (`refs`: the choices' refs the body carries)."""
 
     body: bytes
     response_id: str = ""
     choices: int = 0
     stored: bool = False
     error: BaseException | None = None
+    refs: list[RoutingRef] = dataclasses.field(default_factory=list)
 
 
 class RoutesToRefs:
@@ -253,14 +301,34 @@ class RoutesToRefs:
             request, body = {}, b"".join(chunks)  # not JSON: the app answers the error
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        sent = False
+        sent, gone = False, False  # gone: the client's disconnect seen
+        early: list[dict] = []  # what the disconnect watch received that was not one
 
         async def replayed() -> dict:
-            nonlocal sent
+            nonlocal sent, gone
             if sent:
-                return await receive()  # disconnects
+                if gone:
+                    return DISCONNECT
+                if early:
+                    return early.pop()
+                message = await receive()  # disconnects
+                gone = gone or message["type"] == "http.disconnect"
+                return message
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
+
+        async def watch() -> None:  # during the put: does the client go away?
+            nonlocal gone
+            waited: list[bool] = []  # set once the loop ran while receive waited
+            asyncio.get_running_loop().call_soon(waited.append, True)
+            message = await receive()
+            if message["type"] != "http.disconnect":
+                early.append(message)
+            elif waited:
+                # A disconnect that came while receive waited. One answered at once is no
+                # news (some harnesses answer any receive after the body so): vLLM cancels a
+                # request whose client went away before its response was made.
+                gone = True
 
         start: dict | None = None
         out: list[bytes] = []
@@ -276,29 +344,62 @@ class RoutesToRefs:
                 out.append(message.get("body", b""))
                 if message.get("more_body"):
                     return
-                done = await self._rewrite_off_loop(request, b"".join(out), scope["path"])
+                watching = None if gone else asyncio.ensure_future(watch())
+                try:
+                    done = await self._rewrite_off_loop(request, b"".join(out), scope["path"])
+                finally:
+                    if watching is not None:
+                        watching.cancel()
+                        watching.add_done_callback(_retrieved)
+                if gone and done.stored:  # (uvicorn drops what is sent to a gone client)
+                    done = self._undelivered(done, "disconnect")
                 kept = [(k, v) for k, v in start["headers"] if k != b"content-length"]
                 kept.append((b"content-length", str(len(done.body)).encode()))
                 if done.error is not None:
                     kept.append((ERROR_HEADER, header_text(error_text(done.error))))
-                await send({**start, "headers": kept})
-                message = {"type": "http.response.body", "body": done.body, "more_body": False}
+                try:
+                    await send({**start, "headers": kept})
+                    await send(
+                        {"type": "http.response.body", "body": done.body, "more_body": False}
+                    )
+                except BaseException as err:  # not sent: its refs reached nobody
+                    if done.stored:
+                        cancelled = isinstance(err, asyncio.CancelledError)
+                        self._undelivered(done, "cancelled" if cancelled else type(err).__name__)
+                    raise
+                return
             await send(message)
 
         await self.app(scope, replayed, send_refs)
 
     async def _rewrite_off_loop(self, request: Mapping[str, Any], raw: bytes, path: str):
         """`rewrite` in a store thread (the loop serves other requests while a put waits
-        for room), counted in `COUNTS` and vLLM's `/metrics`."""
+        for room), counted in `COUNTS` and vLLM's `/metrics`. Cancelled, the put runs to its
+        end in its thread and what it stored is released."""
         COUNTS.in_flight += 1
         if _METRICS:
             _METRICS[2].inc()
+        work = asyncio.ensure_future(off_loop(self.rewrite, request, raw, path))
+        work.add_done_callback(self._counted)
         try:
-            done = await off_loop(self.rewrite, request, raw, path)
-        finally:
-            COUNTS.in_flight -= 1
-            if _METRICS:
-                _METRICS[2].dec()
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(self._cancelled)
+            raise
+
+    def _cancelled(self, work: asyncio.Future) -> None:
+        """The put of a cancelled request ended: what it stored goes."""
+        if not work.cancelled() and work.exception() is None and work.result().stored:
+            self._undelivered(work.result(), "cancelled")
+
+    def _counted(self, work: asyncio.Future) -> None:
+        """A put ended (on the loop): counted, a refusal logged."""
+        COUNTS.in_flight -= 1
+        if _METRICS:
+            _METRICS[2].dec()
+        if work.cancelled() or work.exception() is not None:
+            return
+        done = work.result()
         if done.stored:
             COUNTS.stored += 1
             if _METRICS:
@@ -317,7 +418,40 @@ class RoutesToRefs:
                 dict(COUNTS.refused),
                 exc_info=None if isinstance(done.error, RoutingReplayError) else done.error,
             )
-        return done
+
+    def _undelivered(self, done: Rewritten, reason: str) -> Rewritten:
+        """A stored response that did not reach the client: counted, its samples released
+        (all or none, in a store thread: nothing waits for it); the body with null refs."""
+        COUNTS.undelivered[reason] += 1
+        if _METRICS:
+            _METRICS[3].labels(reason=reason).inc()
+        log.warning(
+            "routing_replay: response %r (%d choices) did not reach the client (%s): its "
+            "stored routes are released. Undelivered so far: %s",
+            done.response_id,
+            done.choices,
+            reason,
+            dict(COUNTS.undelivered),
+        )
+        store_executor().submit(self._release, done.response_id, done.refs)
+        why = RoutesNotStoredError(
+            f"the response did not reach the client ({reason}): its routes were released"
+        )
+        return Rewritten(
+            unstored_body(done.body, error_text(why)), done.response_id, done.choices, error=why
+        )
+
+    def _release(self, response_id: str, refs: list[RoutingRef]) -> None:
+        try:
+            self.store().release(refs)
+        except Exception as err:  # (the store busy past the timeout, or created anew)
+            log.error(
+                "routing_replay: response %r: its undelivered routes (%s) could not be "
+                "released and stay stored: %s",
+                response_id,
+                ", ".join(r.sample_id for r in refs),
+                error_text(err),
+            )
 
     def rewrite(self, request: Mapping[str, Any], raw: bytes, path: str = COMPLETIONS) -> Rewritten:
         """The response body (of `path`) with each choice's routes put and replaced by its
@@ -367,4 +501,4 @@ class RoutesToRefs:
             del choice["routed_experts"]
             choice["routing_ref"] = ref_json(ref)
         body = json.dumps(response, separators=(",", ":")).encode()
-        return Rewritten(body, str(response_id), len(choices), stored=True)
+        return Rewritten(body, str(response_id), len(choices), stored=True, refs=list(refs))

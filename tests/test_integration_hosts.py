@@ -1,19 +1,35 @@
 """The vLLM hosts' store handles outlive the store they attached: the middleware and the
 rollout hosts attach a store removed and created anew under the same name (a trainer that
-restarted) instead of refusing every later response's routes.
+restarted) instead of refusing every later response's routes. The middleware releases
+what it stored for a response that never reached the client (the send raised, the request
+was cancelled, the client went away during the put), never one that did.
 
 Runs in the main suite: `RoutesToRefs` and `StoreHost` import vLLM lazily, and what is
-tested here is their store handle, not the engine.
+tested here is their store handle and the middleware's ASGI flow (a plain ASGI app that
+answers as vLLM's completions endpoint does), not the engine.
 """
 
 from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
 
 import numpy as np
 import pytest
 
 from routing_replay import RoutingLayout, RoutingStore, StoreUnavailableError
 from routing_replay.integrations.vllm import StoreHost
-from routing_replay.integrations.vllm_middleware import STORE_ENV, RoutesToRefs
+from routing_replay.integrations.vllm_middleware import (
+    COMPLETIONS,
+    COUNTS,
+    PUT_TIMEOUT_ENV,
+    STORE_ENV,
+    RoutesToRefs,
+    choice_ref,
+)
 from routing_replay.testing import tiny_moe
 
 LAYOUT = RoutingLayout.from_hf_config(tiny_moe().config)
@@ -66,3 +82,141 @@ def test_a_host_with_a_store_name_attaches_a_store_created_anew(name, tmp_path):
     second.close()
     owner.close()
     owner.unlink()
+
+
+PROMPT, OUTPUT = [1, 2, 3, 4], [5, 6, 7]  # 7 tokens: one page of 8
+
+
+async def completions_app(scope, receive, send):
+    """Answers as vLLM's /v1/completions does: one choice, its routes as base64 .npy."""
+    request = json.loads((await receive())["body"])
+    assert request["return_token_ids"] is True
+    routes = LAYOUT.random_routes(np.random.default_rng(0), len(PROMPT) + len(OUTPUT) - 1)
+    npy = io.BytesIO()
+    np.save(npy, routes.astype(np.int32))
+    choice = {"index": 0, "text": "", "token_ids": OUTPUT, "prompt_token_ids": PROMPT}
+    choice["routed_experts"] = base64.b64encode(npy.getvalue()).decode()
+    body = json.dumps({"id": "cmpl-x", "choices": [choice]}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Client:
+    """One request's ASGI receive/send: the body, then (when `gone` is set) a disconnect;
+    `send` raises `fail` or waits forever with `hang`."""
+
+    def __init__(self, fail: BaseException | None = None, hang: bool = False) -> None:
+        self.fail, self.hang = fail, hang
+        self.gone = asyncio.Event()
+        self.sent: list[dict] = []
+        self._asked = False
+
+    async def receive(self) -> dict:
+        if not self._asked:
+            self._asked = True
+            return {"type": "http.request", "body": b'{"prompt": [1, 2, 3, 4]}'}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        if self.fail is not None:
+            raise self.fail
+        if self.hang:
+            await asyncio.Event().wait()
+        self.sent.append(message)
+
+    def body(self) -> dict:
+        return json.loads(self.sent[-1]["body"])
+
+
+SCOPE = {"type": "http", "method": "POST", "path": COMPLETIONS, "headers": []}
+
+
+async def until(check, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def test_the_middleware_releases_what_never_reached_the_client(name, monkeypatch, caplog):
+    monkeypatch.setenv(STORE_ENV, name)
+    monkeypatch.setenv(PUT_TIMEOUT_ENV, "30")
+    store = RoutingStore.create(name, LAYOUT, 64, page_tokens=8)
+    middleware = RoutesToRefs(completions_app)
+    before = COUNTS.as_dict().get("undelivered", {})
+
+    def counted(reason: str) -> int:  # responses released for `reason` in this test
+        return COUNTS.as_dict().get("undelivered", {}).get(reason, 0) - before.get(reason, 0)
+
+    def full() -> list:  # every free page held: the next response's put waits for room
+        stats = store.stats()
+        free = stats.pages_total - stats.pages_used - stats.pages_pending
+        return [store.put("filler", LAYOUT.random_routes(np.random.default_rng(1), free * 8))]
+
+    async def scenario() -> None:
+        # Delivered: the sample stays, its ref in the body.
+        ok = Client()
+        await middleware(SCOPE, ok.receive, ok.send)
+        ref = choice_ref(ok.body()["choices"][0])
+        assert ref.sample_id in store and len(store) == 1
+        # The send raises (a server whose client went away): released, each time.
+        for _ in range(3):
+            dropped = Client(fail=OSError("client disconnected"))
+            with pytest.raises(OSError, match="client disconnected"):
+                await middleware(SCOPE, dropped.receive, dropped.send)
+        await until(lambda: len(store) == 1, "the undelivered samples stayed stored")
+        assert counted("OSError") == 3
+        # Cancelled while sending.
+        stuck = Client(hang=True)
+        task = asyncio.ensure_future(middleware(SCOPE, stuck.receive, stuck.send))
+        await until(lambda: len(store) == 2, "the response was never stored")
+        await asyncio.sleep(0.05)  # in its send
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: len(store) == 1, "the cancelled response's sample stayed stored")
+        assert counted("cancelled") == 1
+        # Cancelled while its put waits for room: released once the put has stored it.
+        held = full()
+        waiting = Client()
+        task = asyncio.ensure_future(middleware(SCOPE, waiting.receive, waiting.send))
+        await until(lambda: COUNTS.in_flight == 1, "the put never started")
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store.release(held)  # room: the put goes on and stores it, then it is released
+        await until(lambda: COUNTS.in_flight == 0, "the put never ended")
+        await until(lambda: counted("cancelled") == 2, "the cancelled put was not counted")
+        await until(lambda: len(store) == 1, "the cancelled put's sample stayed stored")
+        # The client goes away while the put waits (uvicorn then drops what is sent): the
+        # body goes out with a null ref, the sample is released.
+        held = full()
+        leaving = Client()
+        task = asyncio.ensure_future(middleware(SCOPE, leaving.receive, leaving.send))
+        await until(lambda: COUNTS.in_flight == 1, "the put never started")
+        leaving.gone.set()
+        await asyncio.sleep(0.1)
+        store.release(held)
+        await task
+        (choice,) = leaving.body()["choices"]
+        assert choice["routing_ref"] is None and "routed_experts" not in choice
+        assert choice["routing_error"] == (
+            "RoutesNotStoredError: the response did not reach the client (disconnect): its "
+            "routes were released"
+        )
+        await until(lambda: len(store) == 1, "the gone client's sample stayed stored")
+        assert counted("disconnect") == 1
+        assert (
+            "routing_replay: response 'cmpl-x' (1 choices) did not reach the client (disconnect): "
+            "its stored routes are released" in caplog.text
+        )
+        assert ref.sample_id in store  # the delivered one, all along
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+        store.unlink()

@@ -6,11 +6,13 @@ puts each choice's routes into a store this test owns; the stored routes must be
 what the same server returns in the body for the same greedy request when the middleware
 is bypassed (`x-routing-replay: body`), and the response must no longer carry them. A full
 store stalls no other request and costs no generation; client request ids become valid,
-distinct sample ids.
+distinct sample ids; a client that goes away while its response's put waits leaves nothing
+stored.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -269,3 +271,42 @@ def test_client_request_ids_become_valid_distinct_sample_ids(server):
         refs.append(ref)
     assert len({r.sample_id for r in refs}) == 4
     store.release(refs)
+
+
+def test_a_client_gone_during_the_put_leaves_nothing_stored(server):
+    url, model, layout, store, _ = server
+    big = [61 + (13 * j) % 60 for j in range(40)]  # 50 tokens with the completion: 4 pages
+    stats = store.stats()
+    free = stats.pages_total - stats.pages_used - stats.pages_pending
+    filler = store.put(
+        "mw-gone-filler", layout.random_routes(np.random.default_rng(2), (free - 3) * 16)
+    )
+    before = metrics(url)
+    gone_before = before.get('routing_replay_routes_undelivered_total{reason="disconnect"}', 0.0)
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    try:
+        headers = {"Content-Type": "application/json", "X-Request-Id": "gone"}
+        conn.request("POST", "/v1/completions", json.dumps(greedy(model, big)), headers)
+        # Its put waits for room; the client gives up and closes the connection.
+        deadline = time.monotonic() + 120
+        while metrics(url).get("routing_replay_routes_in_flight") != 1.0:
+            assert time.monotonic() < deadline, "the response's put never started"
+            time.sleep(0.05)
+    finally:
+        conn.close()
+    time.sleep(1)  # the server sees the disconnect
+    store.release([filler])  # room: the put stores the routes; nobody will get the ref
+    deadline = time.monotonic() + 60
+    while metrics(url).get("routing_replay_routes_in_flight") != 0.0:
+        assert time.monotonic() < deadline, "the put never ended"
+        time.sleep(0.05)
+    while store.stats().samples != stats.samples:
+        assert time.monotonic() < deadline, "the gone client's sample stayed stored"
+        time.sleep(0.05)
+    after = metrics(url)
+    assert after['routing_replay_routes_undelivered_total{reason="disconnect"}'] == gone_before + 1
+    assert (
+        after["routing_replay_routes_stored_total"]
+        == before["routing_replay_routes_stored_total"] + 1
+    )
