@@ -4,6 +4,9 @@ a wiped /dev/shm, and spill files or directories that are not the user's own."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import multiprocessing as mp
 import os
 import stat
@@ -21,7 +24,9 @@ from routing_replay import (
     InvalidRoutesError,
     RoutingLayout,
     RoutingStore,
+    StoreBusyError,
     StoreFullError,
+    StoreUnavailableError,
     cli,
 )
 from routing_replay.store import sweep_spill_dirs
@@ -172,6 +177,38 @@ def test_spill_dirs_of_a_wiped_dev_shm_are_swept(name, tmp_path, capsys):
     live.unlink()
 
 
+def test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods(
+    name, tmp_path, monkeypatch
+):
+    """The owner died; this process still uses its store (attached after). A sweep from a pod
+    with its own /dev/shm (where no store has that name) on the same spill disk keeps the
+    directory while a handle is open anywhere, and removes it once the last one closed."""
+    from routing_replay.store import segment
+
+    child = FORK.Process(target=_spill_and_exit, args=(name, str(tmp_path)))
+    child.start()
+    child.join()
+    rng = np.random.default_rng(3)
+    spilled = TINY.random_routes(rng, 2 * P)  # s0, as the child put it (the same seed)
+    store = RoutingStore.attach(name)
+    try:
+        assert store.stats().samples_spilled == 2
+        other_pod = tmp_path / "other-pod-shm"
+        other_pod.mkdir()
+        with monkeypatch.context() as m:
+            m.setattr(segment, "SHM_DIR", str(other_pod))
+            assert sweep_spill_dirs(tmp_path, dead_owners=False) == []
+            assert sweep_spill_dirs(tmp_path) == []
+        assert np.array_equal(store.get("s0"), spilled)
+    finally:
+        store.close()
+    (left,) = store_dirs(tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(segment, "SHM_DIR", str(other_pod))
+        assert sweep_spill_dirs(tmp_path, dead_owners=False) == [str(tmp_path / left)]
+    os.unlink(segment_path(name))
+
+
 def _own_store_elsewhere(name: str, spill_dir: str, shm: str, ready, done) -> None:
     """A store of another pod: its own shared-memory directory, the same spill_dir."""
     os.environ["ROUTING_REPLAY_SHM_DIR"] = shm
@@ -249,6 +286,88 @@ def test_a_sweep_at_each_line_of_a_create_keeps_the_new_stores_dir(name, tmp_pat
     store.unlink()
 
 
+def stop_at_line(fn, text: str, call) -> None:
+    """Run `call`, raising KeyboardInterrupt where `fn` reaches its line holding `text`."""
+    lines, first = inspect.getsourcelines(fn)
+    target = first + next(i for i, line in enumerate(lines) if text in line)
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not fn.__code__:
+            return None
+        if event == "line" and frame.f_lineno == target:
+            raise KeyboardInterrupt
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        sys.settrace(None)
+
+
+def stop_at_event(fn, stop: int, call) -> bool:
+    """Run `call`, raising KeyboardInterrupt at `fn`'s line event number `stop`; whether the
+    call ran to its end."""
+    events = 0
+
+    def tracer(frame, event, arg):
+        nonlocal events
+        if frame.f_code is not fn.__code__:
+            return None
+        if event == "line":
+            events += 1
+            if events == stop + 1:
+                raise KeyboardInterrupt
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        call()
+        return True
+    except KeyboardInterrupt:
+        return False
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("where", ["release", "clean"])
+def test_a_stop_at_each_line_of_a_release_or_clean_leaves_no_unmarked_spill_file(
+    name, tmp_path, where
+):
+    """A release of a spilled sample, or the clean that removes its file, stopped by an
+    exception at each of its lines: every spill file no sample needs stays marked for the
+    next clean (`verify` checks it), and that clean removes it."""
+    from routing_replay.store import spill
+
+    release = RoutingStore.release.__wrapped__
+    code = {"release": release, "clean": spill.Spiller.clean}[where]
+    stops = 0
+    for stop in range(10_000):
+        store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+        try:
+            kept = TINY.random_routes(np.random.default_rng(stop), 2 * P)
+            store.put("a", TINY.random_routes(np.random.default_rng(1), 2 * P))
+            store.put("kept", kept)
+            store.put("c", TINY.random_routes(np.random.default_rng(2), 2 * P))  # a spilled
+            if where == "clean":  # a release stopped after its commit leaves a's file
+                stop_at_line(release, "os.unlink(path)", functools.partial(store.release, ["a"]))
+            release_a = functools.partial(store.release, ["a"])
+            done = stop_at_event(code, stop, release_a if where == "release" else store.reclaim)
+            store.verify()
+            store.reclaim()
+            files = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+            assert len(files) == store.stats().samples_spilled, (stop, files)
+            assert np.array_equal(store.get("kept"), kept)
+        finally:
+            store.close()
+            store.unlink()
+        if done:
+            break
+        stops += 1
+    assert stops > 5  # the call has that many lines at least: each was a stop point
+
+
 def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
     rng = np.random.default_rng(4)
     with RoutingStore.create(
@@ -264,6 +383,13 @@ def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
             store.get("a")
         os.chmod(path, 0o600)
         assert np.array_equal(store.get("a"), a)
+        os.rename(path, path + ".aside")
+        os.symlink(path + ".aside", path)  # a link in its place (O_NOFOLLOW: ELOOP)
+        with pytest.raises(CorruptStoreError, match="a symbolic link is in its place"):
+            store.get("a")
+        os.unlink(path)
+        os.rename(path + ".aside", path)
+        assert np.array_equal(store.get("a"), a)
         os.chmod(store.spill_dir, 0o755)
         with pytest.raises(StoreFullError, match="not this user's own directory"):
             store.put("c", TINY.random_routes(rng, 4 * P))
@@ -272,6 +398,123 @@ def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
         store.put("c", TINY.random_routes(rng, 4 * P))  # spills b
         assert stat.S_IMODE(os.stat(store.spill_dir).st_mode) == 0o700
         store.verify()
+
+
+def _read_with_no_descriptors_left(name: str, conn) -> None:
+    """In a child: attach, use up the descriptors (RLIMIT_NOFILE), read a spilled sample."""
+    import resource
+
+    store = RoutingStore.attach(name)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        try:
+            store.get("a")
+            conn.send("read")
+        except Exception as e:  # the type is the test's answer
+            conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        for fd in held:
+            os.close(fd)
+    conn.send(store.get("a").tobytes())  # and with descriptors again: exact
+    store.close()
+
+
+def test_a_spilled_read_with_no_file_descriptors_left_is_a_clear_error(name, tmp_path):
+    rng = np.random.default_rng(6)
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
+        a = TINY.random_routes(rng, 2 * P)
+        store.put("a", a)
+        store.put("b", TINY.random_routes(rng, 4 * P))  # a spilled
+        ours, theirs = FORK.Pipe()
+        child = FORK.Process(target=_read_with_no_descriptors_left, args=(name, theirs))
+        child.start()
+        said, again = ours.recv(), ours.recv()
+        child.join()
+        assert said.startswith("StoreUnavailableError") and "ulimit -n" in said, said
+        assert again == store.get("a").tobytes() == a.astype(store.get("a").dtype).tobytes()
+        store.verify()
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "words"),
+    [
+        ("a file", StoreUnavailableError, "cannot hold spill files: Not a directory"),
+        ("under a file", StoreUnavailableError, "cannot hold spill files: Not a directory"),
+        ("/proc/routing-replay", StoreUnavailableError, "cannot hold spill files: No such file"),
+        ("a\0b", InvalidArgumentError, "non-empty path"),
+        ("", InvalidArgumentError, "non-empty path"),
+        (b"/tmp", InvalidArgumentError, "non-empty path"),
+    ],
+)
+def test_a_spill_dir_that_cannot_be_one_is_refused_at_create(name, tmp_path, where, error, words):
+    file = tmp_path / "file"
+    file.write_text("")
+    spill_dir = {"a file": file, "under a file": file / "x"}.get(where, where)
+    with pytest.raises(error, match=words):
+        RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=spill_dir)
+    assert not os.path.exists(segment_path(name))
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_an_owners_with_block_ends_while_another_thread_waits_in_put(name):
+    """The block ends (the owner is done) while a thread of the same handle waits for room:
+    the wait ends at once with StoreUnavailableError, the block ends cleanly and the store
+    is gone."""
+    said = []
+
+    def writer(store):
+        try:
+            store.put("waits", np.zeros((3 * P, 3, 2), np.int64), timeout=30)
+            said.append("stored")
+        except Exception as e:  # the type is the test's answer
+            said.append(e)
+
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P) as store:
+        store.put("fills", np.zeros((3 * P, 3, 2), np.int64))
+        thread = threading.Thread(target=writer, args=(store,))
+        thread.start()
+        time.sleep(0.2)  # inside its put, waiting for pages nobody frees
+        started = time.monotonic()
+    thread.join(10)
+    assert time.monotonic() - started < 5
+    (error,) = said
+    assert isinstance(error, StoreUnavailableError) and "was closed" in str(error)
+    assert not os.path.exists(segment_path(name))
+
+
+def test_a_nested_call_through_a_second_handle_is_refused_at_once(name):
+    """A store call made inside another one on the same thread (a signal handler) through a
+    second handle of the same store waits for no lock it holds itself: refused at once."""
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, put_timeout=20) as store:
+        other = RoutingStore.attach(name)
+        store.put("a", np.zeros((P, 3, 2), np.int64))
+        said = []
+
+        def tracer(frame, event, arg):  # inside the outer call's first holding
+            if event == "line" and frame.f_code.co_name == "_lay_out" and not said:
+                started = time.monotonic()
+                try:
+                    other.stats()
+                    said.append("ran")
+                except StoreBusyError as e:
+                    said.append((time.monotonic() - started, str(e)))
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            store.put("b", np.ones((P, 3, 2), np.int64))
+        finally:
+            sys.settrace(None)
+        ((waited, message),) = said
+        assert waited < 1 and "through another handle" in message
+        assert np.array_equal(store.get("b"), np.ones((P, 3, 2)))
+        other.stats()  # outside the call: fine
+        other.close()
 
 
 # -- argument edges ---------------------------------------------------------------------------

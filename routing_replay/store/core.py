@@ -58,7 +58,7 @@ class StoreCore:
         self.page_tokens = self.tables.page_tokens
         self.capacity_tokens = self.tables.num_pages * self.page_tokens
         self.put_timeout = put_timeout
-        self.lock = CommitLock(segment, self.tables, lambda: repair(self))
+        self.lock = CommitLock(segment, self.tables, lambda: repair(self), lambda: self.closing)
         self.leases = Leases(segment, self.tables)
         self.pages = PageAllocator(self.tables)
         self.samples = SampleIndex(self.tables)

@@ -30,7 +30,6 @@ DEFAULT_PUT_TIMEOUT_S = 30.0
 DEFAULT_MAX_WRITERS = 1024
 MIN_LOCK_WAIT_S = 1.0  # a put with timeout=0 still waits this long for the lock
 MAX_WAIT_S = 1e8  # the longest wait (3 years): `inf` means this
-CLOSE_WAIT_S = 1.0  # close waits this long for other threads' calls on the handle to end
 CHECK_CHUNK_BYTES = 1 << 18  # put copies and checks ids in chunks that stay in L2
 ATTACH_WAIT_S = 5.0
 

@@ -29,15 +29,17 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from routing_replay.errors import StoreBusyError
+from routing_replay.errors import StoreBusyError, StoreUnavailableError
 from routing_replay.store.calls import calls_running
 from routing_replay.store.segment import Segment, fork_epoch
 from routing_replay.store.tables import Tables
 
 _hook: Callable[[str], None] | None = None
+_LOCKS: weakref.WeakSet[CommitLock] = weakref.WeakSet()  # every handle's lock in this process
 SPIN_YIELDS = 20  # tries with a yield of the CPU before sleeping between tries
 FIRST_SLEEP_S, LONGEST_SLEEP_S = 1e-4, 2e-3
 
@@ -144,10 +146,18 @@ class Hold:
 class CommitLock:
     """Exclusive cross-process lock of one store handle, with repair of what a dead holder left."""
 
-    def __init__(self, segment: Segment, tables: Tables, repair: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        segment: Segment,
+        tables: Tables,
+        repair: Callable[[], None],
+        closing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._segment = segment
         self._tables = tables
         self._repair = repair
+        self._closing = closing  # the handle is closing: a wait for the lock ends
+        _LOCKS.add(self)
         self._mutex = Mutex()  # the threads of this process; the flock: other processes
 
     def held(self, point: str, deadline: float) -> Hold:
@@ -172,14 +182,41 @@ class CommitLock:
                 return
             except BlockingIOError:
                 pass
+            if tries == 0 and self._held_by_this_thread_elsewhere():
+                raise StoreBusyError(
+                    f"store {self._tables.name!r} was called from inside another call of it on "
+                    "the same thread, through another handle (a signal handler, a finalizer "
+                    "or a trace hook that uses the store): that call holds the lock, so this "
+                    "one is refused. Call the store from the program's own flow, or from "
+                    "another thread"
+                )
             if time.monotonic() >= deadline:
                 raise self._busy(deadline)
+            if self._closing():
+                raise closed_error(self._tables.name)
             tries += 1
             if tries <= SPIN_YIELDS:
                 os.sched_yield()  # the holder is usually a few microseconds from done
             else:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, LONGEST_SLEEP_S)
+
+    def _held_by_this_thread_elsewhere(self) -> bool:
+        """Whether this thread holds this store's lock through another handle of this process
+        (waiting for it would wait for ourselves)."""
+        key = (self._tables.name, self._tables.store_uid)
+        while True:
+            try:
+                locks = list(_LOCKS)
+                break
+            except RuntimeError:  # another thread made a handle meanwhile
+                continue
+        return any(
+            lock is not self
+            and (lock._tables.name, lock._tables.store_uid) == key
+            and lock._mutex.owned()
+            for lock in locks
+        )
 
     def _busy(self, deadline: float) -> StoreBusyError:
         return StoreBusyError(
@@ -189,3 +226,11 @@ class CommitLock:
             "(a killed holder's lock is released and its changes repaired), or pass a longer "
             "timeout"
         )
+
+
+def closed_error(name: str) -> StoreUnavailableError:
+    """A call of a handle that is being closed (by another thread, e.g. an owner's `with`)."""
+    return StoreUnavailableError(
+        f"store {name!r} was closed in this process while this call waited; attach again "
+        "to use the store"
+    )

@@ -43,7 +43,7 @@ from routing_replay.store.format import (
     NO_PAGE,
     TOKEN_DTYPE,
 )
-from routing_replay.store.lock import Hold
+from routing_replay.store.lock import Hold, closed_error
 from routing_replay.store.pages import Reservation
 from routing_replay.store.prefix import SharePlan, page_keys, runs, same_bytes
 from routing_replay.store.refs import (
@@ -255,6 +255,8 @@ class PutTransaction:
                     continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:
                     raise self._full_error(count, slots)
+                if core.closing:
+                    raise closed_error(core.name)
                 time.sleep(wait)
                 wait = min(wait * 2, 0.05)
         finally:

@@ -31,6 +31,7 @@ from routing_replay.errors import (
     CorruptStoreError,
     InvalidArgumentError,
     SampleReplacedError,
+    StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.schema import output_buffer, routes_batch
@@ -107,6 +108,13 @@ class ReadPlan:
             raise CorruptStoreError(
                 f"spill file {path} of sample {self.ids[i]!r} is missing: something removed "
                 "files from the store's spill directory. Release the sample and regenerate it"
+            ) from None
+        except OSError as e:  # EMFILE, EIO, ELOOP (a link in its place), ...: not readable now
+            self.check_unchanged()
+            raise StoreUnavailableError(
+                f"spill file {path} of sample {self.ids[i]!r} cannot be read: {e.strerror or e} "
+                f"(errno {e.errno}). The store is whole; fix the cause (too many open files: "
+                "raise `ulimit -n`; a failing or changed disk) and read again"
             ) from None
 
     def span(self, i: int, part: Part) -> range:

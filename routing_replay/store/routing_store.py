@@ -23,6 +23,7 @@ from routing_replay.errors import (
     InvalidArgumentError,
     LayoutMismatchError,
     RoutingReplayError,
+    StoreBusyError,
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
@@ -30,7 +31,6 @@ from routing_replay.store.calls import others_in_flight, store_call
 from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
-    CLOSE_WAIT_S,
     DEFAULT_MAX_WRITERS,
     DEFAULT_PAGE_TOKENS,
     DEFAULT_PUT_TIMEOUT_S,
@@ -65,6 +65,7 @@ from routing_replay.store.spill import (
     make_spill_dir,
     page_file_bytes,
     remove_spill_dir,
+    spill_root_of,
     spill_slots,
     sweep_spill_dirs,
 )
@@ -141,7 +142,7 @@ class RoutingStore:
         uid = int.from_bytes(os.urandom(8), "little") | 1
         spill_root, budget = "", 0
         if spill_dir is not None:
-            spill_root = os.path.abspath(os.fspath(spill_dir))
+            spill_root = spill_root_of(spill_dir)
             page_file = page_file_bytes(layout, page_tokens)
             budget = budget_for(spill_root, name, page_file, spill_budget)
             sweep_spill_dirs(spill_root, dead_owners=False)  # left by a wiped /dev/shm
@@ -177,13 +178,15 @@ class RoutingStore:
             "layout": layout_json,
         }
         seg = Segment.create(name, offsets["end"], OWNER_LEASE)
-        spill_path, owner_fd = "", -1
+        spill_path, owner_fd = "", -1  # the dir's users lock until the handle holds its own
         try:
             if spill_root:  # after the segment: a directory whose store is gone is an orphan
                 spill_path, owner_fd = make_spill_dir(spill_root, name, uid)
             initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
-            store = cls(seg, put_timeout)
-            store._core.spill.owner_fd, owner_fd = owner_fd, -1
+            store = cls(seg, put_timeout)  # its handle takes its own shared lock on the dir
+            if owner_fd >= 0:
+                fd, owner_fd = owner_fd, -1
+                os.close(fd)
             return store
         except BaseException:
             seg.unlink()  # nothing half-made stays behind
@@ -258,14 +261,15 @@ class RoutingStore:
         core = self._core
         if core.segment.fd < 0:
             return
-        core.closing = True  # calls starting now refuse; those in flight may end
-        deadline = time.monotonic() + CLOSE_WAIT_S
+        core.closing = True  # calls starting now refuse; waiting ones end; working ones finish
+        deadline = core.deadline()
         while others_in_flight(core.calls):
             if time.monotonic() >= deadline:
                 core.closing = False
-                raise BufferError(
-                    f"store {self.name!r} cannot be closed: another thread is inside a call "
-                    "of this handle. Close it once that call returned"
+                raise StoreBusyError(
+                    f"store {self.name!r} cannot be closed: another thread's call on this "
+                    "handle is still running past the put timeout. Close it once that call "
+                    "returned"
                 )
             time.sleep(0.001)
         self._core.tables.release_views()
@@ -312,7 +316,7 @@ class RoutingStore:
         finally:
             try:
                 self.close()
-            except BufferError:
+            except (BufferError, StoreBusyError):
                 if exc_type is None:
                     raise
 

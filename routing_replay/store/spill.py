@@ -48,6 +48,7 @@ import numpy as np
 
 from routing_replay.errors import CorruptStoreError, InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.format import (
+    ATTACH_WAIT_S,
     HEADER_DTYPE,
     LEASE_HELD,
     MAGIC,
@@ -95,8 +96,10 @@ _NAME = re.compile(r"^([0-9a-f]{16})-([0-9a-f]{16})\.spill$")
 _DIR_NAME = re.compile(r"^rr_(.+)-([0-9a-f]{16})$")
 DIR_MODE, FILE_MODE = 0o700, 0o600  # a store's spill directory and files: this user's only
 CLEAN_EVERY_S = 5.0  # a handle looks for files left behind at most this often
-OWNER_FILE = "owner.lock"  # in a store's directory: its owner holds a flock on it
-HALF_MADE_S = 60.0  # a store directory without its owner file is being made for this long
+# In a store's directory: every open handle of the store holds a shared flock on it, which
+# the kernel drops when the handle closes or its process dies (whatever its /dev/shm).
+USERS_FILE = "owner.lock"
+HALF_MADE_S = 60.0  # a store directory without its users file is being made for this long
 
 
 def spill_name(serial: int, code: int) -> str:
@@ -172,7 +175,12 @@ class SpillFile:
     def __init__(self, core: StoreCore, path: str, serial: int, digest: int, num_tokens: int):
         layout, P = core.layout, core.page_tokens
         self.path, self._P = path, P
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # FileNotFoundError: gone
+        try:  # FileNotFoundError: gone
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise self._corrupt("a symbolic link is in its place") from None
+            raise
         try:
             st = os.fstat(fd)
             reason = untrusted_reason(st, FILE_MODE)
@@ -246,7 +254,7 @@ class Spiller:
         self._mutex = Mutex()
         self.error: OSError | None = None  # why the last spill could not write, if it failed
         self._cleaned = -CLEAN_EVERY_S  # when this handle last cleaned (time.monotonic)
-        self.owner_fd = -1  # the owner's: its lock on the directory (`make_spill_dir`)
+        self.users_fd = use_spill_dir(self.dir) if self.enabled else -1
 
     @property
     def enabled(self) -> bool:
@@ -273,10 +281,10 @@ class Spiller:
             self._mutex.release_if_mine()
 
     def close(self) -> None:
-        """The handle closes: the owner's directory lock goes with it."""
-        if self.owner_fd >= 0:
-            os.close(self.owner_fd)
-            self.owner_fd = -1
+        """The handle closes: its shared lock on the directory goes with it."""
+        if self.users_fd >= 0:
+            os.close(self.users_fd)
+            self.users_fd = -1
 
     def settle(self) -> None:
         """At the end of a store call: release the spill mutex if an interruption left this
@@ -445,7 +453,7 @@ class Spiller:
         )
         t.add("spilled", -1)
         t.add("spilled_bytes", -size)
-        t.hdr["spill_garbage"] = 1  # until the releaser has removed the file
+        mark_garbage(t)  # until the releaser has removed the file
         return self.path(samples.serial(slot), code)
 
     def finish(self) -> int:
@@ -492,35 +500,60 @@ class Spiller:
         t = self.core.tables
         deadline = self.core.deadline() if deadline is None else deadline
         with self.core.lock.held("spill.clean", deadline):
-            t.hdr["spill_garbage"] = 0  # what is left now is judged here
-            published = t.s_state == PUBLISHED
-            by_serial = dict(
-                zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
-            )
-            doomed = []
-            for name, m in names:
-                serial, code = int(m.group(1), 16), int(m.group(2), 16)
-                slot = by_serial.get(serial)
-                if slot is not None and int(t.s_spill[slot]) == code:
-                    continue  # the sample's file
-                if (
-                    slot is not None
-                    and int(t.s_spill[slot]) == NOT_SPILLED
-                    and self._writer_alive(code)
-                ):
-                    continue  # a spill in progress
-                doomed.append(name)
-        return sum(_unlink(os.path.join(self.dir, name)) for name in doomed)
+            seen = int(t.hdr["spill_garbage"])  # cleared below once what is judged here is gone
+            doomed = self.unneeded(names)
+        removed = sum(_unlink(os.path.join(self.dir, name)) for name in doomed)
+        if removed == len(doomed) and seen:
+            with self.core.lock.held("spill.clean", deadline):
+                if int(t.hdr["spill_garbage"]) == seen:  # no file was orphaned since
+                    t.hdr["spill_garbage"] = 0
+        return removed
+
+    def unneeded(
+        self, names: list[tuple[str, re.Match]] | None = None, *, leased: bool = False
+    ) -> list[str]:
+        """Under the lock: the spill files (of `names`, else of the directory) that no slot
+        names and no live writer is spilling (`leased`: nor a writer whose lease the table
+        still holds, dead or not: reclaiming that lease marks its files for cleaning)."""
+        if names is None:
+            try:
+                names = [(n, m) for n in os.listdir(self.dir) if (m := _NAME.match(n))]
+            except OSError:
+                return []
+        t = self.core.tables
+        published = t.s_state == PUBLISHED
+        by_serial = dict(
+            zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
+        )
+        doomed = []
+        for name, m in names:
+            serial, code = int(m.group(1), 16), int(m.group(2), 16)
+            slot = by_serial.get(serial)
+            if slot is not None and int(t.s_spill[slot]) == code:
+                continue  # the sample's file
+            in_progress = self._writer_alive(code) or (leased and self._writer_leased(code))
+            if slot is not None and int(t.s_spill[slot]) == NOT_SPILLED and in_progress:
+                continue  # a spill in progress
+            doomed.append(name)
+        return doomed
 
     def _writer_alive(self, code: int) -> bool:
+        return self._writer_leased(code) and self.core.leases.alive((code >> 32) - 1)
+
+    def _writer_leased(self, code: int) -> bool:
         index, gen = (code >> 32) - 1, code & 0xFFFFFFFF
-        t, leases = self.core.tables, self.core.leases
+        t = self.core.tables
         return (
             0 <= index < t.max_writers
             and t.leases["state"][index] == LEASE_HELD
             and int(t.leases["gen"][index]) == gen
-            and leases.alive(index)
         )
+
+
+def mark_garbage(t: Tables) -> None:
+    """Note (inside a write) that spill files may be left that no slot names: the next spill
+    after `CLEAN_EVERY_S` cleans. A counter, so that a clean clears only what it judged."""
+    t.hdr["spill_garbage"] = int(t.hdr["spill_garbage"]) % 0xFFFFFFFF + 1
 
 
 def mark_spilled(t: Tables, slot: int, code: int) -> None:
@@ -542,6 +575,19 @@ def mark_spilled(t: Tables, slot: int, code: int) -> None:
     t.s_last_page[slot] = NO_PAGE
 
 
+def spill_root_of(spill_dir: object) -> str:
+    """`create`'s `spill_dir` as an absolute path; a clear error for what cannot be one."""
+    try:
+        path = os.fspath(spill_dir)
+    except TypeError:
+        path = None
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise InvalidArgumentError(
+            f"spill_dir must be a non-empty path of a local directory, got {spill_dir!r}"
+        )
+    return os.path.abspath(path)
+
+
 def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | None) -> int:
     """The budget of a new store's spill files (default: half the free space of `spill_dir`'s
     file system), after checking that the disk can hold one page's file at all."""
@@ -553,8 +599,18 @@ def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | No
         )
     if len(store_spill_dir(spill_dir, name, 0).encode()) > MAX_SPILL_DIR_BYTES - 24:
         raise InvalidArgumentError(f"spill_dir {spill_dir!r} is too long: use a shorter path")
-    os.makedirs(spill_dir, exist_ok=True)
-    st = os.statvfs(spill_dir)
+    try:
+        if os.path.lexists(spill_dir) and not os.path.isdir(spill_dir):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), spill_dir)
+        os.makedirs(spill_dir, exist_ok=True)
+        if not os.path.isdir(spill_dir):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), spill_dir)
+        st = os.statvfs(spill_dir)
+    except OSError as e:
+        raise StoreUnavailableError(
+            f"spill_dir {spill_dir!r} cannot hold spill files: {e.strerror or e}: point "
+            "spill_dir at a directory of a local disk this user can create and write"
+        ) from None
     free = st.f_bavail * st.f_frsize
     if free < page_file_bytes:
         raise StoreUnavailableError(
@@ -566,24 +622,47 @@ def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | No
 
 
 def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]:
-    """Create a new store's own spill directory (private to this user) and take its owner
-    lock: a flock on `OWNER_FILE` in it, which the kernel drops when the owner dies, seen
-    by every process of the host whatever its /dev/shm (`sweep_spill_dirs` judges by it).
-    Returns the path and the lock's descriptor, for the owner to keep open."""
+    """Create a new store's own spill directory (private to this user) holding the users
+    lock: a shared flock on `USERS_FILE` in it that every handle of the store holds, seen by
+    every process of the host whatever its /dev/shm (`sweep_spill_dirs` judges by it).
+    Returns the path and the lock's descriptor, held until the new store's handle has its own."""
     path = store_spill_dir(spill_dir, name, store_uid)
     os.mkdir(path, DIR_MODE)
     try:
         os.chmod(path, DIR_MODE)  # whatever the umask
-        # Locked under a name no sweep opens, then renamed: a sweep sees no owner file (a
+        # Locked under a name no sweep opens, then renamed: a sweep sees no users file (a
         # store being created) or a held one, never a free lock of a live store.
         flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(os.path.join(path, OWNER_FILE + ".new"), flags, FILE_MODE)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new name: nobody else holds it
-        os.rename(os.path.join(path, OWNER_FILE + ".new"), os.path.join(path, OWNER_FILE))
+        fd = os.open(os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody else holds it
+        os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
     except BaseException:
         remove_spill_dir(path)
         raise
     return path, fd
+
+
+def use_spill_dir(path: str) -> int:
+    """A handle's shared lock on its store's directory (-1 if the directory is gone: its
+    spilled samples then read as missing). A sweep probing the lock holds it exclusively for
+    an instant: waited for, up to ATTACH_WAIT_S."""
+    try:
+        fd = os.open(os.path.join(path, USERS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    deadline = time.monotonic() + ATTACH_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return -1
+            time.sleep(0.001)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 def check_dir(path: str) -> None:
@@ -605,12 +684,13 @@ def check_dir(path: str) -> None:
 def sweep_spill_dirs(
     spill_dir: str | os.PathLike, *, dead_owners: bool = True, dry_run: bool = False
 ) -> list[str]:
-    """Remove the store directories under `spill_dir` whose owner is dead (its lock in the
-    directory is free): with `dead_owners=False` only those no store of this node names
-    any more (no segment of that name, a wiped /dev/shm, a reboot; or one of another
-    incarnation), so that processes still reading a dead owner's store keep its files.
-    A directory shared with other hosts or pods keeps their live stores' directories: their
-    owners hold their locks. Only this user's own (mode 0700) directories are judged.
+    """Remove the store directories under `spill_dir` that no handle of their store uses any
+    more (its users lock is free: every process that had the store open has closed it or
+    died, whatever its /dev/shm): with `dead_owners=False` only those no store of this node
+    names any more either (no segment of that name, a wiped /dev/shm, a reboot; or one of
+    another incarnation), so that a dead owner's store that is attached again later still
+    finds its files. Directories of other hosts' or pods' live stores are kept: their
+    handles hold the lock. Only this user's own (mode 0700) directories are judged.
     Returns the paths removed (with `dry_run`: that would be)."""
     try:
         entries = list(os.scandir(spill_dir))
@@ -625,7 +705,7 @@ def sweep_spill_dirs(
             check_dir(entry.path)
         except OSError:
             continue  # not ours to judge
-        if _owner_dead(entry.path) and (
+        if _unused(entry.path) and (
             dead_owners or not _named_here(m.group(1), int(m.group(2), 16))
         ):
             if not dry_run:
@@ -634,11 +714,11 @@ def sweep_spill_dirs(
     return removed
 
 
-def _owner_dead(path: str) -> bool:
-    """Whether the owner lock of a store directory is free (a directory without one, of a
-    store being created, counts as owned for a minute)."""
+def _unused(path: str) -> bool:
+    """Whether no handle of its store holds a store directory's users lock (a directory
+    without the file, of a store being created, counts as used for a minute)."""
     try:
-        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(path, USERS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         try:
             return time.time() - os.lstat(path).st_mtime > HALF_MADE_S

@@ -29,7 +29,8 @@ def verify(core: StoreCore) -> None:
     referenced, reserved by a writer (a dead one's until reclaimed), or on the free stack
     (exactly once); shareable pages are findable in their bucket and free pages carry no
     key; free slots are on the free-slot stack; a spilled sample holds no pages and its
-    file is there, whole; the header counters agree.
+    file is there, whole; a spill file no sample needs is marked for cleaning; the header
+    counters agree.
     """
     t, samples, prefix = core.tables, core.samples, core.prefix
     with core.lock.held("verify", core.deadline()):
@@ -86,6 +87,10 @@ def verify(core: StoreCore) -> None:
             spilled_bytes += size
         if (t.s_spill[t.s_state != PUBLISHED] != NOT_SPILLED).any():
             raise t.corrupt("a free slot still names a spill file")
+        if core.spill.enabled and not int(t.hdr["spill_garbage"]):
+            stray = core.spill.unneeded(leased=True)
+            if stray:
+                raise t.corrupt(f"spill files no sample needs, and none marked to clean: {stray}")
         counters = {
             "spilled": len(spilled),
             "spilled_bytes": spilled_bytes,
