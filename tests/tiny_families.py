@@ -134,11 +134,18 @@ EXTRA: dict[str, dict] = {
     # PhiMoE masks experts whose logit is 2 x this (relative) below the top one: at the
     # default 0.01 only the top expert is left in a tiny model, and its router gets no gradient.
     "phimoe": {"router_jitter_noise": 0.3},
+    # LongCat: 2 zero-computation experts (ids 8 and 9, whose output is the input).
+    "longcat_flash": {"head_dim": 8, "zero_expert_num": 2},
     **{
         t: {"num_key_value_heads": 4}
         for t in ("axk2", "glm_moe_dsa", "mistral_large4_text", "dots3_note_text")
     },
 }
+
+
+# Families whose classes leave their experts' weights uninitialised (torch.empty) when built
+# from a config alone.
+UNINITIALISED = {"qwen3_omni_moe_talker_text"}
 
 
 def tiny_config(model_type: str):
@@ -212,6 +219,9 @@ def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch
     gen = torch.Generator().manual_seed(seed + 1)
     known = set(known_routers())
     with torch.no_grad():
+        for name, param in model.named_parameters():
+            if model_type in UNINITIALISED and ".experts." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
         for module in model.modules():
             if type(module).__name__ in known:
                 weight = next(p for p in module.parameters() if p.dim() == 2)

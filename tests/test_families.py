@@ -1,0 +1,271 @@
+"""Replay at the experts for every router family of transformers 5.25 beyond `moe_models.py`'s.
+
+Each family is a tiny model built from its own config class (`tiny_families.py`):
+- its own choice replayed gives back its native logits bit for bit: the score function is
+  the router's own formula (the oracle is transformers' forward, not ours);
+- forced ids reach the experts module on every forced row, with the score function's
+  weights in the router's dtype, and missing rows (-1) get the router's own ids and weights;
+- the router's weight gets a gradient through the forced weights;
+- under gradient checkpointing and torch.compile the experts see the same forced ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_families import tiny_family_model
+
+from routing_replay import capture, replay
+from routing_replay.model import outputs
+from routing_replay.model.adapters import find_routers
+from routing_replay.validate import MISSING
+
+B, S = 2, 8
+# model type -> its router class (all token-choice top-k, forward -> (logits, weights, ids)).
+FAMILIES = {
+    "afmoe": "AfmoeTokenChoiceRouter",
+    "aria_text": "AriaTextTopKRouter",
+    "axk1": "AXK1TopkRouter",
+    "axk2": "AXK2TopkRouter",
+    "bailing_hybrid": "BailingHybridTopkRouter",
+    "beam": "BeamTopKRouter",
+    "deepseek_ocr2_text": "DeepseekOcr2TextTopkRouter",
+    "dots3_note_text": "Dots3NoteTextTopkRouter",
+    "ergo": "ErgoTopkRouter",
+    "flint": "FlintTopKRouter",
+    "gemma4_text": "Gemma4TextRouter",
+    "glm4v_moe_text": "Glm4vMoeTextTopkRouter",
+    "glm5_next_text": "Glm5NextTextTopkRouter",
+    "glm_moe_dsa": "GlmMoeDsaTopkRouter",
+    "granitemoe_swa": "GraniteMoeSWATopKRouter",
+    "granitemoehybrid": "GraniteMoeHybridTopKRouter",
+    "granitemoeshared": "GraniteMoeSharedTopKRouter",
+    "hy_v3": "HYV3TopKRouter",
+    "hy_v4": "HYV4TopkRouter",
+    "hy_v4_vl_text": "HYV4VLTopkRouter",
+    "inkling2_text": "Inkling2TopKRouter",
+    "kolibri1": "Kolibri1TopKRouter",
+    "kolibri1_1": "Kolibri1_1TopKRouter",
+    "laguna": "LagunaTopKRouter",
+    "lara_mini": "LaraMiniTopKRouter",
+    "longcat_flash": "LongcatFlashTopkRouter",
+    "mellum": "MellumTopKRouter",
+    "mimo_v2_flash": "MiMoV2FlashTopkRouter",
+    "minicpm5_moe": "MiniCPM5MoeTopkRouter",
+    "minimax_m3_vl_text": "MiniMaxM3VLTopKRouter",
+    "mistral4": "Mistral4TopkRouter",
+    "mistral_large4_text": "MistralLarge4TextTopkRouter",
+    "muse_spark_text": "MuseSparkTopkRouter",
+    "nemotron_h": "NemotronHTopkRouter",
+    "openai_privacy_filter": "OpenAIPrivacyFilterTopKRouter",
+    "phimoe": "PhimoeTopKRouter",
+    "llama4_text": "Llama4Router",
+    "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextTopKRouter",
+    "qwen3_omni_moe_talker_text": "Qwen3OmniMoeTalkerTextTopKRouter",
+    "qwen3_vl_moe_text": "Qwen3VLMoeTextTopKRouter",
+    "qwen4_exp_text": "Qwen4ExpTextTopKRouter",
+    "solar_open": "SolarOpenTopkRouter",
+    "step3p5": "Step3p7TopKRouter",
+    "unlimited_ocr_text": "UnlimitedOcrTextTopkRouter",
+}
+# The fast tier: one family of each score function new to it, the rest in the slow tier.
+FAST = {"gemma4_text", "mistral4", "openai_privacy_filter", "beam", "afmoe", "kolibri1", "phimoe"}
+FAST |= {"llama4_text"}
+PARAMS = [
+    pytest.param(f, marks=() if f in FAST else pytest.mark.slow, id=f) for f in sorted(FAMILIES)
+]
+EMBEDS_ONLY = {"qwen3_omni_moe_talker_text"}  # no token embedding: called with embeddings
+# Zero-computation experts (ids >= n_routed_experts): the block adds their share of the input
+# itself, so their ids reach no experts module; checked where the block gets them.
+ZERO_EXPERTS = {"longcat_flash"}
+
+
+def inputs(model, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    if model.config.model_type in EMBEDS_ONLY:
+        hidden = model.config.hidden_size
+        return {"inputs_embeds": torch.randn(B, S, hidden, generator=gen)}
+    return {"input_ids": torch.randint(3, 200, (B, S), generator=gen)}
+
+
+def output(model, kwargs: dict) -> torch.Tensor:
+    out = model(**kwargs)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def random_routes(layout, seed: int, missing: float) -> torch.Tensor:
+    """[B, S, L, K] distinct ids per row, a fraction of rows missing (-1)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.random((B * S, layout.num_moe_layers, layout.num_experts))
+    ids = np.argsort(keys, axis=-1)[..., : layout.top_k]
+    ids[rng.random((B * S, layout.num_moe_layers)) < missing] = MISSING
+    return torch.from_numpy(ids.reshape(B, S, layout.num_moe_layers, layout.top_k))
+
+
+class ExpertsSpy:
+    """The (ids, weights) each MoE layer's experts module is called with, and each router's
+    output (as the MoE block gets it) and inputs."""
+
+    def __init__(self, model) -> None:
+        self.moe = find_routers(model)
+        self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.outs: list[list[torch.Tensor]] = []
+        self.args: list[list[tuple]] = []
+        self.handles = []
+        for j, router in enumerate(self.moe.routers):
+            parent = model.get_submodule(router.name.rsplit(".", 1)[0])
+            self.calls.append([])
+            self.outs.append([])
+            self.args.append([])
+            self.handles.append(
+                parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
+            )
+            self.handles.append(router.module.register_forward_hook(self._router(j)))
+
+    def _experts(self, j):
+        def hook(module, args, kwargs):
+            ids = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            weights = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
+            if ids is not None:  # None: Llama 4's experts take the scaled tokens only
+                self.calls[j].append((ids.detach().clone(), weights.detach().clone()))
+
+        return hook
+
+    def _router(self, j):
+        def hook(module, args, out):  # what the MoE block gets: forced, when replaying
+            self.outs[j].append(tuple(o.detach().clone() for o in out[:3]))
+            self.args[j].append(tuple(a.detach().clone() for a in args))
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def family(request):
+    return request.param
+
+
+def test_routers_are_found_at_the_layouts_moe_layers(family):
+    model = tiny_family_model(family)
+    moe = find_routers(model)
+    assert {type(r.module).__name__ for r in moe.routers} == {FAMILIES[family]}
+    assert [r.layer for r in moe.routers] == list(moe.layout.moe_layers)
+
+
+def test_own_choice_replayed_gives_the_native_output(family):
+    model = tiny_family_model(family)
+    kwargs = inputs(model, seed=1)
+    with capture(model) as cap, torch.no_grad():
+        native = output(model, kwargs)
+    routes = torch.from_numpy(np.stack(cap.routes()))
+    with replay(model, routes, layout=cap.layout), torch.no_grad():
+        replayed = output(model, kwargs)
+    assert torch.equal(native, replayed)
+
+
+def test_forced_ids_reach_the_experts(family):
+    model = tiny_family_model(family)
+    layout = find_routers(model).layout
+    kwargs = inputs(model, seed=2)
+    routes = random_routes(layout, seed=3, missing=0.3)
+    spy = ExpertsSpy(model)
+    try:
+        with replay(model, routes, layout=layout), torch.no_grad():
+            output(model, kwargs)
+    finally:
+        spy.remove()
+    flat = routes.reshape(B * S, layout.num_moe_layers, layout.top_k)
+    for j, router in enumerate(spy.moe.routers):
+        forced_TK = flat[:, j].long()
+        missing_T = (forced_TK == MISSING).any(-1)
+        assert 0 < int(missing_T.sum()) < B * S
+        module, (out,) = router.module, spy.outs[j]
+        with torch.no_grad():  # the router's own output, bypassing every hook
+            native = type(module).forward(module, *spy.args[j][0])
+        if isinstance(router.output, outputs.Scatter):  # Llama 4: the block scales by scores_TE
+            scores_TE, logits_TE = out[:2]
+            chosen_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
+            chosen_TE[~missing_T] = chosen_TE[~missing_T].scatter(1, forced_TK[~missing_T], True)
+            expected = torch.sigmoid(logits_TE.gather(1, forced_TK.clamp(min=0)).float())
+            assert torch.equal((scores_TE != 0)[~missing_T], chosen_TE[~missing_T])
+            got = scores_TE.gather(1, forced_TK.clamp(min=0))
+            assert torch.equal(got[~missing_T], expected.to(got.dtype)[~missing_T])
+            assert torch.equal(scores_TE[missing_T], native[0][missing_T])
+            continue
+        if family in ZERO_EXPERTS:
+            ids, weights = out[2], out[1]
+        else:
+            ((ids, weights),) = spy.calls[j]
+        assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
+        expected = router.score(module, out[0], ids).to(weights.dtype)
+        assert torch.equal(weights[~missing_T], expected[~missing_T])
+        _, native_w, native_ids = native[:3]
+        assert weights.dtype == native_w.dtype
+        assert torch.equal(ids[missing_T], native_ids[missing_T])
+        assert torch.equal(weights[missing_T], native_w[missing_T])
+
+
+def test_router_weights_get_gradients(family):
+    model = tiny_family_model(family).train()
+    layout = find_routers(model).layout
+    routes = random_routes(layout, seed=4, missing=0.0)
+    with replay(model, routes, layout=layout):
+        output(model, inputs(model, seed=5)).float().square().mean().backward()
+    for router in find_routers(model).routers:
+        weight = next(p for p in router.module.parameters() if p.dim() == 2)
+        assert weight.grad is not None and weight.grad.abs().sum() > 0, router.name
+
+
+def chosen(spy: ExpertsSpy, j: int) -> list[torch.Tensor]:
+    """Per call of layer j's MoE block, the experts each token went to, sorted."""
+    if isinstance(spy.moe.routers[j].output, outputs.Scatter):  # the nonzero scores
+        k = spy.moe.layout.top_k
+        return [out[0].topk(k, dim=1).indices.sort(dim=1).values for out in spy.outs[j]]
+    return [ids.sort(dim=1).values for ids, _ in spy.calls[j]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAST))
+def test_checkpointing_and_compile_see_the_forced_ids(family):
+    model = tiny_family_model(family).train()
+    layout = find_routers(model).layout
+    kwargs = inputs(model, seed=6)
+    routes = random_routes(layout, seed=7, missing=0.25)
+    flat = routes.reshape(B * S, layout.num_moe_layers, layout.top_k).long()
+    forced_L = [(flat[:, j] != MISSING).all(-1) for j in range(layout.num_moe_layers)]
+    want_L = [flat[:, j].sort(dim=1).values for j in range(layout.num_moe_layers)]
+
+    def run(fn):
+        torch.manual_seed(8)  # PhiMoE's training forward draws: the same draws each run
+        spy = ExpertsSpy(model)
+        try:
+            with replay(model, routes, layout=layout):
+                loss = fn(**kwargs).float().square().mean()
+                loss.backward()
+        finally:
+            spy.remove()
+        return loss.detach(), spy
+
+    eager, _ = run(lambda **kw: output(model, kw))
+    model.gradient_checkpointing_enable()
+    try:
+        ckpt, spy_ckpt = run(lambda **kw: output(model, kw))
+    finally:
+        model.gradient_checkpointing_disable()
+    assert torch.equal(eager, ckpt)
+    for j, (forced_T, want_TK) in enumerate(zip(forced_L, want_L, strict=True)):
+        calls = chosen(spy_ckpt, j)
+        assert len(calls) == 2  # the forward and its recompute
+        for got_TK in calls:
+            assert torch.equal(got_TK[forced_T], want_TK[forced_T])
+    compiled = torch.compile(lambda **kw: output(model, kw), backend="aot_eager")
+    loss_c, spy_c = run(compiled)
+    if family != "phimoe":  # its draws differ compiled
+        torch.testing.assert_close(loss_c, eager, rtol=1e-5, atol=1e-6)
+    for j, (forced_T, want_TK) in enumerate(zip(forced_L, want_L, strict=True)):
+        (got_TK,) = chosen(spy_c, j)
+        assert torch.equal(got_TK[forced_T], want_TK[forced_T])
