@@ -74,8 +74,12 @@ def remove(*paths: str) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["routing-replay", *args], capture_output=True, text=True, timeout=60, check=False
+    """`routing-replay ARGS`, run in this process (the CLI's `main`; no venv `bin` needed)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_module.main(list(args))
+    return subprocess.CompletedProcess(
+        ["routing-replay", *args], code, out.getvalue(), err.getvalue()
     )
 
 

@@ -488,11 +488,15 @@ def _run(name: str, other: Other, scenario, interference, at: int | None, spill)
 
 
 SPILL = pytest.mark.parametrize("spill", [False, True], ids=["in-memory", "spilling"])
+SLOW = {reclaim_to_fit}  # 4 s: its interleavings run in the slow tier only
 
 
 @pytest.mark.parametrize(
     ("scenario", "spill"),
-    [(s, False) for s in SCENARIOS]
+    [
+        (s, False) if s not in SLOW else pytest.param(s, False, marks=pytest.mark.slow)
+        for s in SCENARIOS
+    ]
     + [pytest.param(s, True, marks=pytest.mark.slow) for s in SCENARIOS]  # the fast tier: once
     + [(s, True) for s in SPILL_SCENARIOS],
     ids=lambda x: x.__name__ if callable(x) else ("spilling" if x else "in-memory"),
