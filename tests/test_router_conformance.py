@@ -82,3 +82,18 @@ def test_the_lists_are_disjoint_and_name_real_classes():
     candidates = router_candidates()
     stale = sorted((replayed | refused | NOT_ROUTERS) - set(candidates))
     assert not stale, f"classes listed but not in this transformers: {stale}"
+
+
+def test_docs_families_lists_every_class_once():
+    """docs/families.md's table is the lists above, row for row (edit it with them)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "families.md")
+    with open(path, encoding="utf-8") as f:
+        rows = [line.split("|")[1:4] for line in f if line.startswith("| `")]
+    listed = {cls.strip().strip("`"): kind.strip() for cls, _, kind in rows}
+    assert len(listed) == len(rows)
+    want = {
+        **dict.fromkeys(known_routers(), "replayed"),
+        **dict.fromkeys(REFUSED, "refused"),
+        **dict.fromkeys(NOT_ROUTERS, "not an MoE router"),
+    }
+    assert listed == want
