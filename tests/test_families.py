@@ -61,6 +61,7 @@ FAMILIES = {
     "openai_privacy_filter": "OpenAIPrivacyFilterTopKRouter",
     "phimoe": "PhimoeTopKRouter",
     "llama4_text": "Llama4Router",
+    "dbrx": "DbrxFFN",
     "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextTopKRouter",
     "qwen3_omni_moe_talker_text": "Qwen3OmniMoeTalkerTextTopKRouter",
     "qwen3_vl_moe_text": "Qwen3VLMoeTextTopKRouter",
@@ -72,7 +73,7 @@ FAMILIES = {
 # The fast tier: a few families of the new score functions and output forms; all in the slow.
 FAST = {"gemma4_text", "llama4_text", "mistral4", "phimoe"}
 # Checkpointing and compile (slow): one family of each score function or output form new here.
-COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1"}
+COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
 PARAMS = [
     pytest.param(f, marks=() if f in FAST else pytest.mark.slow, id=f) for f in sorted(FAMILIES)
 ]
@@ -104,6 +105,27 @@ def random_routes(layout, seed: int, missing: float) -> torch.Tensor:
     return torch.from_numpy(ids.reshape(B, S, layout.num_moe_layers, layout.top_k))
 
 
+class MethodSpy:
+    """`hook(module, args, output)` after each call of a module's method; `remove()`."""
+
+    def __init__(self, module, method: str, hook) -> None:
+        self.module, self.method, self.own = module, method, vars(module).get(method)
+        inner = getattr(module, method)
+
+        def spied(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            hook(module, args, out)
+            return out
+
+        setattr(module, method, spied)
+
+    def remove(self) -> None:
+        if self.own is None:
+            del self.module.__dict__[self.method]
+        else:
+            setattr(self.module, self.method, self.own)
+
+
 class ExpertsSpy:
     """The (ids, weights) each MoE layer's experts module is called with, and each router's
     output (as the MoE block gets it) and inputs."""
@@ -116,13 +138,18 @@ class ExpertsSpy:
         self.handles = []
         for j, router in enumerate(self.moe.routers):
             parent = model.get_submodule(router.name.rsplit(".", 1)[0])
+            if hasattr(router.module, "experts"):  # DBRX: the router is the MoE block itself
+                parent = router.module
             self.calls.append([])
             self.outs.append([])
             self.args.append([])
             self.handles.append(
                 parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
             )
-            self.handles.append(router.module.register_forward_hook(self._router(j)))
+            if router.method == "forward":
+                self.handles.append(router.module.register_forward_hook(self._router(j)))
+            else:  # DBRX: the block's method that routes, wrapped (over replay's, if there)
+                self.handles.append(MethodSpy(router.module, router.method, self._router(j)))
 
     def _experts(self, j):
         def hook(module, args, kwargs):
@@ -186,7 +213,7 @@ def test_forced_ids_reach_the_experts(family):
         assert 0 < int(missing_T.sum()) < B * S
         module, (out,) = router.module, spy.outs[j]
         with torch.no_grad():  # the router's own output, bypassing every hook
-            native = type(module).forward(module, *spy.args[j][0])
+            native = getattr(type(module), router.method)(module, *spy.args[j][0])
         if isinstance(router.output, outputs.Scatter):  # Llama 4: the block scales by scores_TE
             scores_TE, logits_TE = out[:2]
             chosen_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
@@ -202,9 +229,11 @@ def test_forced_ids_reach_the_experts(family):
         else:
             ((ids, weights),) = spy.calls[j]
         assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
-        expected = router.score(module, out[0], ids).to(weights.dtype)
+        pair = isinstance(router.output, outputs.Pair)  # DBRX: scored from the call's logits
+        scores_TE = spy.args[j][0][0] if pair else out[0]
+        expected = router.score(module, scores_TE, ids).to(weights.dtype)
         assert torch.equal(weights[~missing_T], expected[~missing_T])
-        _, native_w, native_ids = native[:3]
+        native_w, native_ids = native[:2] if pair else native[1:3]
         assert weights.dtype == native_w.dtype
         assert torch.equal(ids[missing_T], native_ids[missing_T])
         assert torch.equal(weights[missing_T], native_w[missing_T])

@@ -134,6 +134,13 @@ EXTRA: dict[str, dict] = {
     # PhiMoE masks experts whose logit is 2 x this (relative) below the top one: at the
     # default 0.01 only the top expert is left in a tiny model, and its router gets no gradient.
     "phimoe": {"router_jitter_noise": 0.3},
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "max_seq_len": 64,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
+    },
     # LongCat: 2 zero-computation experts (ids 8 and 9, whose output is the input).
     "longcat_flash": {"head_dim": 8, "zero_expert_num": 2},
     **{

@@ -115,9 +115,13 @@ _SCORES: dict[str, ScoreFunction] = {
     ),
     "PhimoeTopKRouter": scores.sparsemixer_at_ids,
     "Llama4Router": scores.sigmoid_of_chosen,
+    "DbrxFFN": scores.softmax_pnorm,
 }
 # How a router's output carries its choice, where it is not (scores, weights, ids, ...).
-_OUTPUTS: dict[str, Any] = {"Llama4Router": outputs.SCATTER}
+_OUTPUTS: dict[str, Any] = {"Llama4Router": outputs.SCATTER, "DbrxFFN": outputs.PAIR}
+# The method that routes, where it is not the router module's forward: DBRX's MoE block
+# picks its experts from its router's logits in a method of its own.
+_METHODS: dict[str, str] = {"DbrxFFN": "route_tokens_to_experts"}
 
 _NOT_YET = "not supported yet: "
 # Router classes of transformers 5.25 replay refuses, and why: their forward is not a
@@ -128,8 +132,6 @@ REFUSED: dict[str, str] = {
     "SwitchTransformersTop1Router": "a capacity-limited top-1 router of an encoder-decoder "
     "model: it drops tokens per batch, so a token's experts are not its own choice",
     # Not yet: each needs more than a score function (issue 32 lists them).
-    "DbrxRouter": _NOT_YET + "DBRX picks its experts in the FFN block (route_tokens_to_experts)",
-    "DbrxFFN": _NOT_YET + "DBRX picks its experts in this block, not in a router module",
     "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline, with no router module",
     "DiffusionGemmaTextRouter": _NOT_YET + "an encoder and a decoder stack route apart",
     "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
@@ -151,6 +153,7 @@ NOT_ROUTERS: frozenset[str] = frozenset(
         "ErgoResidualGate",
         "MuseSparkResidualGate",
         "GraniteDoclingDensityRouter",
+        "DbrxRouter",  # logits only: its block, DbrxFFN, picks the experts
     )
 )
 
@@ -173,7 +176,8 @@ class Router:
     name: str
     module: nn.Module
     score: ScoreFunction
-    output: Any = outputs.TRIPLE  # outputs.Triple or outputs.Scatter: where the choice is
+    output: Any = outputs.TRIPLE  # outputs.Triple, Scatter or Pair: where the choice is
+    method: str = "forward"  # the module's method that returns it
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ class MoeModel:
     decoder: nn.Module
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # decoder layers (DBRX: blocks)
 
 
 def find_routers(model: nn.Module) -> MoeModel:
@@ -212,14 +216,17 @@ def find_routers(model: nn.Module) -> MoeModel:
             continue
         match = _LAYER.search(name)
         if match is None:
-            raise UnsupportedModelError(f"router {name!r} is not inside a `layers.<i>` module list")
+            raise UnsupportedModelError(
+                f"router {name!r} is not inside a `layers.<i>` (or `blocks.<i>`) module list"
+            )
         layer = int(match.group(1))
         if layer in found:
             raise UnsupportedModelError(
                 f"layer {layer} has two routers: {found[layer].name!r} and {name!r}"
             )
-        output = _OUTPUTS.get(type(module).__name__, outputs.TRIPLE)
-        found[layer] = Router(layer, name, module, score, output)
+        kind = type(module).__name__
+        output, method = _OUTPUTS.get(kind, outputs.TRIPLE), _METHODS.get(kind, "forward")
+        found[layer] = Router(layer, name, module, score, output, method)
     unknown = [i for i in layout.moe_layers if i not in found]
     if unknown:
         raise UnsupportedModelError(

@@ -63,7 +63,10 @@ class Capture:
         self._handles.append(decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(self._end))
         for j, router in enumerate(self.moe.routers):
-            self._handles.append(router.module.register_forward_hook(self._recorder(j)))
+            if router.method == "forward":
+                self._handles.append(router.module.register_forward_hook(self._recorder(j)))
+            else:  # a block's method that routes (DBRX): wrapped while the block is open
+                self._handles.append(_MethodHook(router.module, router.method, self._recorder(j)))
         if callable(getattr(self.model, "generate", None)):
             self._wrap("generate", self._wrap_generate)
             if callable(getattr(self.model, "prepare_inputs_for_generation", None)):
@@ -306,3 +309,26 @@ def _to_host(t: Tensor | None, copy: bool = False) -> Tensor | None:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t.detach(), non_blocking=True)
     return host
+
+
+class _MethodHook:
+    """A forward-hook-like wrapper of a module's method, `remove()`d like a hook handle: the
+    method's output goes to `hook(module, args, output)`."""
+
+    def __init__(self, module: nn.Module, method: str, hook: Any) -> None:
+        self.module, self.method = module, method
+        self.own = vars(module).get(method)  # an instance attribute (replay's), or None
+        inner = getattr(module, method)
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            output = inner(*args, **kwargs)
+            hook(module, args, output)
+            return output
+
+        setattr(module, method, recording)
+
+    def remove(self) -> None:
+        if self.own is not None:
+            setattr(self.module, self.method, self.own)
+        else:
+            vars(self.module).pop(self.method, None)

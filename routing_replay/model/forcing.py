@@ -73,17 +73,18 @@ class ReplayingForward:
         self.name = router.name
         self.score: ScoreFunction = router.score
         self.output = router.output
+        self.method = router.method  # "forward", or the block's method that routes (DBRX)
         self.inner = inner  # an instance forward found when installing, or None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         if self.inner is None:
-            output = type(module).forward(module, *args, **kwargs)
+            output = getattr(type(module), self.method)(module, *args, **kwargs)
         else:
             output = self.inner(*args, **kwargs)
         if not self.state.active:
             return output
-        return _force(self, module, output)
+        return _force(self, module, output, args)
 
     def __repr__(self) -> str:
         return f"<routing_replay forward of {self.name!r}>"
@@ -99,12 +100,12 @@ def prepare_model(moe: MoeModel) -> ReplayState:
         setattr(decoder, _STATE, state)  # a plain object: not a submodule, not in state_dict
     for j, router in enumerate(moe.routers):
         module = router.module
-        installed = module.__dict__.get("forward")
+        installed = module.__dict__.get(router.method)
         if _reaches_ours(installed, module, state):
             continue  # ours, or other code's forward set on top of ours (it calls ours)
         if isinstance(installed, ReplayingForward):  # ours for a former state: unwrap it
             installed = installed.inner
-        module.forward = ReplayingForward(module, state, j, router, installed)
+        setattr(module, router.method, ReplayingForward(module, state, j, router, installed))
     live = [h for h in state.handles if _hook_registered(decoder, h)]
     if len(live) != 2:
         for handle in live:
@@ -123,7 +124,7 @@ def is_prepared(model: nn.Module) -> bool:
     return (
         isinstance(state, ReplayState)
         and all(
-            _reaches_ours(r.module.__dict__.get("forward"), r.module, state) for r in moe.routers
+            _reaches_ours(r.module.__dict__.get(r.method), r.module, state) for r in moe.routers
         )
         and sum(_hook_registered(moe.decoder, h) for h in state.handles) == 2
     )
@@ -152,7 +153,7 @@ def _hook_registered(module: nn.Module, handle: Any) -> bool:
 # -- the installed code: runs on every forward of a prepared model -----------------------------
 
 
-def _force(slot: ReplayingForward, module: nn.Module, output: tuple) -> tuple:
+def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple) -> tuple:
     """The router's output with the forced ids and the family's weights at them, merged with
     the native missing rows."""
     state, j = slot.state, slot.layer
@@ -180,7 +181,7 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple) -> tuple:
     missing_T1 = None
     if compiling or state.any_missing_L[j]:
         missing_T1 = routes.missing.flatten(0, -2)[:, j, None]
-    return slot.output.force(module, output, slot.score, ids_TK, missing_T1)
+    return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)
 
 
 def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -4,7 +4,8 @@ writes forced ids and their weights back into the same output.
 `Triple`: `(scores_TE, weights_TK, ids_TK, *rest)`, what nearly every transformers 5.x router
 returns and its MoE block hands to the experts. `Scatter`: Llama 4's `(scores_TE, logits_TE)`,
 the chosen experts' weights scattered into a `[T, E]` matrix (0 elsewhere) that the block
-multiplies every expert's output by. A forced output keeps the rows whose routes are missing
+multiplies every expert's output by. `Pair`: DBRX's `(weights_TK, ids_TK)` from a method of
+its MoE block given the logits. A forced output keeps the rows whose routes are missing
 (`missing_T1`, or None when none is) as the router made them.
 """
 
@@ -36,6 +37,7 @@ class Triple:
         score: ScoreFunction,
         ids_TK: Tensor,
         missing_T1: Tensor | None,
+        args: tuple = (),
     ) -> tuple:
         scores_TE, native_w_TK, native_ids_TK = output[:3]
         weights_TK = score(module, scores_TE, ids_TK).to(native_w_TK.dtype)
@@ -63,6 +65,7 @@ class Scatter:
         score: ScoreFunction,
         ids_TK: Tensor,
         missing_T1: Tensor | None,
+        args: tuple = (),
     ) -> tuple:
         native_TE, logits_TE = output[:2]
         weights_TK = score(module, logits_TE, ids_TK).to(native_TE.dtype)
@@ -72,5 +75,33 @@ class Scatter:
         return (scores_TE, logits_TE, *output[2:])
 
 
+class Pair:
+    """DBRX's `route_tokens_to_experts(logits_TE) -> (weights_TK, ids_TK)`, a method of its
+    MoE block: the scores are the call's argument."""
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        return output[1]
+
+    def rows(self, output: tuple) -> Tensor:
+        return output[1]
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+        args: tuple = (),
+    ) -> tuple:
+        native_w_TK, native_ids_TK = output[:2]
+        weights_TK = score(module, args[0], ids_TK).to(native_w_TK.dtype)
+        if missing_T1 is not None:
+            ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
+            weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
+        return (weights_TK, ids_TK)
+
+
 TRIPLE: Any = Triple()
+PAIR: Any = Pair()
 SCATTER: Any = Scatter()

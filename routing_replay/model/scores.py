@@ -176,3 +176,13 @@ def sparsemixer_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> 
         weights.append(weight_T1)
         rest_TE = torch.scatter(logits_TE, -1, id_T1, float("-inf"))
     return torch.cat(weights, dim=-1)
+
+
+def softmax_pnorm(block: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """DBRX: softmax in the logits' dtype at the ids, over their p-norm (p =
+    `moe_normalize_expert_weights`; none: not normalised)."""
+    weights_TK = torch.softmax(logits_TE, dim=1, dtype=logits_TE.dtype).gather(1, ids_TK)
+    p = block.moe_normalize_expert_weights
+    if p is not None:
+        weights_TK = weights_TK / torch.norm(weights_TK, p=p, dim=-1, keepdim=True)
+    return weights_TK
