@@ -22,6 +22,7 @@ from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
 from routing_replay.model.adapters import MoeModel, Router, find_routers
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
+from routing_replay.model.tolerance import scores_over_all, tally, tolerate
 
 if TYPE_CHECKING:
     from routing_replay.model.replay import Replay
@@ -47,6 +48,8 @@ class ReplayState:
         self.any_missing_L: list[bool] = []  # eager fast paths only
         self.all_missing_L: list[bool] = []
         self.ran_L: list[bool] = [False] * moe.layout.num_moe_layers
+        self.tolerance: float | None = None  # the block's tolerance ratio, if any
+        self.tally_L: list[Tensor] = []  # the block's counts per layer (`tolerance.tally`)
 
     def deactivate(self) -> None:
         """Back to native routing; drop every reference to the batch's routes."""
@@ -56,6 +59,8 @@ class ReplayState:
         self.any_missing_L = []
         self.all_missing_L = []
         self.ran_L = [False] * self.moe.layout.num_moe_layers
+        self.tolerance = None
+        self.tally_L = []
 
 
 class ReplayingForward:
@@ -181,6 +186,14 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     missing_T1 = None
     if compiling or state.any_missing_L[j]:
         missing_T1 = routes.missing.flatten(0, -2)[:, j, None]
+    scores_TE, native_TK = slot.output.native(module, output, args)
+    replaced_TK = None
+    recorded_TK = ids_TK
+    if state.tolerance is not None:
+        all_TE = scores_over_all(slot.score, module, scores_TE)
+        ids_TK, replaced_TK = tolerate(all_TE, native_TK, ids_TK, state.tolerance)
+    with torch.no_grad():
+        tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)
 
 

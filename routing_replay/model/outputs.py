@@ -30,6 +30,10 @@ class Triple:
         """The tensor whose first dimension is the router's token count."""
         return output[2]
 
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        """What the score function takes, and the router's own ids."""
+        return output[0], output[2]
+
     def force(
         self,
         module: nn.Module,
@@ -58,6 +62,9 @@ class Scatter:
     def rows(self, output: tuple) -> Tensor:
         return output[1]
 
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        return output[1], self.ids(module, output)
+
     def force(
         self,
         module: nn.Module,
@@ -84,6 +91,9 @@ class Pair:
 
     def rows(self, output: tuple) -> Tensor:
         return output[1]
+
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        return args[0], output[1]
 
     def force(
         self,

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward, skips_guards
-from routing_replay.errors import RoutingReplayError, UnsupportedModelError
+from routing_replay.errors import InvalidArgumentError, RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
 from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
@@ -85,7 +85,9 @@ class Replay:
         attention_mask: Any = None,
         *,
         layout: RoutingLayout | Literal["unchecked"] | None = None,
+        tolerance: float | None = None,
     ) -> None:
+        self.tolerance = check_tolerance(tolerance)
         self.model = model
         self.moe: MoeModel = find_routers(model)
         routes = routes_layout(routes, layout, self.moe.layout)  # the layout travels here
@@ -108,6 +110,7 @@ class Replay:
         self._state: ReplayState | None = None
         self._grad_forwards = 0
         self._recomputes = 0
+        self._tally_L: list[Tensor] = []  # per MoE layer: forced rows, agreed rows, replaced slots
 
     def __enter__(self) -> Replay:
         _refuse_unguarded()
@@ -128,6 +131,13 @@ class Replay:
         state.all_missing_L = list(self._all_missing_L)
         state.ran_L = [False] * self.moe.layout.num_moe_layers
         state.owner = self
+        state.tolerance = self.tolerance
+        if not self._tally_L:
+            self._tally_L = [
+                torch.zeros(3, dtype=torch.int64, device=device_of_router(r))
+                for r in self.moe.routers
+            ]
+        state.tally_L = self._tally_L
         state.active = True
         self._state = state
         return self
@@ -149,6 +159,24 @@ class Replay:
                 stacklevel=2,
             )
 
+    def metrics(self) -> dict[str, float]:
+        """What this block replays (a host sync): the batch's forced and missing (-1, routed
+        natively) (token, MoE layer) rows, and over its forwards so far the share of forced
+        rows whose recorded top-k set is the trainer's own (`native_agreement`) and the share
+        of forced slots a `tolerance` refilled (`replace_rate`). Keys carry the `replay/`
+        prefix trainers' loggers group by."""
+        missing = int((self.routes < 0).all(dim=-1).sum())
+        counts = [0, 0, 0]
+        if self._tally_L:
+            counts = torch.stack([t.cpu() for t in self._tally_L]).sum(0).tolist()
+        calls, agreed, replaced = (int(c) for c in counts)
+        return {
+            "replay/rows_replayed": self.num_rows * self.moe.layout.num_moe_layers - missing,
+            "replay/rows_missing": missing,
+            "replay/native_agreement": agreed / calls if calls else float("nan"),
+            "replay/replace_rate": replaced / (calls * self.moe.layout.top_k) if calls else 0.0,
+        }
+
     @property
     def device_bytes(self) -> int:
         """Device bytes this block holds for the batch's routes (0 after exit)."""
@@ -168,6 +196,23 @@ class Replay:
             self._recomputes += 1
 
 
+def check_tolerance(tolerance: Any) -> float | None:
+    """`replay`'s tolerance: None (exact replay) or a ratio in (0, 1]."""
+    if tolerance is None:
+        return None
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not 0.0 < tolerance <= 1.0
+    ):
+        raise InvalidArgumentError(
+            f"tolerance must be None (replay exactly) or a ratio in (0, 1], got {tolerance!r}: "
+            "a recorded expert is kept where the trainer scores it at least that ratio of its "
+            "weakest own top-k expert"
+        )
+    return float(tolerance)
+
+
 def _refuse_unguarded() -> None:
     """Raise if compiled code would run without Dynamo's guards (which see replay's state)."""
     if skips_guards():
@@ -185,15 +230,18 @@ def replay(
     attention_mask: Any = None,
     *,
     layout: RoutingLayout | Literal["unchecked"] | None = None,
+    tolerance: float | None = None,
 ) -> Replay:
     """Force `routes` (input_ids.shape + (L, K), -1 = route natively) in `model`'s MoE routers.
 
     The routes' layout must be the model's (`LayoutMismatchError` names both): routes from
     `to_torch` carry theirs; a tensor or array built by hand needs `layout=` (the layout it
     was recorded under), or `layout="unchecked"`. With `attention_mask` (input_ids.shape),
-    padding positions must hold no routes.
+    padding positions must hold no routes. `tolerance=r` (0 < r <= 1): a recorded expert the
+    trainer scores below r x its weakest own top-k expert is replaced by the trainer's own
+    (`Replay.metrics()` reports the replace rate).
     """
-    return Replay(model, routes, attention_mask=attention_mask, layout=layout)
+    return Replay(model, routes, attention_mask=attention_mask, layout=layout, tolerance=tolerance)
 
 
 def _checkpointing(model: nn.Module) -> bool:
