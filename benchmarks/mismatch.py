@@ -13,16 +13,19 @@ without and with `replay` of the captured routes. Reported per model and mode:
   vocabulary, the k3 estimator exp(d) - 1 - d with d = logp_train - logp_inf, and mean
   |logp_train - logp_inf|.
 
-Off-policy (none / R2 / R3): the float32 trainer is trained for several rollouts; each
-rollout (bf16 engine synced to the trainer's weights, engine routes captured = R3's routes)
-is forwarded once by the trainer before any update (the old-logprob pass, its own routes
-captured = R2's routes), then split into 2 or 4 mini-batches with an optimizer step after
-each, so later mini-batches train moved weights (global batch = 2x or 4x the mini-batch).
-Before each step the mini-batch is forwarded three ways on the same weights (natively,
-replaying R2's routes, replaying R3's) and compared with the rollout: routing agreement with
-the engine's routes and the log-prob mismatch above. The update is a policy-gradient step
-on a synthetic reward (share of completion tokens in the lower half of the vocabulary,
-standardised over the rollout), taken with the native loss, so all modes see one trajectory.
+Off-policy (none / R2 / R3 / R3 with a tolerance): the float32 trainer is trained for
+several rollouts; each rollout (bf16 engine synced to the trainer's weights, engine routes
+captured = R3's routes) is forwarded once by the trainer before any update (the
+old-logprob pass, its own routes captured = R2's routes), then split into 2 or 4
+mini-batches with an optimizer step after each, so later mini-batches train moved weights
+(global batch = 2x or 4x the mini-batch). Before each step the mini-batch is forwarded
+six ways on the same weights (natively, replaying R2's routes, replaying R3's, and R3's
+with tolerance 0.9, 0.99 and 0.999: a recorded expert the trainer scores below that ratio
+of its weakest own top-k expert is replaced by its own) and compared with the rollout: routing
+agreement with the engine's routes, the log-prob mismatch above, and the share of slots
+the tolerance replaced. The update is a policy-gradient step on a synthetic reward (share
+of completion tokens in the lower half of the vocabulary, standardised over the rollout),
+taken with the native loss, so all modes see one trajectory.
 
 Prints tables, writes benchmarks/results/mismatch.json and benchmarks/results/mismatch.png.
 """
@@ -52,7 +55,11 @@ from routing_replay import (
 )
 
 RESULTS = Path(__file__).parent / "results"
-MODES = ("none", "R2", "R3")  # trainer routes natively; replays its old-logprob pass; the engine's
+# The trainer routes natively; replays its old-logprob pass (R2); the engine's routes (R3);
+# the engine's with a tolerance (R3@r: a recorded expert the trainer scores below r x its
+# weakest own top-k expert is replaced by its own).
+TOLERANCES = (0.9, 0.99, 0.999)
+MODES = ("none", "R2", "R3", *(f"R3@{r}" for r in TOLERANCES))
 MINIBATCHES = (2, 4)  # mini-batches (optimizer steps) per rollout
 
 
@@ -86,15 +93,18 @@ def left_pad(routes, width, layout):
     return torch.from_numpy(out)
 
 
-def train_forward(model, sequences_BT, mask_BT, routes_BTLK=None, grad=False):
-    """float32 forward over the rollout (replaying routes if given): logits and the routes used."""
+def train_forward(model, sequences_BT, mask_BT, routes_BTLK=None, grad=False, tolerance=None):
+    """float32 forward over the rollout (replaying routes if given): logits, the routes used
+    and the share of forced slots a tolerance replaced."""
+    replaced = 0.0
     with torch.set_grad_enabled(grad), capture(model) as cap:
         if routes_BTLK is None:
             logits = model(input_ids=sequences_BT, attention_mask=mask_BT).logits
         else:
-            with replay(model, routes_BTLK, layout=cap.layout):
+            with replay(model, routes_BTLK, layout=cap.layout, tolerance=tolerance) as block:
                 logits = model(input_ids=sequences_BT, attention_mask=mask_BT).logits
-    return logits.float(), cap.routes()
+            replaced = block.metrics()["replay/replace_rate"]
+    return logits.float(), cap.routes(), replaced
 
 
 def prompts_for(num_prompts, prompt_len, seed):
@@ -151,7 +161,7 @@ def run_model(name, num_prompts, prompt_len, new_tokens, seed):
 
     result = {"layout": json.loads(layout.to_json()), "tokens": int(full_mask.sum())}
     for mode, replayed in (("native", None), ("replay", routes)):
-        logits, used = train_forward(model, sequences, full_mask, replayed)
+        logits, used, _ = train_forward(model, sequences, full_mask, replayed)
         agreement = routing_agreement(recorded, used, layout)
         result[mode] = {
             "agreement": agreement.as_dict(),
@@ -180,23 +190,25 @@ def off_policy(name, minibatches, rollouts, num_prompts, prompt_len, new_tokens,
         sequences, inf_logits, engine_routes = rollout(engine, prompts, mask, new_tokens, seed + r)
         full_mask = torch.cat([mask, torch.ones(num_prompts, new_tokens, dtype=torch.long)], 1)
         # The old-logprob pass: the trainer's own routes before any update (R2 records them).
-        _, old_routes = train_forward(model, sequences, full_mask)
+        _, old_routes, _ = train_forward(model, sequences, full_mask)
         width = sequences.shape[1]
         routes = {
             "R2": left_pad(old_routes, width, layout),
             "R3": left_pad(engine_routes, width, layout),
         }
+        routes.update({f"R3@{r}": routes["R3"] for r in TOLERANCES})
         adv = advantages(sequences, new_tokens)
         for i, rows in enumerate(torch.arange(num_prompts).chunk(minibatches)):
             picked = rows.tolist()
             result, native_logits = {}, None
             for mode in MODES:
-                logits, used = train_forward(
+                logits, used, replaced = train_forward(
                     model,
                     sequences[rows],
                     full_mask[rows],
                     routes[mode][rows] if mode in routes else None,
                     grad=mode == "none",  # the native forward takes the update
+                    tolerance=float(mode.split("@")[1]) if "@" in mode else None,
                 )
                 if mode == "none":
                     native_logits = logits
@@ -204,6 +216,7 @@ def off_policy(name, minibatches, rollouts, num_prompts, prompt_len, new_tokens,
                 result[mode] = {
                     "router_agreement": agreement.router_agreement,
                     "num_decisions": agreement.num_decisions,
+                    "replace_rate": replaced,
                     **logprob_mismatch(
                         inf_logits[rows], logits.detach(), sequences[rows], new_tokens
                     ),
@@ -234,6 +247,7 @@ def _pooled(entries):
         out[mode] = {
             "router_agreement": sum(m["router_agreement"] * m["num_decisions"] for m in ms) / n,
             "num_decisions": n,
+            "replace_rate": sum(m["replace_rate"] * m["num_decisions"] for m in ms) / n,
             **{
                 k: float(np.mean([m[k] for m in ms]))
                 for k in ("kl_vocab", "kl_k3", "abs_logprob_diff")
@@ -244,8 +258,8 @@ def _pooled(entries):
 
 def print_off_policy_table(results):
     header = (
-        f"{'model':12} {'mini-batches':>12} {'mode':5} {'router agr':>10} {'last mb agr':>11} "
-        f"{'KL vocab':>10} {'last mb KL':>10} {'|dlogp|':>9}"
+        f"{'model':12} {'mini-batches':>12} {'mode':7} {'router agr':>10} {'last mb agr':>11} "
+        f"{'KL vocab':>10} {'last mb KL':>10} {'|dlogp|':>9} {'replaced':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -254,9 +268,10 @@ def print_off_policy_table(results):
             for mode in MODES:
                 a, last = part["all"][mode], part["per_minibatch"][-1][mode]
                 print(
-                    f"{name:12} {m:>12} {mode:5} {a['router_agreement']:>10.2%} "
+                    f"{name:12} {m:>12} {mode:7} {a['router_agreement']:>10.2%} "
                     f"{last['router_agreement']:>11.2%} {a['kl_vocab']:>10.2e} "
-                    f"{last['kl_vocab']:>10.2e} {a['abs_logprob_diff']:>9.2e}"
+                    f"{last['kl_vocab']:>10.2e} {a['abs_logprob_diff']:>9.2e} "
+                    f"{a['replace_rate']:>9.2%}"
                 )
 
 
@@ -284,6 +299,9 @@ COLORS = {
     "none": "#d95f02",
     "R2": "#7570b3",
     "R3": "#1b9e77",
+    "R3@0.9": "#66a61e",
+    "R3@0.99": "#e7298a",
+    "R3@0.999": "#a6761d",
 }
 
 

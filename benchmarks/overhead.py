@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py            # 8 prompts x (32 + 64 new) tokens; train 8 x 96
     python benchmarks/overhead.py --quick    # fewer repeats and tokens
+    python benchmarks/overhead.py --models gemma4,nemotron_h,llama4   # families of issue 32
 
 - capture: `model.generate` (KV cache, greedy, fixed length) with and without `capture`,
   including the `cap.routes()` call that aligns and returns the per-sample arrays.
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_moe import MODELS, VOCAB, build
+from tiny_moe import MODELS, MORE_MODELS, VOCAB, build
 
 from routing_replay import RoutingLayout, capture, replay, with_layout
 from routing_replay.model.capture import Capture
@@ -289,7 +290,13 @@ def main() -> None:
     """Measure both overheads for both tiny models; print and write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated, of {sorted({**MODELS, **MORE_MODELS})}",
+    )
     args = parser.parse_args()
+    names = args.models.split(",")
     if args.quick:
         prompts, prompt_len, new, seq, repeat = 4, 16, 16, 48, 3
     else:
@@ -297,7 +304,7 @@ def main() -> None:
     torch.manual_seed(0)
     load_before = os.getloadavg()[0]  # other processes on the machine skew the end-to-end ratio
     results = {}
-    for name in MODELS:
+    for name in names:
         model = build(name)
         results[name] = {
             "capture_vs_generate": capture_overhead(model, prompts, prompt_len, new, repeat),
@@ -342,7 +349,8 @@ def main() -> None:
         "replay_device_memory": memory,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / ("overhead-quick.json" if args.quick else "overhead.json")
+    stem = "overhead" if names == list(MODELS) else "overhead-" + "-".join(names)
+    path = RESULTS / (stem + ("-quick.json" if args.quick else ".json"))
     path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
 

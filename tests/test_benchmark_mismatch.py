@@ -22,7 +22,14 @@ sys.path.insert(0, str(BENCH))
 import mismatch  # noqa: E402
 from tiny_moe import deepseek_v3_config  # noqa: E402
 
-METRICS = {"router_agreement", "num_decisions", "kl_vocab", "kl_k3", "abs_logprob_diff"}
+METRICS = {
+    "router_agreement",
+    "num_decisions",
+    "replace_rate",
+    "kl_vocab",
+    "kl_k3",
+    "abs_logprob_diff",
+}
 
 
 def test_quick_off_policy_columns(tmp_path, one_thread):
@@ -51,8 +58,14 @@ def test_quick_off_policy_columns(tmp_path, one_thread):
                 # bf16 vs fp32 never give identical log-probs; the updates are small (lr 3e-5).
                 assert 0 < entry[mode]["kl_vocab"] < 1e-2, (m, mode, entry[mode])
                 assert 0 < entry[mode]["abs_logprob_diff"] < 0.1, (m, mode, entry[mode])
-            # R3 forces the engine's own routes: every decision agrees.
+            # R3 forces the engine's own routes: every decision agrees, nothing is replaced;
+            # with a tolerance, a replaced slot is a decision that differs from the rollout.
             assert entry["R3"]["router_agreement"] == 1.0
+            assert entry["R3"]["replace_rate"] == entry["R2"]["replace_rate"] == 0.0
+            for r in mismatch.TOLERANCES:
+                tolerant = entry[f"R3@{r}"]
+                assert 0.0 <= tolerant["replace_rate"] < 0.5
+                assert (tolerant["router_agreement"] < 1.0) == (tolerant["replace_rate"] > 0)
         assert part["all"]["R3"]["num_decisions"] == L * sum(rollout_rows), m
         assert part["all"]["none"]["num_decisions"] == L * sum(rollout_rows), m
         assert part["all"]["R2"]["num_decisions"] == L * sum(rollout_rows), m
