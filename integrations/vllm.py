@@ -37,9 +37,9 @@ import asyncio
 import base64
 import binascii
 import collections
-import contextlib
 import functools
 import io
+import logging
 import numbers
 import os
 import re
@@ -59,11 +59,13 @@ from routing_replay import (
     RoutingRef,
     RoutingStore,
     SampleNotFoundError,
+    StoreUnavailableError,
 )
 from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.ray import Rollout, node_store
 from routing_replay.store import DEFAULT_PAGE_TOKENS
+from routing_replay.store.calls import others_in_flight
 
 # What the rollout worker passes to vllm.LLM unless told otherwise (CPU, in-process).
 DEFAULT_LLM_KWARGS: dict[str, Any] = {
@@ -82,6 +84,8 @@ _DECIMAL = re.compile(r"[0-9]+")  # ASCII only: str.isdecimal() also takes other
 STORE_THREADS = 64
 _store_executor: ThreadPoolExecutor | None = None
 _store_executor_lock = threading.Lock()
+RELEASE_RETRY_S = (0.5, 30.0)  # a failed release is tried again: first wait, longest wait
+log = logging.getLogger(__name__)
 
 
 class RoutesNotStoredError(SampleNotFoundError):
@@ -98,14 +102,97 @@ def error_text(err: BaseException) -> str:
 class StoreCounts:
     """What an async server did with its replies' routes, in this process (updated on its
     event loop): puts `stored`; puts `refused`, by error class (those replies went out
-    without their routes); puts `in_flight` (those waiting for room included)."""
+    without their routes); puts `in_flight` (those waiting for room included);
+    `unreleased`: samples whose release failed (the store busy past the timeout) and is
+    being retried (`Releases`): still stored until a retry succeeds."""
 
     stored: int = 0
     refused: collections.Counter = field(default_factory=collections.Counter)
     in_flight: int = 0
+    unreleased: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"stored": self.stored, "refused": dict(self.refused), "in_flight": self.in_flight}
+        return {
+            "stored": self.stored,
+            "refused": dict(self.refused),
+            "in_flight": self.in_flight,
+            "unreleased": self.unreleased,
+        }
+
+
+class Releases:
+    """A host's releases of samples whose refs reach nobody (an undelivered response, a lost
+    episode's earlier turns). One that fails for a passing reason (`StoreBusyError`: the
+    store's lock held past the timeout by a stopped process; an OS error) is kept and tried
+    again in a background thread, waits doubling from 0.5 s to 30 s, until it succeeds:
+    `counts.unreleased` (and `gauge`, when given) counts its samples meanwhile. One whose
+    samples are not in the store (it was removed or created anew, they were released) is
+    dropped, logged. A release is never reported done before it is."""
+
+    def __init__(self, counts: StoreCounts, gauge: Any = None) -> None:
+        self.counts, self._gauge = counts, gauge
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[], RoutingStore], list[RoutingRef], str]] = []
+        self._timer: threading.Timer | None = None
+        self._wait = RELEASE_RETRY_S[0]
+
+    def release(self, store: Callable[[], RoutingStore], refs: list[RoutingRef], what: str) -> bool:
+        """Release `refs` from `store()` (the host's current handle; blocking: call it in a
+        store thread); False when it failed: then kept and retried (a passing error) or
+        dropped (the samples are gone), logged."""
+        try:
+            store().release(refs)
+            return True
+        except Exception as err:
+            self._failed(store, refs, what, err)
+            return False
+
+    def _failed(
+        self, store: Callable[[], RoutingStore], refs: list[RoutingRef], what: str, err: Exception
+    ) -> None:
+        names = ", ".join(r.sample_id for r in refs)
+        if isinstance(err, (SampleNotFoundError, StoreUnavailableError)):
+            log.warning("routing_replay: %s: %s not released: %s", what, names, error_text(err))
+            return
+        with self._lock:
+            self._pending.append((store, list(refs), what))
+            self._counted()
+            if self._timer is None:
+                self._timer = threading.Timer(self._wait, self._retry)
+                self._timer.daemon = True
+                self._timer.start()
+        log.error(
+            "routing_replay: %s: the release of %s failed, they stay stored until a retry "
+            "succeeds (retried in the background): %s",
+            what,
+            names,
+            error_text(err),
+        )
+
+    def _counted(self) -> None:  # (self._lock held)
+        pending = sum(len(refs) for _, refs, _ in self._pending)
+        self.counts.unreleased = pending
+        if self._gauge is not None:
+            self._gauge.set(pending)
+
+    def _retry(self) -> None:
+        with self._lock:
+            todo, self._pending, self._timer = self._pending, [], None
+            self._wait = min(self._wait * 2, RELEASE_RETRY_S[1])
+        for store, refs, what in todo:
+            try:
+                store().release(refs)
+                log.warning(
+                    "routing_replay: %s: %s released on a retry",
+                    what,
+                    ", ".join(r.sample_id for r in refs),
+                )
+            except Exception as err:
+                self._failed(store, refs, what, err)
+        with self._lock:
+            self._counted()
+            if not self._pending:
+                self._wait = RELEASE_RETRY_S[0]
 
 
 def store_executor() -> ThreadPoolExecutor:
@@ -506,14 +593,47 @@ class VllmRollout(Rollout):
     logprobs: np.ndarray | None = None  # [completion length]
 
 
+_unclosed: list[RoutingStore] = []  # stale handles whose close failed: closed again later
+_unclosed_lock = threading.Lock()
+
+
+def unclosed_handles() -> int:
+    """Stale store handles of this process whose close failed (another thread's call still
+    ran past the put timeout, numpy views alive): `current_or_none` closes them later."""
+    with _unclosed_lock:
+        return len(_unclosed)
+
+
 def current_or_none(store: RoutingStore | None) -> RoutingStore | None:
-    """A cached handle if it is still the store at its name, else None (closed, if it can
-    be: a handle still viewed by a put of another thread stays mapped until it is done)."""
-    if store is None or store.is_current():
-        return store
-    with contextlib.suppress(BufferError, OSError):
-        store.close()
-    return None
+    """A cached handle if it is still the store at its name, else None, the stale handle
+    closed. One that cannot be closed yet (`StoreBusyError`: a call of another thread still
+    runs past the put timeout; `BufferError`: numpy views alive) is kept and closed by a
+    later call (skipped while a call of another thread still runs on it): its descriptors
+    and the removed segment's memory are never left open for the process's life."""
+    with _unclosed_lock:
+        kept, _unclosed[:] = list(_unclosed), []
+    if store is not None and not store.is_current():
+        kept.append(store)
+        fresh, store = store, None
+    else:
+        fresh = None
+    still = []
+    for handle in kept:
+        if handle is not fresh and others_in_flight(handle._core.calls):
+            still.append(handle)  # its call still runs: no wait here, a later call closes it
+            continue
+        try:
+            handle.close()
+        except (BufferError, OSError) as err:
+            log.warning(
+                "routing_replay: stale handle of store %r not closed yet (closed later): %s",
+                handle.name,
+                error_text(err),
+            )
+            still.append(handle)
+    with _unclosed_lock:
+        _unclosed.extend(still)
+    return store
 
 
 class StoreHost:

@@ -43,7 +43,13 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
   (its disconnect is watched meanwhile; the body then goes out with null refs), the send
   raised, or the request was cancelled (a put still running is released when it ends).
   Counted in `COUNTS.undelivered` and `routing_replay_routes_undelivered_total{reason=...}`
-  (`disconnect`, `cancelled`, or the send's error class), logged at WARNING.
+  (`disconnect`, `cancelled`, or the send's error class), logged at WARNING. A client gone
+  before the watch starts counts too (uvicorn's `receive` then answers a disconnect at
+  once, and its `send` drops the response). A release that fails (the store's lock held
+  past the timeout) is retried in the background until it succeeds: its samples are counted
+  meanwhile in `COUNTS.unreleased` and `routing_replay_routes_unreleased`.
+- A 200 JSON body that is not a completion (`null`: vLLM's answer to a client gone during
+  generation; no `choices` list) has no routes: it passes through untouched, no refusal.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
   A/B runs). The routes are still base64-encoded and JSON-serialised by vLLM before this
   middleware decodes them: only the wire and the client's decode are saved.
@@ -65,6 +71,7 @@ from typing import Any
 
 from routing_replay import InvalidRoutesError, RoutingRef, RoutingReplayError, RoutingStore
 from routing_replay.integrations.vllm import (
+    Releases,
     RoutesNotStoredError,
     StoreCounts,
     current_or_none,
@@ -105,7 +112,7 @@ COUNTS = MiddlewareCounts()  # this process's puts: stored, refused, in flight, 
 log = logging.getLogger(__name__)
 
 
-def _prometheus() -> tuple[Any, Any, Any, Any] | None:
+def _prometheus() -> tuple[Any, Any, Any, Any, Any] | None:
     """The counters vLLM's `/metrics` shows (prometheus_client's default registry), or
     None without prometheus_client."""
     try:
@@ -128,6 +135,13 @@ def _prometheus() -> tuple[Any, Any, Any, Any] | None:
             "the client (disconnect, cancelled, or the send's error class)",
             ("reason",),
         ),
+        (
+            Gauge,
+            "routing_replay_routes_unreleased",
+            "samples whose release failed (the store busy past the timeout) and is retried: "
+            "still stored",
+            (),
+        ),
     )
     metrics = []
     for kind, name, doc, labels in specs:
@@ -139,6 +153,7 @@ def _prometheus() -> tuple[Any, Any, Any, Any] | None:
 
 
 _METRICS = _prometheus()
+RELEASES = Releases(COUNTS, _METRICS[4] if _METRICS else None)  # this process's, retried
 
 
 def ref_json(ref: RoutingRef) -> dict[str, Any]:
@@ -319,15 +334,10 @@ class RoutesToRefs:
 
         async def watch() -> None:  # during the put: does the client go away?
             nonlocal gone
-            waited: list[bool] = []  # set once the loop ran while receive waited
-            asyncio.get_running_loop().call_soon(waited.append, True)
-            message = await receive()
+            message = await receive()  # (uvicorn: blocks until the client goes, then at once)
             if message["type"] != "http.disconnect":
                 early.append(message)
-            elif waited:
-                # A disconnect that came while receive waited. One answered at once is no
-                # news (some harnesses answer any receive after the body so): vLLM cancels a
-                # request whose client went away before its response was made.
+            else:  # also one answered at once: the client left before the watch began
                 gone = True
 
         start: dict | None = None
@@ -442,16 +452,10 @@ class RoutesToRefs:
         )
 
     def _release(self, response_id: str, refs: list[RoutingRef]) -> None:
-        try:
-            self.store().release(refs)
-        except Exception as err:  # (the store busy past the timeout, or created anew)
-            log.error(
-                "routing_replay: response %r: its undelivered routes (%s) could not be "
-                "released and stay stored: %s",
-                response_id,
-                ", ".join(r.sample_id for r in refs),
-                error_text(err),
-            )
+        """Release an undelivered response's samples; a release that fails (the store busy
+        past the timeout) is retried in the background (`RELEASES`, counted in
+        `COUNTS.unreleased` and `routing_replay_routes_unreleased`)."""
+        RELEASES.release(self.store, refs, f"response {response_id!r} (undelivered)")
 
     def rewrite(self, request: Mapping[str, Any], raw: bytes, path: str = COMPLETIONS) -> Rewritten:
         """The response body (of `path`) with each choice's routes put and replaced by its
@@ -460,13 +464,17 @@ class RoutesToRefs:
         `"routing_error"`, and the error is returned with the body."""
         try:
             response = json.loads(raw)
-            choices = [
-                c
-                for c in response.get("choices") or []
-                if isinstance(c, dict) and c.get("routed_experts") is not None
-            ]  # (a choice without routes: aborted before a forward, or none returned)
-        except (ValueError, AttributeError) as err:  # not a JSON object: sent as it came
+        except ValueError as err:  # not JSON: sent as it came
             return Rewritten(raw, error=err)
+        if not isinstance(response, dict) or not isinstance(response.get("choices"), list):
+            # Not a completion (vLLM's with_cancellation answers `null` to a client gone
+            # during generation): no routes to store, sent untouched, no refusal.
+            return Rewritten(raw)
+        choices = [
+            c
+            for c in response["choices"]
+            if isinstance(c, dict) and c.get("routed_experts") is not None
+        ]  # (a choice without routes: aborted before a forward, or none returned)
         response_id = ""
         try:
             if path not in PATHS:

@@ -15,13 +15,14 @@ import asyncio
 import base64
 import io
 import json
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from routing_replay import RoutingLayout, RoutingStore, StoreUnavailableError
-from routing_replay.integrations.vllm import StoreHost
+from routing_replay.integrations.vllm import StoreHost, unclosed_handles
 from routing_replay.integrations.vllm_middleware import (
     COMPLETIONS,
     COUNTS,
@@ -30,6 +31,7 @@ from routing_replay.integrations.vllm_middleware import (
     RoutesToRefs,
     choice_ref,
 )
+from routing_replay.store.lock import interleave
 from routing_replay.testing import tiny_moe
 
 LAYOUT = RoutingLayout.from_hf_config(tiny_moe().config)
@@ -220,3 +222,139 @@ def test_the_middleware_releases_what_never_reached_the_client(name, monkeypatch
     finally:
         store.close()
         store.unlink()
+
+
+class Uvicorn(Client):
+    """As uvicorn's request cycle: once the client has gone, `receive` answers a disconnect
+    at once and `send` drops what it is given without raising."""
+
+    async def send(self, message: dict) -> None:
+        if not self.gone.is_set():
+            self.sent.append(message)
+
+
+def test_a_client_gone_before_the_watch_starts_leaves_nothing_stored(name, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, name)
+    store = RoutingStore.create(name, LAYOUT, 64, page_tokens=8)
+    before = dict(COUNTS.undelivered)
+    try:
+        for _ in range(3):  # it leaves after vLLM's handler answered, before the put
+            client = Uvicorn()
+
+            async def app(scope, receive, send, client=client):
+                async def leaving(message: dict) -> None:
+                    if message["type"] == "http.response.body":
+                        client.gone.set()
+                    await send(message)
+
+                await completions_app(scope, receive, leaving)
+
+            asyncio.run(RoutesToRefs(app)(SCOPE, client.receive, client.send))
+            assert client.sent == []  # uvicorn dropped the response
+        deadline = time.monotonic() + 10
+        while len(store):
+            assert time.monotonic() < deadline, f"{len(store)} samples stayed stored"
+            time.sleep(0.01)
+        assert COUNTS.undelivered["disconnect"] - before.get("disconnect", 0) == 3
+    finally:
+        store.close()
+        store.unlink()
+
+
+def test_a_null_body_passes_through_uncounted(name, monkeypatch, caplog):
+    monkeypatch.setenv(STORE_ENV, name)
+    store = RoutingStore.create(name, LAYOUT, 64, page_tokens=8)
+
+    refused = dict(COUNTS.refused)
+    try:
+        for body in (b"null", b"{}", b'{"object": "error"}'):  # null: with_cancellation's
+
+            async def app(scope, receive, send, body=body):
+                await receive()
+                headers = [(b"content-type", b"application/json")]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+
+            client = Client()
+            asyncio.run(RoutesToRefs(app)(SCOPE, client.receive, client.send))
+            start, end = client.sent
+            assert end["body"] == body and start["status"] == 200
+            assert not [k for k, _ in start["headers"] if k.startswith(b"x-routing-replay")]
+        assert dict(COUNTS.refused) == refused
+        assert "were not stored" not in caplog.text
+    finally:
+        store.close()
+        store.unlink()
+
+
+def test_a_failed_release_is_retried_until_done(name, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, name)
+    monkeypatch.setenv(PUT_TIMEOUT_ENV, "1")
+    store = RoutingStore.create(name, LAYOUT, 64, page_tokens=8)
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another holder of the store's lock (a stopped process, say)
+        with store._core.lock.held("test", time.monotonic() + 30):
+            held.set()
+            let_go.wait(30)
+
+    def hook(point: str) -> None:  # the first release's lock wait finds it held
+        if point == "release:take" and not held.is_set():
+            threading.Thread(target=hold, daemon=True).start()
+            held.wait(10)
+
+    before = COUNTS.undelivered["OSError"]
+    try:
+        with interleave(hook):
+            client = Client(fail=OSError("client disconnected"))
+            with pytest.raises(OSError):
+                asyncio.run(RoutesToRefs(completions_app)(SCOPE, client.receive, client.send))
+            assert COUNTS.undelivered["OSError"] == before + 1
+            deadline = time.monotonic() + 5
+            while COUNTS.as_dict().get("unreleased") != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the release fails after its 1 s wait: kept, counted
+            pending = COUNTS.as_dict().get("unreleased")
+            assert len(store) == 1
+            let_go.set()
+            deadline = time.monotonic() + 10
+            while len(store):  # the retry releases it
+                assert time.monotonic() < deadline, "the sample stayed stored: never retried"
+                time.sleep(0.01)
+            assert pending == 1 and COUNTS.unreleased == 0
+    finally:
+        let_go.set()
+        store.close()
+        store.unlink()
+
+
+def test_a_stale_handle_that_could_not_be_closed_is_closed_later(name, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, name)
+    monkeypatch.setenv(PUT_TIMEOUT_ENV, "1")
+    owner = RoutingStore.create(name, LAYOUT, 4096)
+    middleware = RoutesToRefs(app=None)
+    first = middleware.store()
+    working, finish = threading.Event(), threading.Event()
+
+    def hook(point: str) -> None:  # a put of another thread, still working (not waiting)
+        if point == "put.publish:drop" and threading.current_thread().name == "slow":
+            working.set()
+            finish.wait(30)
+
+    slow = threading.Thread(target=put_one, args=(first, "slow"), name="slow")
+    try:
+        with interleave(hook):
+            slow.start()
+            assert working.wait(10)
+            owner = recreate(owner)
+            second = middleware.store()  # its close of the stale handle fails (busy)
+            assert second is not first and first._core.segment.fd >= 0
+            assert unclosed_handles() == 1
+            finish.set()
+            slow.join(10)
+        assert middleware.store() is second  # the next call closes the stale handle
+        assert first._core.segment.fd < 0 and unclosed_handles() == 0
+        second.close()
+    finally:
+        finish.set()
+        owner.close()
+        owner.unlink()

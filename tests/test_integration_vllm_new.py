@@ -248,8 +248,10 @@ def serve(middleware, path: str, body: dict, response) -> tuple[dict, dict, dict
     pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     sent: list[dict] = []
 
-    async def receive():
-        return pending.pop() if pending else {"type": "http.disconnect"}
+    async def receive():  # as uvicorn: after the body, a disconnect only once the client
+        if pending:  # has gone (this one stays until its response is sent)
+            return pending.pop()
+        await asyncio.Event().wait()
 
     async def send(message):
         sent.append(message)
