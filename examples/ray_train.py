@@ -24,8 +24,13 @@ the rollout's without replay and with it, runs forward and backward under `repla
 SGD, and calls `ray.train.report` with its metrics (rank 0's carry every rank's, gathered
 with `all_gather_object`) and a `ray.train.Checkpoint` (rank 0 writes the full model
 state dict, every rank the list of samples it trained on; Ray Train merges the files).
+The report carries replay's own metrics (`Replay.metrics()` of every step's block, combined
+over steps and workers: `replay/rows_replayed`, `replay/rows_missing` summed,
+`replay/native_agreement`, `replay/replace_rate` weighted by rows replayed); each worker's
+per step are in its `replay_steps`. `--replay-tolerance r` replays with `tolerance=r`.
 Exit status 0 only if every sample was trained by exactly one worker, replay reproduced
-every recorded route at the experts, losses are finite and every sample was released.
+every recorded route at the experts (without a tolerance), losses are finite and every
+sample was released.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from routing_replay import (
     to_torch,
     with_layout,
 )
+from routing_replay.integrations.replay_metrics import combine
 from routing_replay.ray import (
     fetch_batch,
     read_dataset,
@@ -217,7 +223,7 @@ def train_loop_per_worker(config: dict) -> list[dict]:
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
     read = refs_batches if config["read"] == "refs" else dataset_batches
     trained, losses, read_s, read_tokens, tokens = [], [], [], 0, 0
-    recorded, native, replayed = [], [], []
+    recorded, native, replayed, replay_steps = [], [], [], []
     for sample_ids, ids, mask, routes, t, n in read(config, rank, world):
         trained += sample_ids
         read_s.append(t)
@@ -227,12 +233,15 @@ def train_loop_per_worker(config: dict) -> list[dict]:
             model(input_ids=ids, attention_mask=mask)
         native.append(spy.routes(mask))
         opt.zero_grad()
-        with replay(model, routes, attention_mask=mask):
+        with replay(
+            model, routes, attention_mask=mask, tolerance=config["replay_tolerance"]
+        ) as block:
             logits = model(input_ids=ids, attention_mask=mask).logits
             prompt_lens = [config["prompt_len"][s] for s in sample_ids]
             adv = [config["advantage"][s] for s in sample_ids]
             loss = grpo_loss(logits, ids, mask, prompt_lens, adv)
             loss.backward()
+        replay_steps.append(block.metrics())  # after backward: one host sync
         replayed.append(spy.routes(mask))
         opt.step()
         losses.append(float(loss))
@@ -251,7 +260,9 @@ def train_loop_per_worker(config: dict) -> list[dict]:
             for rec_step, nat_step in zip(recorded, native, strict=True)
         ],
         "agreement_with_replay": with_replay.router_agreement,
+        "overlap_with_replay": with_replay.expert_overlap,
         "decisions": with_replay.num_decisions,
+        "replay_steps": replay_steps,  # Replay.metrics() of each step's block
         "per_layer_with_replay": with_replay.per_layer.tolist(),
         "read_s": read_s,
         "read_tokens": read_tokens,  # tokens whose routes were read (trained: "tokens")
@@ -264,6 +275,8 @@ def train_loop_per_worker(config: dict) -> list[dict]:
         "loss": float(np.mean(losses)),
         "agreement_with_replay": min(w["agreement_with_replay"] for w in workers),
         "samples": sum(w["num_samples"] for w in workers),
+        # replay's own, over every step of every worker: rows summed, rates row-weighted
+        **combine(step for w in workers for step in w["replay_steps"]),
         "workers": workers,
     }
     with tempfile.TemporaryDirectory() as tmp:  # Ray Train merges every rank's files
@@ -334,12 +347,14 @@ def run(args: argparse.Namespace, job: str, storage: str) -> dict[str, Any]:
         "tokens": {r.sample_id: r.tokens.tolist() for r in rollouts},
         "prompt_len": {r.sample_id: r.prompt_len for r in rollouts},
         "advantage": {r.sample_id: float(a) for r, a in zip(rollouts, adv, strict=True)},
+        "replay_tolerance": args.replay_tolerance,
     }
     out: dict[str, Any] = {
         "samples": len(refs),
         "sample_ids": [r.sample_id for r in rollouts],
         "sample_tokens": sum(r.num_tokens for r in refs),
         "trained_tokens": sum(min(r.num_tokens, args.max_seq_len) for r in refs),
+        "replay_tolerance": args.replay_tolerance,
         "rollout_s": rollout_s,
         "paths": {},
     }
@@ -372,7 +387,8 @@ def check(m: dict[str, Any]) -> list[str]:
             problems.append(f"{read}: a sample was trained by more than one worker")
         if sorted(ids) != sorted(m["sample_ids"]):
             problems.append(f"{read}: the workers did not train every sample")
-        if any(w["agreement_with_replay"] != 1.0 for w in p["workers"]):
+        exact = m["replay_tolerance"] is None  # a tolerance replaces some recorded experts
+        if exact and any(w["agreement_with_replay"] != 1.0 for w in p["workers"]):
             problems.append(f"{read}: replay did not reproduce every route at the experts")
         if not all(math.isfinite(x) for w in p["workers"] for x in w["losses"]):
             problems.append(f"{read}: a loss is not finite")
@@ -411,6 +427,11 @@ def summary(m: dict[str, Any]) -> str:
                 + "; losses "
                 + " ".join(f"{x:.4f}" for x in w["losses"])
             )
+        lines.append(
+            f"    replay (tolerance {m['replay_tolerance']}): {p['replay/rows_replayed']} rows "
+            f"replayed, {p['replay/rows_missing']} missing, native agreement "
+            f"{p['replay/native_agreement']:.4f}, replace rate {p['replay/replace_rate']:.4f}"
+        )
         lines.append(f"    checkpoint {p['checkpoint']}: {', '.join(p['checkpoint_files'])}")
     lines.append(f"  samples left in the stores: {m['stored_after']}; total {m['total_s']:.1f} s")
     return "\n".join(lines)
@@ -426,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="samples per step per rank")
     parser.add_argument("--max-seq-len", type=int, default=40, help="tokens trained per sample")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--replay-tolerance",
+        type=float,
+        help="replay(tolerance=r): keep a recorded expert the trainer scores >= r x its "
+        "weakest own top-k expert, else its own (default: replay exactly)",
+    )
     parser.add_argument("--storage", help="RunConfig storage_path (default: a temp dir)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)

@@ -18,6 +18,11 @@ and the slicing functions cut ids and routes identically, as Megatron cuts `inpu
 `fill_missing` gives rows without routes real ids for engines whose dispatch needs one per
 row (Megatron's RouterReplay): distinct within a row, spread over every expert and so every
 expert-parallel rank, never a column of expert 0 (verl #4986).
+
+`replay_batch` replays a (micro-)batch's routes in a transformers model, with
+`replay_tolerance`; with `metrics=StepMetrics()` the step's blocks are kept, and
+`metrics.pop()` after the step's backward is the plain dict to log (`replay/rows_replayed`,
+`replay/rows_missing`, `replay/native_agreement`, `replay/replace_rate`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from routing_replay import (
     with_layout,
 )
 from routing_replay.integrations._rows import fill_missing as fill_missing  # (public here too)
+from routing_replay.integrations.replay_metrics import StepMetrics as StepMetrics  # (public)
 from routing_replay.schema import NUM_TOKENS
 
 ROUTES_KEY = "routed_experts"
@@ -333,3 +339,39 @@ def input_ids_for_rank(
 ) -> torch.Tensor:
     """This CP rank's `input_ids` (Megatron scatters SP after the embedding, not here)."""
     return cp_slice(batch["input_ids"], cp_size, cp_rank, cu_seqlens=batch.get("cu_seqlens"))
+
+
+def replay_batch(
+    model: torch.nn.Module,
+    batch: dict[str, Any] | torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    replay_tolerance: float | None = None,
+    metrics: StepMetrics | None = None,
+    key: str = ROUTES_KEY,
+) -> Any:
+    """A `replay` block for a batch: use it as `with replay_batch(...):` around the forward
+    *and* backward. Returns the `Replay` (its `.metrics()` is the block's own dict).
+
+    `batch` is a dict holding routes under `key` (`attach_routes`, `pack`) or the routes
+    tensor itself (`routes_for_rank`, `read_rank_routes`). The attention mask is
+    `attention_mask`, else, for a padded `[B, S]` batch with `input_lengths`, its first
+    `input_lengths[b]` positions per row; a packed batch needs none (its pads are missing
+    rows). `replay_tolerance` (None: exact; r in (0, 1]: a recorded expert the trainer scores
+    below r x its weakest own top-k expert is replaced by its own) goes to `replay`.
+    `metrics` (a `StepMetrics`) keeps the block, read when the step is done: `metrics.pop()`
+    sums the step's rows and weights its rates by rows replayed.
+    """
+    from routing_replay import replay
+
+    routes = batch
+    if isinstance(batch, dict):
+        routes = batch[key]
+        if attention_mask is None and "input_lengths" in batch and "cu_seqlens" not in batch:
+            _, lengths = _ids_and_lengths(batch)
+            width = routes.shape[1]
+            attention_mask = (torch.arange(width) < lengths[:, None]).to(torch.long)
+    block = replay(model, routes, attention_mask=attention_mask, tolerance=replay_tolerance)
+    if metrics is not None:
+        metrics.add(block)
+    return block

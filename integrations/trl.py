@@ -81,6 +81,9 @@ from routing_replay import (
     to_torch,
 )
 from routing_replay.integrations import _compat_trl, _compat_vllm
+from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
+from routing_replay.integrations.replay_metrics import StepMetrics
+from routing_replay.model.replay import check_tolerance
 from routing_replay.store import DEFAULT_PAGE_TOKENS
 
 REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
@@ -152,10 +155,18 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
     engines that return none), `routing_store` (a `RoutingStore` to put routes
     in; default: one this trainer creates, owns and sizes) and `store_capacity_tokens`
     (the size of that default store; default: twice the first rollout's tokens, grown
-    while empty). Logged per step: `routing/store_samples` (the store's occupancy during the
-    loss) and, with `log_agreement=True` (two more no-grad forwards per micro-batch),
-    `routing/agreement_native` and `routing/agreement_replayed`: the fraction of (token,
-    layer) top-k sets equal to the rollout's, natively and under replay.
+    while empty). `replay_tolerance` (None: replay exactly; a ratio r in (0, 1]: a recorded
+    expert the trainer scores below r x its weakest own top-k expert is replaced by its own)
+    goes to every `replay` the trainer makes.
+
+    Logged per step, in TRL's metrics: `replay/rows_replayed`, `replay/rows_missing` (the
+    step's loss micro-batches' (token, MoE layer) rows, summed), `replay/native_agreement`
+    and `replay/replace_rate` (weighted by rows replayed; `Replay.metrics()`, read once per
+    micro-batch after the step's backward); `routing/store_samples` (the store's occupancy
+    during the loss) and, with `log_agreement=True` (two more no-grad forwards per
+    micro-batch), `routing/agreement_native` and `routing/agreement_replayed`: the fraction
+    of (token, layer) top-k sets equal to the rollout's, natively and under replay.
+    Evaluation logs the `replay/` metrics of each batch (as `eval_replay/...`).
     """
 
     def __init__(
@@ -165,8 +176,10 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         store_capacity_tokens: int | None = None,
         log_agreement: bool = False,
         routing_mode: str = "R3",
+        replay_tolerance: float | None = None,
         **kwargs: Any,
     ) -> None:
+        replay_tolerance = check_tolerance(replay_tolerance)  # before TRL builds anything
         if routing_mode not in MODES:
             raise InvalidArgumentError(
                 f"routing_mode={routing_mode!r}: use 'R3' (replay the routes the rollout engine "
@@ -180,6 +193,8 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             super().__init__(*args, **kwargs)
         self.routing_mode = routing_mode
         self.log_agreement = log_agreement
+        self.replay_tolerance = replay_tolerance
+        self._replay_step = StepMetrics()  # the optimizer step's loss blocks
         self._vllm_outputs: list | None = None
         if self.use_vllm:
             self._keep_vllm_outputs()
@@ -433,7 +448,12 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             routes = self._routes_for(
                 refs[rows], input_ids[rows], attention_mask[rows], logits_to_keep
             )
-            block = replay(self._policy(model), routes, attention_mask=attention_mask[rows])
+            block = replay(
+                self._policy(model),
+                routes,
+                attention_mask=attention_mask[rows],
+                tolerance=self.replay_tolerance,
+            )
             with self._replaying_in(block):
                 parts.append(
                     super()._get_per_token_logps_and_entropies(
@@ -472,12 +492,17 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             native, replayed = self._agreement(model, input_ids, mask, routes)
             metrics["routing/agreement_native"].append(native)
             metrics["routing/agreement_replayed"].append(replayed)
-        block = replay(self._policy(model), routes, attention_mask=mask)
+        block = replay(
+            self._policy(model), routes, attention_mask=mask, tolerance=self.replay_tolerance
+        )
         if self._step_blocks is not None:  # training: the block closes after backward
             self._step_blocks.enter_context(self._replaying_in(block))
+            self._replay_step.add(block)  # read once the optimizer step's backward has run
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         with self._replaying_in(block):  # evaluation: no backward
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self._log_replay(metrics, block.metrics())
+        return out
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """TRL's step with forward and backward inside the micro-batch's replay block."""
@@ -487,9 +512,22 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
                 loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._step_blocks = None
-        if _compat_trl.global_step(self) % _compat_trl.steps_per_rollout(self) == 0:
+        step = _compat_trl.global_step(self)  # TRL's training_step counted this micro-step
+        accumulation = getattr(
+            self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps
+        )
+        if step % accumulation == 0:  # the optimizer step's last micro-batch, as TRL counts
+            self._log_replay(self._metrics["train"], self._replay_step.pop())
+        if step % _compat_trl.steps_per_rollout(self) == 0:
             self._release(self._train_refs)  # that was the generation's last micro-step
         return loss
+
+    @staticmethod
+    def _log_replay(metrics: dict[str, list[float]], replayed: dict[str, float] | None) -> None:
+        """Append the `replay/` metrics to TRL's per-mode lists (averaged when TRL logs)."""
+        if replayed is not None:
+            for key in REPLAY_KEYS:
+                metrics[key].append(float(replayed[key]))
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -575,7 +613,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             return cap.routes()
 
         native = routed()
-        with replay(policy, routes, attention_mask=mask):
+        with replay(policy, routes, attention_mask=mask, tolerance=self.replay_tolerance):
             replayed = routed()
         return (
             routing_agreement(recorded, native).router_agreement,

@@ -22,7 +22,16 @@ On the trainer worker:
   from refs alone, only this rank's tokens are read (a `TokenShard` sliced the same way).
 - `replaying_engine(FSDPEngineWithLMHead)` returns a subclass whose `forward_step` runs
   the model under `replay` with those routes, the block kept open through the
-  micro-batch's backward (so gradient-checkpoint recomputes replay too).
+  micro-batch's backward (so gradient-checkpoint recomputes replay too), and whose
+  `forward_backward_batch` adds the batch's replay metrics to the metrics dict it returns.
+
+Replay metrics (`replay/rows_replayed`, `replay/rows_missing`, `replay/native_agreement`,
+`replay/replace_rate`): over one `forward_backward_batch` call (a mini-batch: the update's
+micro-batches, or a log-prob pass) this rank's rows are summed and its rates weighted by
+rows replayed; each goes into `output["metrics"]` as a one-item list, the form verl's
+workers all-gather over data-parallel ranks and flatten, so the trainer's logged value is
+the mean over ranks and mini-batches. `replay_tolerance` goes to every `replay` the engine
+makes.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ from routing_replay import (
     to_torch,
     with_layout,
 )
+from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
+from routing_replay.integrations.replay_metrics import StepMetrics
+from routing_replay.model.replay import check_tolerance
 
 REFS_KEY = "routing_refs"  # in DataProto.non_tensor_batch
 ROUTES_KEY = "routed_experts"  # verl's own key for routes in DataProto.batch
@@ -188,25 +200,44 @@ def _read_rank_routes(
 
 
 def replaying_engine(
-    base: type, *, fetch: Fetch | None = None, layout: RoutingLayout | None = None
+    base: type,
+    *,
+    fetch: Fetch | None = None,
+    layout: RoutingLayout | None = None,
+    replay_tolerance: float | None = None,
 ) -> type:
     """A subclass of verl's FSDP engine class `base` (e.g. `FSDPEngineWithLMHead`) whose
     micro-batch forwards replay the micro-batch's routes: `routed_experts` (see
     `attach_routes`), or read by the refs the batch carries (`fetch`, default
     `routing_replay.ray.fetch_batch`). Replay checks the routes' layout against the model:
     the batch carries it (`attach_routes`, or the read); `layout` (the rollout model's) is
-    for routes put in the batch some other way."""
+    for routes put in the batch some other way. `replay_tolerance` (None: exact; r in
+    (0, 1]: a recorded expert the trainer scores below r x its weakest own top-k expert is
+    replaced by its own) goes to every `replay`. `forward_backward_batch` returns the
+    batch's replay metrics in its `metrics` dict (see the module's docstring)."""
     from routing_replay import replay
+
+    tolerance = check_tolerance(replay_tolerance)
 
     class ReplayingEngine(base):
         _replay_block: Any = None
+        _replay_step: StepMetrics | None = None
         _routing_replay = True  # marks the class (register_replaying_engine)
+        replay_tolerance = tolerance
 
         def forward_backward_batch(self, data: Any, loss_function: Any, forward_only=False):
+            self._replay_step = step = StepMetrics()
             try:
-                return super().forward_backward_batch(data, loss_function, forward_only)
+                output = super().forward_backward_batch(data, loss_function, forward_only)
             finally:
                 self._close_replay()  # the last micro-batch's backward has run
+                self._replay_step = None
+            replayed = step.pop()  # one host sync per micro-batch, after all of them
+            metrics = output.get("metrics") if isinstance(output, dict) else None
+            if replayed is not None and isinstance(metrics, dict):
+                for key in REPLAY_KEYS:  # one item: verl all-gathers and flattens lists
+                    metrics[key] = [replayed[key]]
+            return output
 
         def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool):
             self._close_replay()  # the previous micro-batch's backward ran in between
@@ -217,9 +248,11 @@ def replaying_engine(
             sp = self.ulysses_sequence_parallel_size if self.use_ulysses_sp else 1
             pad = self._get_packed_pad_size(packed)
             routes = model_input_routes(micro_batch, sp_size=sp, static_pad=pad, fetch=fetch)
-            block = replay(self.module, routes, layout=layout)
+            block = replay(self.module, routes, layout=layout, tolerance=tolerance)
             block.__enter__()
             self._replay_block = block
+            if self._replay_step is not None:
+                self._replay_step.add(block)
             try:
                 return super().forward_step(micro_batch, loss_function, forward_only)
             except BaseException:
@@ -241,13 +274,15 @@ def register_replaying_engine(
     vendor: str = "nvidia",
     fetch: Fetch | None = None,
     layout: RoutingLayout | None = None,
+    replay_tolerance: float | None = None,
 ) -> type:
     """Make verl build the replaying FSDP engine for language models in this process.
 
     Registers `replaying_engine(FSDPEngineWithLMHead)` in verl's `EngineRegistry` under
     `(device, vendor)`, which verl looks up before the plain device entry its own engine
     holds. Run it in every trainer worker process before verl builds its engines (e.g.
-    Ray's `runtime_env={"worker_process_setup_hook": ...}`). Idempotent; returns the class.
+    Ray's `runtime_env={"worker_process_setup_hook": ...}`). `replay_tolerance`: see
+    `replaying_engine`. Idempotent (with the same tolerance); returns the class.
     """
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -255,13 +290,22 @@ def register_replaying_engine(
     registry = EngineRegistry._engines.setdefault("language_model", {})
     found = [registry.get(b, {}).get((device, vendor)) for b in ("fsdp", "fsdp2")]
     if all(getattr(c, "_routing_replay", False) for c in found):
+        tolerance = check_tolerance(replay_tolerance)
+        if any(c.replay_tolerance != tolerance for c in found):
+            raise RuntimeError(
+                f"verl's replaying engine for {(device, vendor)} is registered with "
+                f"replay_tolerance={found[0].replay_tolerance}, not {tolerance}: register it "
+                "once per process, with the tolerance the run uses"
+            )
         return found[0]
     if any(c is not None for c in found):
         raise RuntimeError(
             f"verl already has an engine registered for {(device, vendor)}: {found}; "
             "routing replay's would shadow it"
         )
-    engine = replaying_engine(FSDPEngineWithLMHead, fetch=fetch, layout=layout)
+    engine = replaying_engine(
+        FSDPEngineWithLMHead, fetch=fetch, layout=layout, replay_tolerance=replay_tolerance
+    )
     EngineRegistry.register(
         model_type="language_model", backend=["fsdp", "fsdp2"], device=device, vendor=vendor
     )(engine)

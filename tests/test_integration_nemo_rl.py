@@ -486,3 +486,77 @@ def test_r2_recipe_replays_the_logprob_pass_in_later_mini_batches():
         store.release(batch[REFS_KEY])
         assert len(store) == 0
     spy.remove()
+
+
+@pytest.mark.parametrize("tolerance", [None, 1.0])
+def test_replay_batch_gives_each_steps_metrics_as_a_plain_dict(tolerance):
+    # A NeMo-RL-style loop: two micro-batches a step, each replayed by `replay_batch` around
+    # its forward and backward, the step's `StepMetrics` popped after them. Step 1 replays
+    # the policy's own routes (captured on the same weights); step 2 random routes for the
+    # same tokens, whose agreement and (tolerance 1.0) replaced slots are counted here at
+    # the experts: the router's own top-k of each call against the recorded ids.
+    from expert_spy import ExpertSpy
+
+    from routing_replay import PutRequest, capture
+    from routing_replay.integrations.nemo_rl import (
+        REFS_KEY,
+        ROUTES_KEY,
+        StepMetrics,
+        replay_batch,
+    )
+    from routing_replay.testing import tiny_moe
+
+    torch.manual_seed(0)
+    policy = tiny_moe()
+    layout = RoutingLayout.from_hf_config(policy.config)
+    L, K = layout.num_moe_layers, layout.top_k
+    lengths = torch.tensor([12, 9, 11, 7])
+    mask = (torch.arange(12) < lengths[:, None]).long()
+    ids = torch.randint(3, 128, (4, 12)) * mask
+    real = int(lengths.sum())
+    with capture(policy) as cap, torch.no_grad():
+        policy(input_ids=ids, attention_mask=mask)
+    rng = np.random.default_rng(0)
+    pairs = list(zip(cap.routes(), cap.token_ids(), strict=True))
+    own = [(f"own-{b}", r, t) for b, (r, t) in enumerate(pairs)]
+    rand = [(f"rand-{b}", layout.random_routes(rng, len(t)), t) for b, (_, t) in enumerate(pairs)]
+    spy = ExpertSpy(policy)
+    step = StepMetrics()
+    logged = []
+    with RoutingStore.create(f"test-m-{uuid.uuid4().hex[:8]}", layout, 10_000) as store:
+        for samples in (own, rand):
+            refs = store.put_many(PutRequest(s, r, token_ids=t) for s, r, t in samples)
+            batch = {"input_ids": ids, "input_lengths": lengths, REFS_KEY: refs}
+            agreed = outside = forced = 0
+            for rows in (slice(0, 2), slice(2, 4)):
+                mb = attach_routes({k: v[rows] for k, v in batch.items()}, fetch=store.read)
+                start = len(spy.calls)
+                with replay_batch(policy, mb, replay_tolerance=tolerance, metrics=step):
+                    logits = policy(input_ids=mb["input_ids"], attention_mask=mask[rows]).logits
+                    logits.float().logsumexp(-1).mean().backward()
+                want = mb[ROUTES_KEY].as_subclass(torch.Tensor).long()
+                for (j, _), native in zip(spy.calls[start:], spy.native_topk[start:], strict=True):
+                    rec = want[:, :, j].reshape(-1, K)
+                    has = (rec != -1).all(-1)
+                    forced += int(has.sum())
+                    same = (rec.sort(-1).values == native.sort(-1).values).all(-1)
+                    agreed += int(same[has].sum())
+                    outside += int((~(rec[:, :, None] == native[:, None, :]).any(-1))[has].sum())
+            logged.append(step.pop())  # after the step's backward (no optimizer step here)
+            assert forced == real * L
+            assert logged[-1]["replay/rows_replayed"] == real * L
+            assert logged[-1]["replay/rows_missing"] == (ids.numel() - real) * L  # padding
+            assert logged[-1]["replay/native_agreement"] == pytest.approx(agreed / forced)
+            replaced = outside / (forced * K) if tolerance == 1.0 else 0.0
+            assert logged[-1]["replay/replace_rate"] == pytest.approx(replaced, abs=0)
+            store.release(refs)
+    spy.remove()
+    assert step.pop() is None
+    assert logged[0] == {  # the policy's own routes: all agree, nothing replaced
+        "replay/rows_replayed": real * L,
+        "replay/rows_missing": (ids.numel() - real) * L,
+        "replay/native_agreement": 1.0,
+        "replay/replace_rate": 0.0,
+    }
+    assert logged[1]["replay/native_agreement"] < 0.5  # random routes: mostly not its own
+    assert (logged[1]["replay/replace_rate"] > 0.25) == (tolerance == 1.0)

@@ -168,6 +168,7 @@ def run(checkpoint, monkeypatch, trainer_cls=Checked, **overrides):
     steps = StoreAfterSteps()
     eval_dataset = overrides.pop("eval_dataset", None)
     peft_config = overrides.pop("peft_config", None)
+    trainer_kwargs = {k: overrides.pop(k) for k in ("replay_tolerance",) if k in overrides}
     trainer = trainer_cls(
         model=checkpoint,
         reward_funcs=reward_len,
@@ -176,6 +177,7 @@ def run(checkpoint, monkeypatch, trainer_cls=Checked, **overrides):
         eval_dataset=eval_dataset,
         callbacks=[steps],
         peft_config=peft_config,
+        **trainer_kwargs,
     )
     steps.trainer = trainer
     trainer.train()
@@ -219,6 +221,75 @@ def test_grpo_train_forces_the_rollout_experts_where_they_run(checkpoint, monkey
         # A generation's refs are released after its last step (num_iterations=2: two).
         assert steps.after_step == [8, 0, 8, 0], steps.after_step
         assert trainer.ref_model is not None and not is_prepared(trainer.ref_model)
+    finally:
+        trainer.spy.remove()
+        trainer.close_routing_store()
+
+
+def expected_replay_metrics(trainer, recorded, steps):
+    """Each optimizer step's `replay/` metrics, from what was put and the policy's own routing
+    just before each loss pass (`Checked.native`), independently of replay's tallies: rows
+    with a recorded route (every other row of the [B, S] batch is missing), the share of
+    them whose native top-k set is the recorded one, and the share of their slots whose
+    recorded expert is not in the native top-k (what tolerance 1.0 refills)."""
+    loss_passes = [p for p in trainer.passes if p["kind"] == "loss"]
+    assert len(loss_passes) == len(trainer.native) and len(loss_passes) % steps == 0
+    per_step = len(loss_passes) // steps
+    out = []
+    for s in range(steps):
+        forced = missing = agreed = outside = 0
+        for i in range(s * per_step, (s + 1) * per_step):
+            p, native = loss_passes[i], trainer.native[i]
+            want = expected_routes(recorded, p["refs"], p["input_ids"], p["mask"], p["width"])
+            has = (want != MISSING).all(-1)  # [B, S, L]
+            forced, missing = forced + int(has.sum()), missing + int((~has).sum())
+            keep = p["mask"].bool().numpy()
+            for b, routes in enumerate(native):  # [n_b, L, K] at the row's real tokens
+                rec, rows = want[b][keep[b]], has[b][keep[b]]
+                same = (np.sort(rec, -1) == np.sort(routes, -1)).all(-1)
+                agreed += int(same[rows].sum())
+                inside = (rec[..., :, None] == routes[..., None, :]).any(-1)  # [n_b, L, K]
+                outside += int((~inside)[rows].sum())
+        out.append((forced, missing, agreed / forced, outside / (forced * want.shape[-1])))
+    return out
+
+
+@pytest.mark.parametrize("tolerance", [None, 1.0])
+def test_replay_metrics_reach_trls_logs_every_step(checkpoint, monkeypatch, tolerance):
+    # 2 micro-batches per optimizer step; the generation is trained twice (num_iterations),
+    # the second time by a policy a large step moved: step 1 replays the routes the policy
+    # itself made, step 2 routes that it no longer picks everywhere. Tolerance 1.0 keeps a
+    # recorded expert only where it is in the trainer's own top-k: the others are replaced.
+    trainer, recorded, _ = run(
+        checkpoint,
+        monkeypatch,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        learning_rate=0.05,
+        replay_tolerance=tolerance,
+    )
+    try:
+        assert trainer.replay_tolerance == tolerance
+        logged = [h for h in trainer.state.log_history if "replay/rows_replayed" in h]
+        assert [h["step"] for h in logged] == [1, 2]
+        expected = expected_replay_metrics(trainer, recorded, steps=2)
+        for h, (forced, missing, agreement, outside) in zip(logged, expected, strict=True):
+            assert h["replay/rows_replayed"] == forced
+            assert h["replay/rows_missing"] == missing
+            assert h["replay/native_agreement"] == pytest.approx(agreement, rel=1e-12)
+            want_replaced = outside if tolerance == 1.0 else 0.0
+            assert h["replay/replace_rate"] == pytest.approx(want_replaced, rel=1e-12, abs=0)
+        (_, _, first, _), (_, _, second, moved) = expected
+        # Step 1: the rollout's routes are the policy's own (generation's cached decode and
+        # the full forward pick the same top-k on all but a row or so, in float32).
+        assert first > 0.99
+        assert second < 1.0 and moved > 0  # the moved policy picks others on some rows
+        if tolerance == 1.0:  # the experts got the policy's own top-k on every forced row
+            loss_passes = [p for p in trainer.passes if p["kind"] == "loss"]
+            for p in loss_passes:
+                for (_, ids), own in zip(p["calls"], p["native_topk"], strict=True):
+                    assert torch.equal(ids.sort(-1).values, own.sort(-1).values)
     finally:
         trainer.spy.remove()
         trainer.close_routing_store()

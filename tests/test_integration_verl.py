@@ -170,20 +170,27 @@ def one_rank():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("source", ["attached", "refs", "native"])
+@pytest.mark.parametrize("source", ["attached", "refs", "native", "tolerance"])
 def test_replaying_fsdp_engine_forces_the_experts(store, model, one_rank, source):
     # attached: routes in the batch (attach_routes); refs: only the refs ride, as
     # DataProto.to_tensordict keeps non_tensor_batch, and each micro-batch reads its own;
-    # native: verl's engine without replay (so the checks below can fail).
+    # native: verl's engine without replay (so the checks below can fail); tolerance: refs,
+    # replay_tolerance=1.0 (a recorded expert is kept only where it is in the trainer's own
+    # top-k, so the experts get the router's own top-k sets). The replay metrics in the
+    # metrics dict the engine returns are counted here at the experts.
     refs, routes = put_samples(store, store.layout)
     data = verl_batch(refs)
     if source == "attached":
         attach_routes(data, fetch=store.read)
     replaying = source != "native"
+    tolerance = 1.0 if source == "tolerance" else None
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = FSDPEngineWithLMHead
-    engine = bare_engine(replaying_engine(base, fetch=store.read) if replaying else base)
+    if replaying:
+        base = replaying_engine(base, fetch=store.read, replay_tolerance=tolerance)
+        assert base.replay_tolerance == tolerance
+    engine = bare_engine(base)
     engine.module = model
     td = left_right_2_no_padding(data.to_tensordict())
     td["temperature"] = torch.ones(len(data))
@@ -196,30 +203,59 @@ def test_replaying_fsdp_engine_forces_the_experts(store, model, one_rank, source
         seen.append(data)
         return model_output["log_probs"].values().sum(), {}
 
-    engine.forward_backward_batch(td, loss_fn)
+    output = engine.forward_backward_batch(td, loss_fn)
     spy.remove()
     L, K = store.layout.num_moe_layers, store.layout.top_k
     assert len(seen) >= 3  # token-balanced micro-batches, each forward + backward
     per_layer = {j: [ids for jj, ids in spy.calls if jj == j] for j in range(L)}
+    calls = list(zip(spy.calls, spy.native_topk, strict=True))
+    own = {j: [t for (jj, _), t in calls if jj == j] for j in range(L)}  # the router's top-k
     recomputed = {j: [ids for jj, ids in spy.recomputes if jj == j] for j in range(L)}
-    forced = differing = 0
+    forced = differing = agreed = outside = 0
     for i, mb in enumerate(seen):
         want = expected_for_tokens(
             mb["input_ids"].values(), mb["position_ids"].values(), routes, L, K
         )
         for j in range(L):
-            got = per_layer[j][i]
-            if replaying:
-                assert torch.equal(got, want[:, j]), f"micro-batch {i}, layer {j}"
+            got, native, rec = per_layer[j][i], own[j][i], want[:, j]
+            if tolerance == 1.0:  # the router's own top-k sets reach the experts
+                assert torch.equal(got.sort(-1).values, native.sort(-1).values)
+            elif replaying:
+                assert torch.equal(got, rec), f"micro-batch {i}, layer {j}"
                 assert torch.equal(recomputed[j][i], got)  # its backward, before the next
             else:
-                differing += int((got.sort(-1).values != want[:, j].sort(-1).values).any(-1).sum())
+                differing += int((got.sort(-1).values != rec.sort(-1).values).any(-1).sum())
             forced += len(got)
+            agreed += int((rec.sort(-1).values == native.sort(-1).values).all(-1).sum())
+            outside += int((~(rec[:, :, None] == native[:, None, :]).any(-1)).sum())
     assert forced == sum(p + r for p, r in ROWS) * L
     if not replaying:
         assert differing > forced // 2  # native routing is not the recorded one
+        assert not [k for k in output["metrics"] if k.startswith("replay/")]
     assert spy.router_grads and min(spy.router_grads) > 0
     assert np.isfinite(spy.router_grads).all()
+    if not replaying:
+        return
+    # The metrics dict verl's forward_backward_batch returns: one item per key (this rank,
+    # all micro-batches: rows summed, rates weighted by rows).
+    metrics = output["metrics"]
+    assert metrics["replay/rows_replayed"] == [forced]
+    assert metrics["replay/rows_missing"] == [0]  # packed: no padding, every token routed
+    assert metrics["replay/native_agreement"] == [pytest.approx(agreed / forced)]
+    replaced = outside / (forced * K) if tolerance else 0.0
+    assert metrics["replay/replace_rate"] == [pytest.approx(replaced, abs=0)]
+    assert (replaced > 0.25) == (tolerance == 1.0)  # random routes: mostly not its own
+    # verl's worker post-processing keeps them: TrainingWorker._postprocess_output
+    # all-gathers the metrics over the data-parallel group (verl's allgather_dict_into_dict;
+    # the worker module itself needs verl's rollout server packages), train_mini_batch
+    # flattens the lists, and the trainer logs their mean.
+    from itertools import chain
+
+    from verl.utils.torch_functional import allgather_dict_into_dict
+
+    gathered = allgather_dict_into_dict(metrics, group=engine.get_data_parallel_group())
+    for key in [k for k in metrics if k.startswith("replay/")]:
+        assert list(chain.from_iterable(gathered[key])) == metrics[key], key
 
 
 def test_register_replaying_engine_is_what_verl_builds(monkeypatch):
@@ -230,6 +266,9 @@ def test_register_replaying_engine_is_what_verl_builds(monkeypatch):
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
     engine = register_replaying_engine()
     assert register_replaying_engine() is engine  # idempotent
+    assert engine.replay_tolerance is None
+    with pytest.raises(RuntimeError, match=r"replay_tolerance=None, not 0\.5"):
+        register_replaying_engine(replay_tolerance=0.5)  # another run's: refused, not ignored
     for backend in ("fsdp", "fsdp2"):
         built = EngineRegistry.get_engine_cls("language_model", backend)
         assert built is engine and issubclass(built, FSDPEngineWithLMHead)

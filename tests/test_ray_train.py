@@ -65,6 +65,20 @@ def _check_path(m: dict, read: str, seed: int = 0) -> None:
         assert w["decisions"] > 0 and w["per_layer_with_replay"] == [1.0] * 4
         assert all(a < 1.0 for a in w["agreement_without_replay"])  # replay changed something
         assert w["losses"] and all(math.isfinite(x) for x in w["losses"]), (read, w)
+        # Replay's own metrics, per step: its forced rows are the (token, layer) decisions
+        # compared at the experts (rows with a recorded route), nothing replaced.
+        steps = w["replay_steps"]
+        assert len(steps) == len(w["losses"])
+        assert sum(x["replay/rows_replayed"] for x in steps) == w["decisions"]
+        assert all(x["replay/replace_rate"] == 0.0 for x in steps)
+        assert all(0.0 < x["replay/native_agreement"] < 1.0 for x in steps)  # bf16 rollout
+    # The report (Result.metrics) carries them combined over every worker's steps.
+    assert p["replay/rows_replayed"] == sum(w["decisions"] for w in workers)
+    steps = [x for w in workers for x in w["replay_steps"]]
+    assert p["replay/rows_missing"] == sum(x["replay/rows_missing"] for x in steps)
+    weighted = sum(x["replay/native_agreement"] * x["replay/rows_replayed"] for x in steps)
+    assert p["replay/native_agreement"] == pytest.approx(weighted / p["replay/rows_replayed"])
+    assert p["replay/replace_rate"] == 0.0
     # The checkpoint ray.train.report persisted: rank 0's model, every rank's samples.
     ckpt = p["checkpoint"]
     assert sorted(os.listdir(ckpt)) == ["model.pt", "samples-rank0.json", "samples-rank1.json"]
@@ -95,3 +109,28 @@ def test_ray_train_both_read_paths_fsdp2(tmp_path):
     assert m["stored_after"] == 0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.rstrip().endswith("OK"), proc.stdout
+
+
+def test_ray_train_reports_replay_tolerance_metrics(tmp_path):
+    # --replay-tolerance 1.0: a recorded expert is kept only where it is in the trainer's
+    # own top-k, so the float32 trainer routes as it would alone and the experts get its
+    # own top-k sets. Replay's tallies then agree exactly with what the example measures at
+    # the experts: native agreement = the agreement of the recorded routes with those, and
+    # the replaced share of slots = 1 - their mean expert overlap.
+    m, proc = _run(tmp_path, "--read", "refs", "--replay-tolerance", "1.0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert m["replay_tolerance"] == 1.0
+    p = m["paths"]["refs"]
+    for w in p["workers"]:
+        steps = w["replay_steps"]
+        rows = sum(x["replay/rows_replayed"] for x in steps)
+        assert rows == w["decisions"]
+        agreed = sum(x["replay/native_agreement"] * x["replay/rows_replayed"] for x in steps)
+        replaced = sum(x["replay/replace_rate"] * x["replay/rows_replayed"] for x in steps)
+        assert agreed / rows == pytest.approx(w["agreement_with_replay"])
+        assert replaced / rows == pytest.approx(1.0 - w["overlap_with_replay"])
+        assert w["agreement_with_replay"] < 1.0  # the bf16 rollout's routes, replaced
+        for x, without in zip(steps, w["agreement_without_replay"], strict=True):
+            assert x["replay/native_agreement"] == pytest.approx(without)  # its own routing
+    assert p["replay/replace_rate"] > 0.0
+    assert p["replay/rows_replayed"] == sum(w["decisions"] for w in p["workers"])
