@@ -16,7 +16,9 @@ Store calls (attach, `node_store`, a turn's put, an episode's release) run in th
 (`off_loop`): a put waiting for room (`put_timeout`) stalls no other agent loop. A turn
 whose routes cannot be stored (store full, routes refused, ...) still returns its
 generation, with `ref: None` and `routing_error: "<ErrorClass>: <message>"`; the episode
-has lost its routes: its stored turns are released, later turns are generated and
+has lost its routes: its stored turns are released (a release that fails, the store busy
+past the timeout, is retried in the background until it succeeds, counted in
+`routing_counts()["unreleased"]` meanwhile), later turns are generated and
 returned marked the same way, and `close_episode` raises `RoutesNotStoredError` naming
 why. Refusals are logged and counted (`routing_counts()`). The server keeps an episode
 until `close_episode` has released its earlier turns and returned its ref: a close that
@@ -42,6 +44,7 @@ from routing_replay import Episode, RoutingLayout, RoutingRef, RoutingReplayErro
 from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations.vllm import (
     DEFAULT_ENV,
+    Releases,
     RoutesNotStoredError,
     StoreCounts,
     StoreHost,
@@ -144,6 +147,7 @@ class VllmServer(StoreHost):
         self._closing: set[str] = set()  # episodes whose close is in flight
         self._lost: dict[str, list] = {}  # episode -> [turn not stored, last turn, why]
         self.counts = StoreCounts()  # turns' puts: stored, refused by error class, in flight
+        self._releases = Releases(self.counts)  # failed releases, retried in the background
         self.policy_version = 0
         self.start_s = 0.0
 
@@ -300,7 +304,7 @@ class VllmServer(StoreHost):
             kind = type(err).__name__
             self.counts.refused[kind] += 1
             self.episodes.pop(episode.episode_id, None)
-            self._lost[episode.episode_id] = [turn, turn, why]
+            lost = self._lost[episode.episode_id] = [turn, turn, why, "none were stored"]
             log.error(
                 "routing_replay: episode %r turn %d: routes not stored, the turn is returned "
                 "without them and the episode has no ref. %s. Refused so far: %s",
@@ -311,10 +315,14 @@ class VllmServer(StoreHost):
                 exc_info=None if isinstance(err, RoutingReplayError) else err,
             )
             if episode.refs:  # the earlier turns can no longer become the episode's sample
-                try:
-                    await off_loop(episode.store.release, episode.refs)
-                except RoutingReplayError as gone:
-                    log.warning("routing_replay: episode %r: release: %s", episode.episode_id, gone)
+                what = f"episode {episode.episode_id!r} (lost)"
+                done = await off_loop(self._releases.release, self.store, episode.refs, what)
+                lost[3] = (
+                    "its stored turns were released"
+                    if done
+                    else "the release of its stored turns failed: retried in the background "
+                    "until it succeeds (routing_counts()['unreleased'])"
+                )
             return None, why
         finally:
             self.counts.in_flight -= 1
@@ -323,7 +331,8 @@ class VllmServer(StoreHost):
 
     async def routing_counts(self) -> dict[str, Any]:
         """Turns' puts in this server: `stored`, `refused` ({error class: turns returned
-        without their routes}), `in_flight` (puts running, those waiting for room too)."""
+        without their routes}), `in_flight` (puts running, those waiting for room too),
+        `unreleased` (lost episodes' turns whose release failed, retried: still stored)."""
         return self.counts.as_dict()
 
     async def abort(self, episode_id: str, turn: int) -> bool:
@@ -349,7 +358,7 @@ class VllmServer(StoreHost):
         if lost is not None:
             raise RoutesNotStoredError(
                 f"episode {episode_id!r} has no ref: turn {lost[0]}'s routes were not "
-                f"stored ({lost[2]}); its stored turns were released"
+                f"stored ({lost[2]}); {lost[3]}"
             )
         if episode_id in self._closing:
             raise RoutingReplayError(

@@ -268,7 +268,7 @@ def test_a_full_store_stalls_no_turn_and_loses_no_generation(small_store_server)
     second = ray.get(actor.generate.remote(small, GREEDY, episode_id="small", turn=1))
     during = ray.get(actor.routing_counts.remote())
     assert not ray.wait([first], timeout=0)[0], "the small turn waited for the big one's timeout"
-    assert during == {"stored": 1, "refused": {}, "in_flight": 1}
+    assert during == {"stored": 1, "refused": {}, "in_flight": 1, "unreleased": 0}
     assert second["routing_error"] is None and second["ref"].sample_id == "small-t1"
     assert second["ref"].num_tokens == 28 and len(second["token_ids"]) == NEW
     reply = ray.get(first)
@@ -282,6 +282,7 @@ def test_a_full_store_stalls_no_turn_and_loses_no_generation(small_store_server)
         "stored": 1,
         "refused": {"StoreFullError": 1},
         "in_flight": 0,
+        "unreleased": 0,
     }
     assert "big-t1" not in store and store.stats().samples == 2  # the filler, the small turn
     # The episode lost its routes: its next turn is generated, marked; it has no ref.
@@ -330,3 +331,27 @@ def test_a_failed_close_keeps_the_episode_for_a_retry(small_store_server):
     with pytest.raises(ray.exceptions.RayTaskError, match="the server holds no episode 'cl'"):
         ray.get(actor.close_episode.remote("cl"))
     store.release([ref])
+
+
+def test_a_lost_episodes_failed_release_is_retried(small_store_server):
+    actor, store, _ = small_store_server
+    start = [9 + (5 * j) % 110 for j in range(20)]
+    first = ray.get(actor.generate.remote(start, GREEDY, episode_id="lr", turn=1))
+    assert first["ref"].sample_id == "lr-t1" and "lr-t1" in store
+    history = start + first["token_ids"] + tool_output(0, 1)
+    # Another process holds the store's lock past the put timeout (stopped, say): turn 2's
+    # put fails, and so does the release of turn 1 (the same lock).
+    with store._core.lock.held("test", time.monotonic() + 5):
+        second = ray.get(actor.generate.remote(history, GREEDY, episode_id="lr", turn=2))
+        assert second["ref"] is None and second["routing_error"].startswith("StoreBusyError")
+        assert ray.get(actor.routing_counts.remote())["unreleased"] == 1
+        with pytest.raises(RoutesNotStoredError) as lost:
+            ray.get(actor.close_episode.remote("lr"))
+        assert "its stored turns were released" not in str(lost.value)
+        assert "retried in the background" in str(lost.value)
+    # The lock free again, the retry releases turn 1.
+    deadline = time.monotonic() + 30
+    while "lr-t1" in store:
+        assert time.monotonic() < deadline, "turn 1 stayed stored: its release was dropped"
+        time.sleep(0.1)
+    assert ray.get(actor.routing_counts.remote())["unreleased"] == 0
