@@ -9,6 +9,7 @@ import functools
 import inspect
 import multiprocessing as mp
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from routing_replay import (
     StoreUnavailableError,
     cli,
 )
-from routing_replay.store import sweep_spill_dirs
+from routing_replay.store import sweep_spill_dirs, sweep_stores
 from routing_replay.store.segment import segment_path
 from routing_replay.store.spill import page_file_bytes
 
@@ -207,6 +208,116 @@ def test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods(
         m.setattr(segment, "SHM_DIR", str(other_pod))
         assert sweep_spill_dirs(tmp_path, dead_owners=False) == [str(tmp_path / left)]
     os.unlink(segment_path(name))
+
+
+def _attach_and_read(name: str, want: np.ndarray, got: list) -> None:
+    """Attach and read spilled sample s0: [handle, whether it read exact] into `got`."""
+    handle = RoutingStore.attach(name)
+    try:
+        got.extend([handle, np.array_equal(handle.get("s0"), want)])
+    except CorruptStoreError:
+        got.extend([handle, False])
+
+
+def test_a_handle_attaching_at_each_line_of_another_pods_sweep_never_loses_its_dir(name, tmp_path):
+    """A dead owner's store with no handle open; another pod's sweep of the shared spill disk
+    runs, and at each of its lines a handle of this pod attaches (another thread) and reads
+    a spilled sample. Either the sweep keeps the directory (the handle holds it) or the
+    handle finds it gone: never a handle that read the sample and then loses it."""
+    from routing_replay.store import spill
+
+    spilled = TINY.random_routes(np.random.default_rng(3), 2 * P)
+    code, outcomes = spill.remove_spill_dir_if_unused.__code__, []
+    for stop in range(40):
+        store_name = f"{name}-{stop}"
+        child = FORK.Process(target=_spill_and_exit, args=(store_name, str(tmp_path)))
+        child.start()
+        child.join()
+        events, got, threads = 0, [], []
+
+        def tracer(frame, event, arg, stop=stop, got=got, threads=threads, n=store_name):
+            nonlocal events
+            if frame.f_code is not code:
+                return None
+            if event == "line":
+                events += 1
+                if events == stop + 1:  # another thread of this pod attaches now
+                    thread = threading.Thread(target=_attach_and_read, args=(n, spilled, got))
+                    threads.append(thread)
+                    thread.start()
+                    thread.join(0.3)  # done, or waiting for the sweep's lock
+            return tracer
+
+        sys.settrace(tracer)
+        try:  # judged by the users lock alone, as another pod's sweep judges it
+            swept = sweep_spill_dirs(tmp_path)
+        finally:
+            sys.settrace(None)
+        try:
+            if not threads:
+                assert swept  # the sweep ran to its end with no handle: the directory went
+                break
+            threads[0].join(10)
+            handle, read = got
+            if read:  # it read the spilled sample: it holds the directory, which stays
+                assert swept == [] and np.array_equal(handle.get("s0"), spilled), stop
+            outcomes.append("kept" if read else "gone")
+            handle.close()
+        finally:
+            os.unlink(segment_path(store_name))
+            sweep_spill_dirs(tmp_path)
+    assert "kept" in outcomes and "gone" in outcomes, outcomes
+
+
+def test_sweep_stores_keeps_the_spill_dir_of_a_dead_owners_store_still_attached(name, tmp_path):
+    """`sweep_stores` removes a dead owner's segment; handles still attached keep reading its
+    spilled samples until the last closes, then a sweep of the spill disk removes them."""
+    child = FORK.Process(target=_spill_and_exit, args=(name, str(tmp_path)))
+    child.start()
+    child.join()
+    spilled = TINY.random_routes(np.random.default_rng(3), 2 * P)
+    reader = RoutingStore.attach(name)
+    assert [info.name for info in sweep_stores(prefix=name)] == [name]
+    assert np.array_equal(reader.get("s0"), spilled)  # its file is still there
+    (left,) = store_dirs(tmp_path)
+    reader.close()
+    assert sweep_spill_dirs(tmp_path) == [str(tmp_path / left)]
+
+
+def _spill_and_die_before_commit(name: str) -> None:
+    """Attach (taking the only writer lease), put until a spill has written its file, and
+    die (SIGKILL) just before committing it."""
+    from routing_replay.store import spill
+
+    store = RoutingStore.attach(name)
+
+    def tracer(frame, event, arg):
+        if frame.f_code is spill.Spiller._commit.__code__:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tracer if frame.f_code is spill.Spiller._spill.__code__ else None
+
+    store.put("a", np.zeros((2 * P, 3, 2), np.int64))
+    sys.settrace(tracer)
+    store.put("b", np.ones((4 * P, 3, 2), np.int64))  # a is written to disk, then the kill
+
+
+def test_a_writer_killed_before_its_spill_commit_leaves_a_marked_file(name, tmp_path):
+    """The only writer lease, held by a spiller killed between its file and its commit, goes
+    to the next writer: the file stays marked for cleaning (verify checks it), then goes."""
+    with RoutingStore.create(
+        name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path, max_writers=1
+    ) as store:
+        child = FORK.Process(target=_spill_and_die_before_commit, args=(name,))
+        child.start()
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+        files = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        assert len(files) == 1 and store.stats().samples_spilled == 0
+        store.put("c", np.full((P, 3, 2), 2, np.int64))  # takes over the dead writer's lease
+        store.verify()
+        store.reclaim()
+        assert [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")] == []
+        assert np.array_equal(store.get("a"), np.zeros((2 * P, 3, 2)))
 
 
 def _own_store_elsewhere(name: str, spill_dir: str, shm: str, ready, done) -> None:
@@ -483,7 +594,7 @@ def test_an_owners_with_block_ends_while_another_thread_waits_in_put(name):
     thread.join(10)
     assert time.monotonic() - started < 5
     (error,) = said
-    assert isinstance(error, StoreUnavailableError) and "was closed" in str(error)
+    assert isinstance(error, StoreUnavailableError) and "is being closed" in str(error)
     assert not os.path.exists(segment_path(name))
 
 

@@ -46,7 +46,7 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             core.calls[token] = threading.get_ident()
             if core.closing:
-                raise StoreUnavailableError(f"store {core.name!r} is closed in this process")
+                raise closed_error(core.name)
             return method(self, *args, **kwargs)
         except BaseException as e:
             forget_frames(e)
@@ -96,3 +96,12 @@ def forget_frames(error: BaseException) -> None:
                     tb.tb_frame.clear()
             tb = tb.tb_next
         todo += [e.__cause__, e.__context__]
+
+
+def closed_error(name: str) -> StoreUnavailableError:
+    """A call of a handle that another thread is closing (or has closed)."""
+    return StoreUnavailableError(
+        f"store {name!r}: this handle is being closed (close() or an owner's `with` block "
+        "ended in another thread of this process). Attach again to go on using the store; "
+        "if that close gave up (StoreBusyError), this handle is still open: call again"
+    )

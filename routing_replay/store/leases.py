@@ -55,6 +55,8 @@ class Leases:
                 continue  # a live writer's
             hold.write()
             reclaim_pages(i)  # whatever a dead holder of lease i left reserved
+            if self._tables.leases["state"][i] == LEASE_HELD:  # and any spill file it wrote
+                self._tables.mark_spill_garbage()
             gen = (int(self._tables.leases["gen"][i]) + 1) & 0xFFFFFFFF
             self._tables.leases[i] = (LEASE_HELD, gen, os.getpid(), 0, time.time())
             self._mine = (i, gen)

@@ -33,8 +33,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from routing_replay.errors import StoreBusyError, StoreUnavailableError
-from routing_replay.store.calls import calls_running
+from routing_replay.errors import StoreBusyError
+from routing_replay.store.calls import calls_running, closed_error
 from routing_replay.store.segment import Segment, fork_epoch
 from routing_replay.store.tables import Tables
 
@@ -226,11 +226,3 @@ class CommitLock:
             "(a killed holder's lock is released and its changes repaired), or pass a longer "
             "timeout"
         )
-
-
-def closed_error(name: str) -> StoreUnavailableError:
-    """A call of a handle that is being closed (by another thread, e.g. an owner's `with`)."""
-    return StoreUnavailableError(
-        f"store {name!r} was closed in this process while this call waited; attach again "
-        "to use the store"
-    )

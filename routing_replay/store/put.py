@@ -36,6 +36,7 @@ from routing_replay.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
+from routing_replay.store.calls import closed_error
 from routing_replay.store.format import (
     CHECK_CHUNK_BYTES,
     MIN_LOCK_WAIT_S,
@@ -43,7 +44,7 @@ from routing_replay.store.format import (
     NO_PAGE,
     TOKEN_DTYPE,
 )
-from routing_replay.store.lock import Hold, closed_error
+from routing_replay.store.lock import Hold
 from routing_replay.store.pages import Reservation
 from routing_replay.store.prefix import SharePlan, page_keys, runs, same_bytes
 from routing_replay.store.refs import (

@@ -14,7 +14,6 @@ import numpy as np
 
 from routing_replay.store.format import LEASE_HELD
 from routing_replay.store.lock import Hold
-from routing_replay.store.spill import mark_garbage
 
 if TYPE_CHECKING:
     from routing_replay.store.core import StoreCore
@@ -45,7 +44,7 @@ def repair(core: StoreCore) -> None:
     core.prefix.rebuild(referenced)
     core.samples.rebuild(published, chains)
     core.spill.rebuild()
-    mark_garbage(t)  # a holding cut short may have left files: a release's, a spill's
+    t.mark_spill_garbage()  # a holding cut short may have left files: a release's, a spill's
     for i in core.leases.dead_holders():
         core.leases.mark_free(i)
     t.set_dirty(False)
@@ -67,7 +66,7 @@ def reclaim_dead(core: StoreCore, hold: Hold, puts_of_caller: int) -> int:
         freed += core.pages.reclaim_lease(hold, i)
         core.leases.mark_free(i)
     if dead:
-        mark_garbage(core.tables)  # a spiller among them may have left files
+        core.tables.mark_spill_garbage()  # a spiller among them may have left files
     mine = core.leases.mine()
     if mine is not None and len(core.puts_running) == puts_of_caller:
         freed += core.pages.reclaim_lease(hold, *mine)

@@ -32,6 +32,7 @@ taken by a put) sees the pages' generations change and reads again (`ReadPlan`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -100,6 +101,7 @@ CLEAN_EVERY_S = 5.0  # a handle looks for files left behind at most this often
 # the kernel drops when the handle closes or its process dies (whatever its /dev/shm).
 USERS_FILE = "owner.lock"
 HALF_MADE_S = 60.0  # a store directory without its users file is being made for this long
+TOMB_PREFIX = ".rr-removing-"  # a store directory being removed (no sweep or attach opens it)
 
 
 def spill_name(serial: int, code: int) -> str:
@@ -299,6 +301,8 @@ class Spiller:
                 return True  # another writer's spill or release made the room
             lease = core.leases.take(hold, lambda i: core.pages.reclaim_lease(hold, i))
             victims = self._pick(needed)
+            if victims:  # files about to be written: a stop before their commit leaves them
+                core.tables.mark_spill_garbage()
         if not victims:
             return False
         code, written, done = writer_code(lease), [], -1
@@ -453,7 +457,7 @@ class Spiller:
         )
         t.add("spilled", -1)
         t.add("spilled_bytes", -size)
-        mark_garbage(t)  # until the releaser has removed the file
+        t.mark_spill_garbage()  # until the releaser has removed the file
         return self.path(samples.serial(slot), code)
 
     def finish(self) -> int:
@@ -548,12 +552,6 @@ class Spiller:
             and t.leases["state"][index] == LEASE_HELD
             and int(t.leases["gen"][index]) == gen
         )
-
-
-def mark_garbage(t: Tables) -> None:
-    """Note (inside a write) that spill files may be left that no slot names: the next spill
-    after `CLEAN_EVERY_S` cleans. A counter, so that a clean clears only what it judged."""
-    t.hdr["spill_garbage"] = int(t.hdr["spill_garbage"]) % 0xFFFFFFFF + 1
 
 
 def mark_spilled(t: Tables, slot: int, code: int) -> None:
@@ -654,7 +652,10 @@ def use_spill_dir(path: str) -> int:
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd
+            if _same_file(fd, os.path.join(path, USERS_FILE)):
+                return fd
+            os.close(fd)  # a sweep took the directory away meanwhile
+            return -1
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 os.close(fd)
@@ -698,6 +699,12 @@ def sweep_spill_dirs(
         return []
     removed = []
     for entry in entries:
+        if entry.name.startswith(TOMB_PREFIX):  # a sweep stopped while removing it
+            with contextlib.suppress(OSError):
+                check_dir(entry.path)
+                if not dry_run:
+                    remove_spill_dir(entry.path)
+            continue
         m = _DIR_NAME.match(entry.name)
         if m is None or not is_store_name(m.group(1)):
             continue
@@ -705,13 +712,57 @@ def sweep_spill_dirs(
             check_dir(entry.path)
         except OSError:
             continue  # not ours to judge
-        if _unused(entry.path) and (
-            dead_owners or not _named_here(m.group(1), int(m.group(2), 16))
-        ):
-            if not dry_run:
-                remove_spill_dir(entry.path)
+        if not dead_owners and _named_here(m.group(1), int(m.group(2), 16)):
+            continue
+        if _unused(entry.path) if dry_run else remove_spill_dir_if_unused(entry.path):
             removed.append(entry.path)
     return removed
+
+
+def remove_spill_dir_if_unused(path: str) -> bool:
+    """Remove a store directory if no handle holds its users lock; whether it did. Renamed
+    away (to a name neither sweeps nor attaches open) while the lock is held exclusively, so
+    a handle arriving meanwhile finds no directory rather than losing it under its feet."""
+    lock = os.path.join(path, USERS_FILE)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:  # being created, for a minute; else half made and left
+        try:
+            if time.time() - os.lstat(path).st_mtime <= HALF_MADE_S:
+                return False
+        except OSError:
+            return False
+        return _bury(path)
+    except OSError:
+        return False  # something we cannot judge: left alone
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a handle holds it (BlockingIOError), or it cannot be judged
+        return _same_file(fd, lock) and _bury(path)
+    finally:
+        os.close(fd)
+
+
+def _bury(path: str) -> bool:
+    """Rename a store directory to a tomb and remove it; whether it was ours to remove."""
+    tomb = os.path.join(os.path.dirname(path), f"{TOMB_PREFIX}{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(path, tomb)
+    except OSError:
+        return False  # gone meanwhile (another sweep), or not removable
+    remove_spill_dir(tomb)
+    return True
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _unused(path: str) -> bool:

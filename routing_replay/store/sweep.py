@@ -25,7 +25,7 @@ from routing_replay.store.segment import (
     lease_held,
     untrusted_reason,
 )
-from routing_replay.store.spill import remove_spill_dir
+from routing_replay.store.spill import remove_spill_dir_if_unused
 from routing_replay.store.tables import header_info
 
 
@@ -176,7 +176,9 @@ def _unlink_judged(info: StoreInfo) -> bool:
             return False
         os.unlink(info.path)
         if os.path.basename(info.spill_dir).startswith(f"rr_{info.name}-"):
-            remove_spill_dir(info.spill_dir)  # its spill files die with it
+            # Its spill files die with it, unless handles still attached read them: then a
+            # later sweep of the spill directory removes them, once the last has closed.
+            remove_spill_dir_if_unused(info.spill_dir)
         return True
     except FileNotFoundError:
         return False

@@ -182,6 +182,12 @@ class Tables:
         """Mark the tables as being changed (True) or consistent (False)."""
         self.hdr["dirty"] = int(value)
 
+    def mark_spill_garbage(self) -> None:
+        """Note (under the lock) that spill files may be left that no slot names: the next
+        spill after `CLEAN_EVERY_S` cleans. A counter, so that a clean clears only what it
+        judged."""
+        self.hdr["spill_garbage"] = int(self.hdr["spill_garbage"]) % 0xFFFFFFFF + 1
+
     def release_views(self) -> None:
         """Drop every view of the mapping, so that it can be closed."""
         for attr in [a for a in self.__dict__ if a.startswith(("p_", "s_"))] + [
