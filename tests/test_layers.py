@@ -25,6 +25,7 @@ PUBLIC = {
     "routing_replay.integrations._compat_vllm",
     "routing_replay.integrations._compat_trl",
     "routing_replay.integrations.vllm",  # the vLLM server and middleware build on it
+    "routing_replay.integrations.replay_metrics",  # every trainer integration logs with it
 }
 # Private APIs of dependencies, and the one module each may be called from.
 PRIVATE = {
