@@ -83,8 +83,8 @@ from routing_replay import (
 from routing_replay.integrations import _compat_trl, _compat_vllm
 from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
 from routing_replay.integrations.replay_metrics import StepMetrics
-from routing_replay.model.replay import check_tolerance
 from routing_replay.store import DEFAULT_PAGE_TOKENS
+from routing_replay.validate import check_tolerance
 
 REFS_KEY = "routing_refs"  # the key of the refs in TRL's inputs dict
 BUFFER_FILE, ROUTES_FILE = "routing_replay_buffer", "routing_replay_routes"  # in checkpoints

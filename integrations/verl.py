@@ -54,7 +54,7 @@ from routing_replay import (
 )
 from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
 from routing_replay.integrations.replay_metrics import StepMetrics
-from routing_replay.model.replay import check_tolerance
+from routing_replay.validate import check_tolerance
 
 REFS_KEY = "routing_refs"  # in DataProto.non_tensor_batch
 ROUTES_KEY = "routed_experts"  # verl's own key for routes in DataProto.batch

@@ -65,7 +65,6 @@ from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.ray import Rollout, node_store
 from routing_replay.store import DEFAULT_PAGE_TOKENS
-from routing_replay.store.calls import others_in_flight
 
 # What the rollout worker passes to vllm.LLM unless told otherwise (CPU, in-process).
 DEFAULT_LLM_KWARGS: dict[str, Any] = {
@@ -619,12 +618,9 @@ def current_or_none(store: RoutingStore | None) -> RoutingStore | None:
         fresh = None
     still = []
     for handle in kept:
-        if handle is not fresh and others_in_flight(handle._core.calls):
-            still.append(handle)  # its call still runs: no wait here, a later call closes it
-            continue
         try:
-            handle.close()
-        except (BufferError, OSError) as err:
+            handle.close(timeout=0 if handle is not fresh else None)  # no wait for a stale one
+        except (BufferError, OSError) as err:  # StoreBusyError: its call runs; closed later
             log.warning(
                 "routing_replay: stale handle of store %r not closed yet (closed later): %s",
                 handle.name,

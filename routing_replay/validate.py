@@ -12,11 +12,12 @@ written here once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from routing_replay.errors import InvalidRoutesError
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
 
 MISSING = -1  # a (token, layer) row with no recorded route: routed natively under replay
 
@@ -133,3 +134,20 @@ def _repeats(ids_NLK: Tensor) -> Tensor:
         first_NL1 = ids_NLK[..., k : k + 1]
         dup_NL |= ((first_NL1 == ids_NLK[..., k + 1 :]) & (first_NL1 != MISSING)).any(dim=-1)
     return dup_NL
+
+
+def check_tolerance(tolerance: Any) -> float | None:
+    """`replay`'s tolerance: None (exact replay) or a ratio in (0, 1]."""
+    if tolerance is None:
+        return None
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not 0.0 < tolerance <= 1.0
+    ):
+        raise InvalidArgumentError(
+            f"tolerance must be None (replay exactly) or a ratio in (0, 1], got {tolerance!r}: "
+            "a recorded expert is kept where the trainer scores it at least that ratio of its "
+            "weakest own top-k expert"
+        )
+    return float(tolerance)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward, skips_guards
-from routing_replay.errors import InvalidArgumentError, RoutingReplayError, UnsupportedModelError
+from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
 from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
@@ -52,6 +52,7 @@ from routing_replay.model.staging import (
     to_device_routes,
 )
 from routing_replay.routes import routes_layout
+from routing_replay.validate import check_tolerance
 
 __all__ = ["Replay", "is_prepared", "prepare_replay", "replay"]
 
@@ -194,23 +195,6 @@ class Replay:
     def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
         if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
             self._recomputes += 1
-
-
-def check_tolerance(tolerance: Any) -> float | None:
-    """`replay`'s tolerance: None (exact replay) or a ratio in (0, 1]."""
-    if tolerance is None:
-        return None
-    if (
-        isinstance(tolerance, bool)
-        or not isinstance(tolerance, (int, float))
-        or not 0.0 < tolerance <= 1.0
-    ):
-        raise InvalidArgumentError(
-            f"tolerance must be None (replay exactly) or a ratio in (0, 1], got {tolerance!r}: "
-            "a recorded expert is kept where the trainer scores it at least that ratio of its "
-            "weakest own top-k expert"
-        )
-    return float(tolerance)
 
 
 def _refuse_unguarded() -> None:

@@ -256,13 +256,16 @@ class RoutingStore:
         """Whether this handle created the store (and so unlinks it)."""
         return self._core.segment.owner
 
-    def close(self) -> None:
-        """Unmap the store in this process; stored samples stay for other processes."""
+    def close(self, timeout: float | None = None) -> None:
+        """Unmap the store in this process; stored samples stay for other processes. Calls of
+        other threads on this handle end first: a waiting one at once, a working one within
+        `timeout` (default the put timeout), else StoreBusyError and the handle stays open."""
         core = self._core
         if core.segment.fd < 0:
             return
+        wait = core.put_timeout if timeout is None else timeout_seconds(timeout, "timeout")
         core.closing = True  # calls starting now refuse; waiting ones end; working ones finish
-        deadline = core.deadline()
+        deadline = time.monotonic() + wait
         while others_in_flight(core.calls):
             if time.monotonic() >= deadline:
                 core.closing = False
