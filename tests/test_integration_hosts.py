@@ -287,6 +287,7 @@ def test_a_null_body_passes_through_uncounted(name, monkeypatch, caplog):
         store.unlink()
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_a_failed_release_is_retried_until_done(name, monkeypatch):
     monkeypatch.setenv(STORE_ENV, name)
     monkeypatch.setenv(PUT_TIMEOUT_ENV, "1")
@@ -327,6 +328,7 @@ def test_a_failed_release_is_retried_until_done(name, monkeypatch):
         store.unlink()
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_a_stale_handle_that_could_not_be_closed_is_closed_later(name, monkeypatch):
     monkeypatch.setenv(STORE_ENV, name)
     monkeypatch.setenv(PUT_TIMEOUT_ENV, "1")

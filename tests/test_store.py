@@ -113,6 +113,7 @@ def test_round_trip_across_processes(name):
         assert stats.dedup_saved_bytes == 0
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_attached_process_exit_does_not_unlink(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as store:
         routes = sample(1)[0]
