@@ -13,45 +13,10 @@ from typing import Any
 
 import torch
 import transformers
+from tiny_families import SIZES
 
-SMALL: dict[str, Any] = {
-    "hidden_size": 64,
-    "d_model": 64,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
-    "mlp_only_intermediate_size": 64,
-    "expert_ffn_hidden_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "sliding_window": 16,
-    "attention_chunk_size": 16,
-    "mamba_head_dim": 16,
-    "mamba_num_heads": 8,
-    "ssm_state_size": 8,
-    "n_groups": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_experts_per_tok": 2,
-    "top_k_experts": 2,
-    "moe_topk": 2,
-    "num_experts": 8,
-    "n_routed_experts": 8,
-    "num_local_experts": 8,
-    "n_shared_experts": 1,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# tiny_families' sizes, with one expert group (the layout tests build grouped routers too).
+SMALL: dict[str, Any] = {**SIZES, "n_group": 1, "topk_group": 1, "mamba_num_heads": 8}
 
 
 def tiny(name: str, **fields: Any) -> Any:
