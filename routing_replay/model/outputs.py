@@ -45,9 +45,7 @@ class Triple:
     ) -> tuple:
         scores_TE, native_w_TK, native_ids_TK = output[:3]
         weights_TK = score(module, scores_TE, ids_TK).to(native_w_TK.dtype)
-        if missing_T1 is not None:
-            ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
-            weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
+        ids_TK, weights_TK = _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
         return (scores_TE, weights_TK, ids_TK, *output[3:])
 
 
@@ -106,10 +104,19 @@ class Pair:
     ) -> tuple:
         native_w_TK, native_ids_TK = output[:2]
         weights_TK = score(module, args[0], ids_TK).to(native_w_TK.dtype)
-        if missing_T1 is not None:
-            ids_TK = torch.where(missing_T1, native_ids_TK, ids_TK)
-            weights_TK = torch.where(missing_T1, native_w_TK, weights_TK)
-        return (weights_TK, ids_TK)
+        return _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
+
+
+def _merged(
+    ids_TK: Tensor, weights_TK: Tensor, native_ids_TK: Tensor, native_w_TK: Tensor, missing_T1: Any
+) -> tuple[Tensor, Tensor]:
+    """The forced (ids, weights), the router's own on the missing rows (None: no row is)."""
+    if missing_T1 is None:
+        return ids_TK, weights_TK
+    return (
+        torch.where(missing_T1, native_ids_TK, ids_TK),
+        torch.where(missing_T1, native_w_TK, weights_TK),
+    )
 
 
 TRIPLE: Any = Triple()
