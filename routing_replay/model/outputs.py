@@ -104,7 +104,8 @@ class Pair:
     ) -> tuple:
         native_w_TK, native_ids_TK = output[:2]
         weights_TK = score(module, args[0], ids_TK).to(native_w_TK.dtype)
-        return _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
+        ids_TK, weights_TK = _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
+        return (weights_TK, ids_TK)
 
 
 def _merged(
