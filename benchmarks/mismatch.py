@@ -27,7 +27,7 @@ the tolerance replaced. The update is a policy-gradient step on a synthetic rewa
 of completion tokens in the lower half of the vocabulary, standardised over the rollout),
 taken with the native loss, so all modes see one trajectory.
 
-Prints tables, writes benchmarks/results/mismatch.json and benchmarks/results/mismatch.png.
+Prints tables, writes benchmarks/results/mismatch.json and docs/img/mismatch.png.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from routing_replay import (
 )
 
 RESULTS = Path(__file__).parent / "results"
+PLOTS = Path(__file__).parent.parent / "docs" / "img"  # plots the docs show
 # The trainer routes natively; replays its old-logprob pass (R2); the engine's routes (R3);
 # the engine's with a tolerance (R3@r: a recorded expert the trainer scores below r x its
 # weakest own top-k expert is replaced by its own).
@@ -440,8 +441,8 @@ def main() -> None:
     }
     suffix = "-quick" if args.quick else ""
     (RESULTS / f"mismatch{suffix}.json").write_text(json.dumps(report, indent=2))
-    plot(results, RESULTS / f"mismatch{suffix}.png")
-    print(f"wrote {RESULTS / f'mismatch{suffix}.json'} and .png")
+    plot(results, PLOTS / f"mismatch{suffix}.png")
+    print(f"wrote {RESULTS / f'mismatch{suffix}.json'} and {PLOTS / f'mismatch{suffix}.png'}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_api_tour_runs_as_written():
 
 @pytest.mark.ray
 def test_ray_tour_runs_as_written():
-    code = block_after("### On Ray")
+    code = block_after("## On Ray")
     assert code.count('"readme-ray"') == 2  # put and shutdown: give this run its own job
     out = run(code.replace('"readme-ray"', f'"readme-ray-{uuid.uuid4().hex[:8]}"'))
     # 8 samples of 100..107 tokens; then the dataset in batches of 4 samples, in order.
