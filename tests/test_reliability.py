@@ -426,11 +426,15 @@ def test_sweep_never_touches_a_live_store_and_cli(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=100) as live:
         live.put("s", content("s"))
         out = subprocess.run(
-            ["routing-replay", "ls"], capture_output=True, text=True, check=True, timeout=60
+            [sys.executable, "-m", "routing_replay.cli", "ls"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         ).stdout
         assert f"{dead} " in out and "(dead)" in out and name in out
         out = subprocess.run(
-            ["routing-replay", "sweep", "--dry-run"],
+            [sys.executable, "-m", "routing_replay.cli", "sweep", "--dry-run"],
             capture_output=True,
             text=True,
             check=True,
@@ -438,7 +442,12 @@ def test_sweep_never_touches_a_live_store_and_cli(name):
         ).stdout
         assert f"would remove {segment_path(dead)} " in out and f"{segment_path(name)} " not in out
         assert os.path.exists(segment_path(dead))
-        subprocess.run(["routing-replay", "sweep"], check=True, timeout=60, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "routing_replay.cli", "sweep"],
+            check=True,
+            timeout=60,
+            capture_output=True,
+        )
         assert not os.path.exists(segment_path(dead))
         assert os.path.exists(segment_path(name))
         assert np.array_equal(live.get("s"), content("s"))

@@ -510,13 +510,21 @@ def test_store_owned_in_another_namespace_is_alive_to_ls_and_sweep(name):
         assert ns.expect("ready") == [str(pid)]
         assert not os.path.exists(f"/proc/{pid}")
         out = subprocess.run(
-            ["routing-replay", "ls"], capture_output=True, text=True, check=True, timeout=60
+            [sys.executable, "-m", "routing_replay.cli", "ls"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         ).stdout
         (row,) = [line for line in out.splitlines() if line.startswith(f"{name} ")]
         assert f"owner {pid} " in row and "(dead)" not in row, row
         assert "1 samples" in row
         out = subprocess.run(
-            ["routing-replay", "sweep"], capture_output=True, text=True, check=True, timeout=60
+            [sys.executable, "-m", "routing_replay.cli", "sweep"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         ).stdout
         assert segment_path(name) not in out
         assert os.path.exists(segment_path(name))
