@@ -34,14 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from routing_replay import (
-    RoutingLayout,
-    RoutingStore,
-    capture,
-    replay,
-    routing_agreement,
-    to_torch,
-)
+from routing_replay import RoutingLayout, RoutingStore, capture, replay, to_torch
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.testing import make_prompts, tiny_moe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,13 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_moe import MODELS, VOCAB, build
 
-from routing_replay import (
-    MISSING,
-    RoutingLayout,
-    capture,
-    replay,
-    routing_agreement,
-)
+from routing_replay import MISSING, RoutingLayout, capture, replay
+from routing_replay.model.agreement import routing_agreement
 
 RESULTS = Path(__file__).parent / "results"
 PLOTS = Path(__file__).parent.parent / "docs" / "img"  # plots the docs show

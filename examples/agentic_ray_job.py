@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray_job
 
-from routing_replay import Episode, capture, replay, routing_agreement, to_torch
+from routing_replay import Episode, capture, replay, to_torch
 from routing_replay.model.adapters import find_routers
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import (
     fetch_batch,
     node_store,

@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from routing_replay import RoutingLayout, RoutingStore, capture, replay, routing_agreement
+from routing_replay import RoutingLayout, RoutingStore, capture, replay
 from routing_replay.integrations.nemo_rl import (
     attach_routes,
     input_ids_for_rank,
@@ -25,6 +25,7 @@ from routing_replay.integrations.nemo_rl import (
     read_rank_routes,
     routes_for_rank,
 )
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.testing import tiny_moe
 
 N, PROMPT_LEN, NEW_TOKENS = 4, 12, 10

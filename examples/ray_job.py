@@ -24,7 +24,8 @@ import numpy as np
 import ray
 import torch
 
-from routing_replay import capture, replay, routing_agreement, to_torch
+from routing_replay import capture, replay, to_torch
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import (
     Rollout,
     fetch_batch,

@@ -51,15 +51,10 @@ import numpy as np
 import ray
 import torch
 
-from routing_replay import (
-    RoutingLayout,
-    TokenMismatchError,
-    replay,
-    routing_agreement,
-    to_torch,
-    with_layout,
-)
+from routing_replay import RoutingLayout, replay, to_torch, with_layout
+from routing_replay.errors import TokenMismatchError
 from routing_replay.integrations.replay_metrics import combine
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import (
     fetch_batch,
     read_dataset,

@@ -31,15 +31,8 @@ import numpy as np
 import ray
 import torch
 
-from routing_replay import (
-    RoutingLayout,
-    capture,
-    load_routes,
-    replay,
-    routing_agreement,
-    save_routes,
-    to_torch,
-)
+from routing_replay import RoutingLayout, capture, load_routes, replay, save_routes, to_torch
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import fetch_batch, node_store, rollout_worker, shutdown_node_stores
 from routing_replay.testing import group_advantages, grpo_loss, right_padded, tiny_moe
 

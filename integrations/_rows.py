@@ -8,14 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from routing_replay import (
-    MISSING,
-    InvalidRoutesError,
-    LayoutMismatchError,
-    RoutingLayout,
-    TokenMismatchError,
-    to_torch,
-)
+from routing_replay import MISSING, RoutingLayout, to_torch
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, TokenMismatchError
 
 
 def check_dense_layers(rows: np.ndarray, layout: RoutingLayout, source: str) -> None:

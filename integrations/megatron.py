@@ -38,14 +38,8 @@ from typing import Any, Literal
 
 import torch
 
-from routing_replay import (
-    MISSING,
-    InvalidArgumentError,
-    InvalidRoutesError,
-    LayoutMismatchError,
-    RoutesTensor,
-    RoutingLayout,
-)
+from routing_replay import MISSING, RoutesTensor, RoutingLayout
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, LayoutMismatchError
 from routing_replay.integrations._rows import fill_missing
 from routing_replay.validate import check_integer, check_rows
 

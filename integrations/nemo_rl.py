@@ -34,20 +34,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from routing_replay import (
-    MISSING,
-    InvalidArgumentError,
-    InvalidRoutesError,
-    RoutesTensor,
-    RoutingRef,
-    TokenShard,
-    layout_of,
-    to_torch,
-    with_layout,
-)
+from routing_replay import MISSING, RoutesTensor, RoutingRef, TokenShard, to_torch, with_layout
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
 from routing_replay.integrations._rows import fill_missing as fill_missing  # (public here too)
 from routing_replay.integrations.replay_metrics import StepMetrics as StepMetrics  # (public)
-from routing_replay.schema import NUM_TOKENS
+from routing_replay.schema import NUM_TOKENS, layout_of
 
 ROUTES_KEY = "routed_experts"
 REFS_KEY = "routing_refs"

@@ -32,14 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay import (
-    InvalidRoutesError,
-    PutRequest,
-    RoutingLayout,
-    RoutingRef,
-    RoutingStore,
-    TokenMismatchError,
-)
+from routing_replay import PutRequest, RoutingLayout, RoutingRef, RoutingStore
+from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 
 WIRE_DTYPES = {name: np.dtype(name) for name in ("int32", "int16", "uint16", "uint8")}

@@ -65,24 +65,22 @@ from trl import GRPOTrainer
 
 from routing_replay import (
     MISSING,
-    InvalidArgumentError,
-    InvalidRoutesError,
     PutRequest,
     RoutingLayout,
     RoutingRef,
     RoutingStore,
-    UnsupportedModelError,
     capture,
     load_routes,
-    prepare_replay,
     replay,
-    routing_agreement,
     save_routes,
     to_torch,
 )
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, UnsupportedModelError
 from routing_replay.integrations import _compat_trl, _compat_vllm
 from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
 from routing_replay.integrations.replay_metrics import StepMetrics
+from routing_replay.model.agreement import routing_agreement
+from routing_replay.model.replay import prepare_replay
 from routing_replay.store import DEFAULT_PAGE_TOKENS
 from routing_replay.validate import check_tolerance
 

@@ -43,15 +43,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from routing_replay import (
-    MISSING,
-    InvalidRoutesError,
-    RoutingLayout,
-    RoutingRef,
-    TokenShard,
-    to_torch,
-    with_layout,
-)
+from routing_replay import MISSING, RoutingLayout, RoutingRef, TokenShard, to_torch, with_layout
+from routing_replay.errors import InvalidRoutesError
 from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
 from routing_replay.integrations.replay_metrics import StepMetrics
 from routing_replay.validate import check_tolerance

@@ -52,15 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from routing_replay import (
-    InvalidRoutesError,
-    PutRequest,
-    RoutingLayout,
-    RoutingRef,
-    RoutingStore,
-    SampleNotFoundError,
-    StoreUnavailableError,
-)
+from routing_replay import PutRequest, RoutingLayout, RoutingRef, RoutingStore
+from routing_replay.errors import InvalidRoutesError, SampleNotFoundError, StoreUnavailableError
 from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
 from routing_replay.ray import Rollout, node_store

@@ -69,7 +69,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from routing_replay import InvalidRoutesError, RoutingRef, RoutingReplayError, RoutingStore
+from routing_replay import RoutingRef, RoutingReplayError, RoutingStore
+from routing_replay.errors import InvalidRoutesError
 from routing_replay.integrations.vllm import (
     Releases,
     RoutesNotStoredError,

@@ -79,8 +79,8 @@ def routes_layout(
         raise InvalidArgumentError(
             "these routes carry no layout (a tensor or array built by hand, or ops that mixed "
             "layouts): pass replay(..., layout=) the layout they were recorded under "
-            "(routing_replay.layout_of(batch), or RoutingLayout.from_hf_config of the rollout "
-            f"model), or layout={UNCHECKED!r} to replay them unchecked"
+            "(routing_replay.schema.layout_of(batch), or RoutingLayout.from_hf_config of the "
+            f"rollout model), or layout={UNCHECKED!r} to replay them unchecked"
         )
     if recorded is not None and layout != UNCHECKED and recorded != model:
         raise LayoutMismatchError(

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import InvalidRoutesError, RoutingLayout, routing_agreement
+from routing_replay import RoutingLayout
+from routing_replay.errors import InvalidRoutesError
+from routing_replay.model.agreement import routing_agreement
 
 
 def test_sets_not_order_and_missing_ignored():

@@ -14,18 +14,20 @@ import pyarrow.ipc as ipc
 import pytest
 
 from routing_replay import (
-    CorruptArchiveError,
     Episode,
-    InvalidArgumentError,
-    LayoutMismatchError,
     PutRequest,
     RoutingLayout,
     RoutingStore,
+    load_routes,
+    save_routes,
+)
+from routing_replay.errors import (
+    CorruptArchiveError,
+    InvalidArgumentError,
+    LayoutMismatchError,
     SampleNotFoundError,
     SampleReplacedError,
     StoreFullError,
-    load_routes,
-    save_routes,
 )
 from routing_replay.store.archive import batch_crc
 from routing_replay.store.lock import interleave

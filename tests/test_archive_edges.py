@@ -13,14 +13,8 @@ import uuid
 import numpy as np
 import pytest
 
-from routing_replay import (
-    InvalidArgumentError,
-    RoutingLayout,
-    RoutingStore,
-    StoreUnavailableError,
-    load_routes,
-    save_routes,
-)
+from routing_replay import RoutingLayout, RoutingStore, load_routes, save_routes
+from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)

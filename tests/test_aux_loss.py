@@ -12,7 +12,8 @@ import pytest
 import torch
 from moe_models import tiny_model
 
-from routing_replay import InvalidRoutesError, RoutingLayout, capture, replay
+from routing_replay import RoutingLayout, capture, replay
+from routing_replay.errors import InvalidRoutesError
 from routing_replay.model.aux_loss import load_balancing_loss
 
 # The families whose transformers model has a load-balancing aux loss.

@@ -15,15 +15,8 @@ import torch
 import torch.nn.functional as F
 from moe_models import FAMILIES, tiny_model
 
-from routing_replay import (
-    MISSING,
-    InvalidRoutesError,
-    LayoutMismatchError,
-    RoutingLayout,
-    UnsupportedModelError,
-    capture,
-    replay,
-)
+from routing_replay import MISSING, RoutingLayout, capture, replay
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, UnsupportedModelError
 from routing_replay.model.adapters import find_routers
 from routing_replay.routes import with_layout
 

@@ -9,15 +9,8 @@ import pytest
 import torch
 from moe_models import tiny_model
 
-from routing_replay import (
-    InvalidArgumentError,
-    LayoutMismatchError,
-    RoutingLayout,
-    RoutingStore,
-    capture,
-    replay,
-    to_torch,
-)
+from routing_replay import RoutingLayout, RoutingStore, capture, replay, to_torch
+from routing_replay.errors import InvalidArgumentError, LayoutMismatchError
 from routing_replay.testing import tiny_moe
 
 

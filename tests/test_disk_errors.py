@@ -38,13 +38,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from routing_replay import (
-    CorruptStoreError,
-    RoutingLayout,
-    RoutingStore,
-    StoreFullError,
-    StoreUnavailableError,
-)
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import CorruptStoreError, StoreFullError, StoreUnavailableError
 
 TIMEOUT = 0.5  # a failed put's wait: asserted as a lower bound only
 WIDE = RoutingLayout(num_layers=4, top_k=8, num_experts=64)  # 32 bytes a token: files fill 64k

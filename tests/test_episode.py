@@ -6,18 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import (
-    MISSING,
-    Episode,
-    InvalidRoutesError,
-    RoutingReplayError,
-    RoutingStore,
-    TokenMismatchError,
-    capture,
-    replay,
-    routing_agreement,
-)
+from routing_replay import MISSING, Episode, RoutingReplayError, RoutingStore, capture, replay
+from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.model.adapters import find_routers
+from routing_replay.model.agreement import routing_agreement
 from routing_replay.testing import tiny_moe
 
 

@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from routing_replay import RoutingLayout, RoutingStore, StoreUnavailableError
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import StoreUnavailableError
 from routing_replay.integrations.vllm import StoreHost, unclosed_handles
 from routing_replay.integrations.vllm_middleware import (
     COMPLETIONS,

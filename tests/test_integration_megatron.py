@@ -29,7 +29,8 @@ from megatron.core.transformer.moe.router_replay import (  # noqa: E402
 )
 from megatron_cpu import B, H, S, allgather_moe_layers, config, cpu_gating  # noqa: E402
 
-from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout  # noqa: E402
+from routing_replay import RoutingLayout  # noqa: E402
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError  # noqa: E402
 from routing_replay.integrations.megatron import MegatronRouterFeed, replay_mask, stage_moe_layers  # noqa: E402
 from routing_replay.integrations.nemo_rl import cp_slice, pack  # noqa: E402
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from routing_replay import InvalidRoutesError, RoutingLayout, RoutingStore, TokenMismatchError
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.integrations.nemo_rl import (
     attach_routes,
     cp_slice,

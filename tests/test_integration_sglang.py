@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import InvalidRoutesError, LayoutMismatchError, RoutingLayout, RoutingStore
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
 from routing_replay.integrations.sglang import (
     decode_routed_experts,
     put_sglang,
@@ -219,7 +220,8 @@ def test_a_prefix_start_past_the_earlier_turns_last_row_is_refused(store):
 def test_three_turn_episode_from_sglang_payloads(store):
     """SGLang episodes through routing_replay.Episode: each turn asks for routes from the
     first token the stored turns do not cover (`routed_experts_start_len`)."""
-    from routing_replay import Episode, TokenMismatchError
+    from routing_replay import Episode
+    from routing_replay.errors import TokenMismatchError
 
     episode = Episode(store, "sg", prompt_len=6)
     tokens, engine = list(range(10, 16)), {}  # the conversation so far; rows per position
@@ -458,7 +460,7 @@ def test_bad_openai_payloads_raise_and_leave_store_unharmed(store, response, mes
 
 
 def test_openai_ids_that_disagree_are_refused(store):
-    from routing_replay import TokenMismatchError
+    from routing_replay.errors import TokenMismatchError
 
     prompt, output = [5, 6, 7, 8], [9, 10, 11]
     response = single_choice("completions", engine_rows(6, seed=74), prompt, output)

@@ -11,14 +11,8 @@ from expert_spy import ExpertSpy
 from transformers import TrainerCallback
 from trl_setup import config, prompts, reward_len, saved_checkpoint
 
-from routing_replay import (
-    MISSING,
-    InvalidRoutesError,
-    RoutingStore,
-    TokenMismatchError,
-    UnsupportedModelError,
-    capture,
-)
+from routing_replay import MISSING, RoutingStore, capture
+from routing_replay.errors import InvalidRoutesError, TokenMismatchError, UnsupportedModelError
 from routing_replay.integrations.trl import REFS_KEY, RoutingReplayGRPOTrainer, trl_routes
 from routing_replay.model.adapters import find_routers
 from routing_replay.model.replay import is_prepared

@@ -38,12 +38,8 @@ from verl_ranks import (
     verl_batch,
 )
 
-from routing_replay import (
-    MISSING,
-    InvalidRoutesError,
-    RoutingStore,
-    TokenMismatchError,
-)
+from routing_replay import MISSING, RoutingStore
+from routing_replay.errors import InvalidRoutesError, TokenMismatchError
 from routing_replay.integrations.verl import (
     attach_routes,
     model_input_routes,

@@ -19,20 +19,14 @@ import torch
 pytest.importorskip("vllm", reason="vLLM group: run integrations/ci_group.sh vllm")
 transformers = pytest.importorskip("transformers")
 
-from routing_replay import (  # noqa: E402
-    RoutingLayout,
-    RoutingStore,
-    StoreFullError,
-    capture,
-    replay,
-    routing_agreement,
-    to_torch,
-)
+from routing_replay import RoutingLayout, RoutingStore, capture, replay, to_torch  # noqa: E402
+from routing_replay.errors import StoreFullError  # noqa: E402
 from routing_replay.integrations.vllm import (  # noqa: E402
     DEFAULT_ENV,
     VllmRolloutWorker,
     put_request_output,
 )
+from routing_replay.model.agreement import routing_agreement  # noqa: E402
 from routing_replay.testing import save_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.vllm

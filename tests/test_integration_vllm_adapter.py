@@ -16,13 +16,8 @@ vllm_outputs = pytest.importorskip(
 )
 from vllm.logprobs import Logprob  # noqa: E402
 
-from routing_replay import (  # noqa: E402
-    InvalidRoutesError,
-    LayoutMismatchError,
-    RoutingLayout,
-    RoutingStore,
-    TokenMismatchError,
-)
+from routing_replay import RoutingLayout, RoutingStore  # noqa: E402
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, TokenMismatchError  # noqa: E402
 from routing_replay.integrations.vllm import (  # noqa: E402
     decode_npy_b64,
     encode_npy_b64,

@@ -43,13 +43,8 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan  # noqa: E402
 from vllm.utils.serial_utils import numpy2base64  # noqa: E402
 
-from routing_replay import (  # noqa: E402
-    Episode,
-    InvalidRoutesError,
-    RoutingLayout,
-    RoutingReplayError,
-    RoutingStore,
-)
+from routing_replay import Episode, RoutingLayout, RoutingReplayError, RoutingStore  # noqa: E402
+from routing_replay.errors import InvalidRoutesError  # noqa: E402
 from routing_replay.integrations.vllm import (  # noqa: E402
     RoutesNotStoredError,
     put_request_output,

@@ -24,17 +24,11 @@ transformers = pytest.importorskip("transformers")
 
 from test_integration_vllm import results, tiny_qwen3_moe  # noqa: E402
 
-from routing_replay import (  # noqa: E402
-    MISSING,
-    RoutingLayout,
-    RoutingStore,
-    StoreBusyError,
-    capture,
-    replay,
-    routing_agreement,
-)
+from routing_replay import MISSING, RoutingLayout, RoutingStore, capture, replay  # noqa: E402
+from routing_replay.errors import StoreBusyError  # noqa: E402
 from routing_replay.integrations.vllm import RoutesNotStoredError, routes_from_vllm  # noqa: E402
 from routing_replay.integrations.vllm_server import vllm_server  # noqa: E402
+from routing_replay.model.agreement import routing_agreement  # noqa: E402
 from routing_replay.ray.actor import shutdown_node_stores  # noqa: E402
 
 pytestmark = pytest.mark.vllm

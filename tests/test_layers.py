@@ -4,6 +4,7 @@ APIs of dependencies are called."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 
@@ -16,6 +17,9 @@ ENGINES = ("vllm", "sglang", "megatron", "trl", "verl", "peft", "transformer_eng
 # What an integration may import of routing_replay: the public API and the shared helpers.
 PUBLIC = {
     "routing_replay",
+    "routing_replay.errors",
+    "routing_replay.model.agreement",
+    "routing_replay.model.replay",  # prepare_replay, Replay
     "routing_replay.ray",
     "routing_replay.store",
     "routing_replay.validate",
@@ -90,21 +94,13 @@ def _without_strings(code: str) -> str:
     return "\n".join(lines)
 
 
-def test_old_import_paths_forward_with_a_deprecation_warning():
+def test_the_root_exports_a_small_surface_and_no_old_paths():
     import routing_replay
-    import routing_replay.dataset
-    import routing_replay.ray
-    import routing_replay.rollout
-    import routing_replay.testing
 
-    moved = [
-        (routing_replay, "fetch_batch", routing_replay.ray.fetch_batch),
-        (routing_replay, "node_store", routing_replay.ray.node_store),
-        (routing_replay.dataset, "release_refs", routing_replay.ray.release_refs),
-        (routing_replay.rollout, "demo_model", routing_replay.testing.tiny_moe),
-    ]
-    for module, name, new in moved:
-        with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.{name} moved to"):
-            assert getattr(module, name) is new
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        routing_replay.nope  # noqa: B018
+    assert len(routing_replay.__all__) <= 25
+    assert all(getattr(routing_replay, name) is not None for name in routing_replay.__all__)
+    for old in ("dataset", "rollout", "store_actor", "adapters", "_moved"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"routing_replay.{old}")
+    with pytest.raises(AttributeError):
+        routing_replay.fetch_batch  # noqa: B018  (it lives in routing_replay.ray)

@@ -24,7 +24,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from routing_replay import InvalidRoutesError, RoutingLayout
+from routing_replay import RoutingLayout
+from routing_replay.errors import InvalidRoutesError
 from routing_replay.errors import InvalidArgumentError
 
 

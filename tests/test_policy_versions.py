@@ -7,7 +7,8 @@ import pickle
 import numpy as np
 import pytest
 
-from routing_replay import InvalidArgumentError, RoutingLayout, RoutingStore
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import InvalidArgumentError
 from routing_replay.ray import split_stale
 
 LAYOUT = RoutingLayout(num_layers=2, top_k=2, num_experts=8)

@@ -10,14 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import (
-    InvalidArgumentError,
-    PutRequest,
-    RoutingLayout,
-    RoutingStore,
-    TokenMismatchError,
-    to_torch,
-)
+from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
+from routing_replay.errors import InvalidArgumentError, TokenMismatchError
 from routing_replay.reader import cu_seqlens
 from routing_replay.store import read as read_module
 

@@ -26,14 +26,8 @@ pytest.importorskip("transformers")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from routing_replay import (  # noqa: E402
-    InvalidArgumentError,
-    PutRequest,
-    RoutingLayout,
-    SampleNotFoundError,
-    StoreUnavailableError,
-    to_torch,
-)
+from routing_replay import PutRequest, RoutingLayout, to_torch  # noqa: E402
+from routing_replay.errors import InvalidArgumentError, SampleNotFoundError, StoreUnavailableError  # noqa: E402
 from routing_replay.ray.actor import (  # noqa: E402
     shutdown_node_stores,
     store_actor,

@@ -11,16 +11,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from routing_replay import (
-    InvalidRoutesError,
-    LayoutMismatchError,
-    RoutingLayout,
-    RoutingStore,
-    cu_seqlens,
-    layout_of,
-    routes_schema,
-    to_torch,
-)
+from routing_replay import RoutingLayout, RoutingStore, cu_seqlens, to_torch
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError
+from routing_replay.schema import layout_of, routes_schema
 from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(3, 2, 8, (0, 2))

@@ -15,14 +15,12 @@ import signal
 import numpy as np
 import pytest
 
-from routing_replay import (
+from routing_replay import PutRequest, RoutingLayout, RoutingStore
+from routing_replay.errors import (
     ConcurrentReleaseError,
     DuplicateSampleError,
     InvalidArgumentError,
     InvalidRoutesError,
-    PutRequest,
-    RoutingLayout,
-    RoutingStore,
     SampleNotFoundError,
     SampleReplacedError,
     StoreFullError,

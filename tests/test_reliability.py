@@ -18,18 +18,16 @@ import zlib
 import numpy as np
 import pytest
 
-from routing_replay import (
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import (
     ConcurrentReleaseError,
     InvalidArgumentError,
     LayoutMismatchError,
-    RoutingLayout,
-    RoutingStore,
     SampleNotFoundError,
     StoreFullError,
     StoreUnavailableError,
-    list_stores,
-    sweep_stores,
 )
+from routing_replay.store import list_stores, sweep_stores
 from routing_replay.store import sweep as sweep_module
 from routing_replay.store.segment import segment_path
 

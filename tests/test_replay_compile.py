@@ -22,14 +22,8 @@ import torch.nn.functional as F
 from moe_models import tiny_model
 from torch._dynamo.utils import counters
 
-from routing_replay import (
-    MISSING,
-    InvalidRoutesError,
-    RoutingLayout,
-    RoutingReplayError,
-    UnsupportedModelError,
-    replay,
-)
+from routing_replay import MISSING, RoutingLayout, RoutingReplayError, replay
+from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
 from routing_replay.model.adapters import find_routers
 from routing_replay.routes import with_layout
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from routing_replay import list_stores, sweep_stores
+from routing_replay.store import list_stores, sweep_stores
 
 pytestmark = pytest.mark.ray
 

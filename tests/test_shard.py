@@ -7,16 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import (
-    MISSING,
-    InvalidArgumentError,
-    InvalidRoutesError,
-    RoutingLayout,
-    RoutingStore,
-    TokenMismatchError,
-    TokenShard,
-    to_torch,
-)
+from routing_replay import MISSING, RoutingLayout, RoutingStore, TokenShard, to_torch
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, TokenMismatchError
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16, moe_layers=(0, 2))
 LENGTHS = [13, 1, 2, 22, 7]  # a one-token sample among them

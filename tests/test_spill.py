@@ -16,15 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routing_replay import (
-    CorruptStoreError,
-    Episode,
-    PutRequest,
-    RoutingLayout,
-    RoutingStore,
-    StoreFullError,
-    to_torch,
-)
+from routing_replay import Episode, PutRequest, RoutingLayout, RoutingStore, to_torch
+from routing_replay.errors import CorruptStoreError, StoreFullError
 from routing_replay.store import spill as spill_module
 from routing_replay.store.lock import interleave
 

@@ -76,11 +76,11 @@ from routing_replay import (
     PutRequest,
     RoutingLayout,
     RoutingStore,
-    StoreBusyError,
     load_routes,
     save_routes,
     to_torch,
 )
+from routing_replay.errors import StoreBusyError
 from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)

@@ -15,20 +15,16 @@ import uuid
 import numpy as np
 import pytest
 
-from routing_replay import (
+from routing_replay import RoutingLayout, RoutingRef, RoutingStore, cu_seqlens, to_torch
+from routing_replay.errors import (
     DuplicateSampleError,
     InvalidArgumentError,
     InvalidRoutesError,
     LayoutMismatchError,
-    RoutingLayout,
-    RoutingRef,
-    RoutingStore,
     SampleNotFoundError,
     StoreBusyError,
     StoreFullError,
     StoreUnavailableError,
-    cu_seqlens,
-    to_torch,
 )
 from routing_replay.store import token_digest
 from routing_replay.store.lock import interleave

@@ -19,16 +19,14 @@ import time
 import numpy as np
 import pytest
 
-from routing_replay import (
+from routing_replay import RoutingLayout, RoutingStore, cli
+from routing_replay.errors import (
     CorruptStoreError,
     InvalidArgumentError,
     InvalidRoutesError,
-    RoutingLayout,
-    RoutingStore,
     StoreBusyError,
     StoreFullError,
     StoreUnavailableError,
-    cli,
 )
 from routing_replay.store import sweep_spill_dirs, sweep_stores
 from routing_replay.store.segment import segment_path

@@ -27,16 +27,10 @@ import warnings
 import numpy as np
 import pytest
 
-from routing_replay import (
-    CorruptStoreError,
-    RoutingLayout,
-    RoutingStore,
-    StoreUnavailableError,
-    list_stores,
-    sweep_stores,
-)
+from routing_replay import RoutingLayout, RoutingStore
 from routing_replay import cli as cli_module
-from routing_replay.errors import RoutingReplayError
+from routing_replay.errors import CorruptStoreError, RoutingReplayError, StoreUnavailableError
+from routing_replay.store import list_stores, sweep_stores
 from routing_replay.store.format import (
     HEADER_DTYPE,
     LEASE_DTYPE,

@@ -23,15 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from routing_replay import (
+from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
+from routing_replay.errors import (
     ConcurrentReleaseError,
     DuplicateSampleError,
-    PutRequest,
-    RoutingLayout,
-    RoutingStore,
     SampleNotFoundError,
     StoreFullError,
-    to_torch,
 )
 from routing_replay.store.lock import interleave
 

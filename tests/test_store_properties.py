@@ -13,13 +13,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from routing_replay import (
-    ConcurrentReleaseError,
-    RoutingLayout,
-    RoutingStore,
-    SampleNotFoundError,
-    StoreFullError,
-)
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import ConcurrentReleaseError, SampleNotFoundError, StoreFullError
 from routing_replay.store.lock import interleave
 from routing_replay.store.segment import segment_path
 

@@ -21,13 +21,8 @@ import traceback
 import numpy as np
 import pytest
 
-from routing_replay import (
-    ConcurrentReleaseError,
-    RoutingLayout,
-    RoutingStore,
-    SampleNotFoundError,
-    StoreFullError,
-)
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import ConcurrentReleaseError, SampleNotFoundError, StoreFullError
 from routing_replay.store.segment import segment_path
 
 pytestmark = pytest.mark.stress

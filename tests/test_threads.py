@@ -41,13 +41,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from routing_replay import (
-    PutRequest,
-    RoutingLayout,
-    RoutingStore,
-    StoreUnavailableError,
-    to_torch,
-)
+from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
+from routing_replay.errors import StoreUnavailableError
 from routing_replay.store.segment import SHM_DIR, segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)  # 6 bytes a token, uint8

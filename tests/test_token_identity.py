@@ -14,15 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from routing_replay import (
+from routing_replay import RoutingLayout, RoutingStore, to_torch
+from routing_replay.errors import (
     CorruptStoreError,
     InvalidArgumentError,
     InvalidRoutesError,
-    RoutingLayout,
-    RoutingStore,
     SampleReplacedError,
     TokenMismatchError,
-    to_torch,
 )
 from routing_replay.integrations.nemo_rl import attach_routes
 from routing_replay.store import prefix, token_digest

@@ -8,7 +8,8 @@ import pytest
 import torch
 from moe_models import tiny_model
 
-from routing_replay import InvalidArgumentError, capture, replay
+from routing_replay import capture, replay
+from routing_replay.errors import InvalidArgumentError
 from routing_replay.model.adapters import find_routers
 from routing_replay.validate import MISSING
 

@@ -10,7 +10,7 @@ from expert_spy import ExpertSpy
 from transformers import TrainerCallback
 from trl_setup import config, prompts, reward_len, saved_checkpoint
 
-from routing_replay import InvalidArgumentError
+from routing_replay.errors import InvalidArgumentError
 from routing_replay.integrations.trl import RoutingReplayGRPOTrainer
 from routing_replay.model.replay import is_prepared
 

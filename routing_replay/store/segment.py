@@ -331,7 +331,7 @@ def _exists_message(name: str, path: str) -> str:
     return (
         f"a store named {name!r} already exists ({path}): attach to it with "
         "RoutingStore.attach, or if its owner is dead remove it with "
-        "routing_replay.sweep_stores() or `routing-replay sweep`"
+        "routing_replay.store.sweep_stores() or `routing-replay sweep`"
     )
 
 
