@@ -259,7 +259,10 @@ class RoutingLayout:
           counts two attention sublayers per decoder layer).
         * top-k and expert count: the first set of `_TOP_K` and of `_EXPERTS`, on the config or
           DBRX's `ffn_config`; plus LongCat-Flash's `zero_expert_num` (its zero-computation
-          experts take the ids after the routed ones). Values given per layer (a list, or
+          experts take the ids after the routed ones), and Zaya's skip expert: its router picks
+          among `num_experts + 1` ids, id `num_experts` meaning "no expert" (the router then
+          hands the experts id 0 with weight 0); routes record that choice, so the layout has
+          `num_experts + 1` experts. Values given per layer (a list, or
           transformers' `per_layer_config`) must agree over the MoE layers.
         * MoE layers, by the first rule that applies: `mlp_layer_types` entries in
           `MOE_MLP_TYPES`; Llama 4's `moe_layers`; Nemotron-H's 'moe' blocks in
@@ -304,6 +307,8 @@ class RoutingLayout:
         top_k = _one_value(config, k_name, top_k, moe, n, "top-k")
         experts = _one_value(config, e_name, experts, moe, n, "expert count")
         experts += _get(config, "zero_expert_num") or 0  # LongCat-Flash
+        if _get(config, "model_type") == "zaya":
+            experts += 1  # its skip expert, id E
         total = n
         if mtp:
             count, mtp_moe = _mtp(config, name)

@@ -69,9 +69,10 @@ FAMILIES = {
     "solar_open": "SolarOpenTopkRouter",
     "step3p5": "Step3p7TopKRouter",
     "unlimited_ocr_text": "UnlimitedOcrTextTopkRouter",
+    "zaya": "ZayaRouter",
 }
 # The fast tier: a few families of the new score functions and output forms; all in the slow.
-FAST = {"gemma4_text", "llama4_text", "mistral4", "phimoe"}
+FAST = {"gemma4_text", "llama4_text", "mistral4", "phimoe", "zaya"}
 # Checkpointing and compile (slow): one family of each score function or output form new here.
 COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
 PARAMS = [
@@ -81,6 +82,8 @@ EMBEDS_ONLY = {"qwen3_omni_moe_talker_text"}  # no token embedding: called with 
 # Zero-computation experts (ids >= n_routed_experts): the block adds their share of the input
 # itself, so their ids reach no experts module; checked where the block gets them.
 ZERO_EXPERTS = {"longcat_flash"}
+# A skip expert (id E, the layout's last): the router hands the experts id 0, weight 0, for it.
+SKIP_EXPERT = {"zaya"}
 
 
 def inputs(model, seed: int) -> dict:
@@ -126,9 +129,14 @@ class MethodSpy:
             setattr(self.module, self.method, self.own)
 
 
+def _detached(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
 class ExpertsSpy:
     """The (ids, weights) each MoE layer's experts module is called with, and each router's
-    output (as the MoE block gets it) and inputs."""
+    output (as the MoE block gets it) and inputs (args, kwargs: Zaya's routers take the
+    previous layer's router states by keyword)."""
 
     def __init__(self, model) -> None:
         self.moe = find_routers(model)
@@ -143,11 +151,14 @@ class ExpertsSpy:
             self.calls.append([])
             self.outs.append([])
             self.args.append([])
+
             self.handles.append(
                 parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
             )
             if router.method == "forward":
-                self.handles.append(router.module.register_forward_hook(self._router(j)))
+                self.handles.append(
+                    router.module.register_forward_hook(self._router(j), with_kwargs=True)
+                )
             else:  # DBRX: the block's method that routes, wrapped (over replay's, if there)
                 self.handles.append(MethodSpy(router.module, router.method, self._router(j)))
 
@@ -161,9 +172,11 @@ class ExpertsSpy:
         return hook
 
     def _router(self, j):
-        def hook(module, args, out):  # what the MoE block gets: forced, when replaying
+        def hook(module, args, *rest):  # what the MoE block gets: forced, when replaying
+            kwargs, out = rest if len(rest) == 2 else ({}, rest[0])
             self.outs[j].append(tuple(o.detach().clone() for o in out[:3]))
-            self.args[j].append(tuple(a.detach().clone() for a in args))
+            args = tuple(a.detach().clone() for a in args)
+            self.args[j].append((args, {k: _detached(v) for k, v in kwargs.items()}))
 
         return hook
 
@@ -207,13 +220,15 @@ def test_forced_ids_reach_the_experts(family):
     finally:
         spy.remove()
     flat = routes.reshape(B * S, layout.num_moe_layers, layout.top_k)
+    skips = 0
     for j, router in enumerate(spy.moe.routers):
         forced_TK = flat[:, j].long()
         missing_T = (forced_TK == MISSING).any(-1)
         assert 0 < int(missing_T.sum()) < B * S
         module, (out,) = router.module, spy.outs[j]
+        args, kwargs = spy.args[j][0]
         with torch.no_grad():  # the router's own output, bypassing every hook
-            native = getattr(type(module), router.method)(module, *spy.args[j][0])
+            native = getattr(type(module), router.method)(module, *args, **kwargs)
         if isinstance(router.output, outputs.Scatter):  # Llama 4: the block scales by scores_TE
             scores_TE, logits_TE = out[:2]
             chosen_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
@@ -228,15 +243,57 @@ def test_forced_ids_reach_the_experts(family):
             ids, weights = out[2], out[1]
         else:
             ((ids, weights),) = spy.calls[j]
-        assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
         pair = isinstance(router.output, outputs.Pair)  # DBRX: scored from the call's logits
-        scores_TE = spy.args[j][0][0] if pair else out[0]
-        expected = router.score(module, scores_TE, ids).to(weights.dtype)
+        scores_TE = args[0] if pair else out[0]
+        if family in SKIP_EXPERT:  # a forced skip reaches the experts as id 0, weight 0
+            skip_TK = forced_TK == layout.num_experts - 1
+            skips += int(skip_TK[~missing_T].sum())
+            assert torch.equal(ids[~missing_T], forced_TK.masked_fill(skip_TK, 0)[~missing_T])
+            expected = torch.softmax(scores_TE, dim=-1).gather(1, forced_TK.clamp(min=0))
+            expected = expected.masked_fill(skip_TK, 0)
+        else:
+            assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
+            expected = router.score(module, scores_TE, ids).to(weights.dtype)
         assert torch.equal(weights[~missing_T], expected[~missing_T])
         native_w, native_ids = native[:2] if pair else native[1:3]
         assert weights.dtype == native_w.dtype
         assert torch.equal(ids[missing_T], native_ids[missing_T])
         assert torch.equal(weights[missing_T], native_w[missing_T])
+    assert skips > 0 or family not in SKIP_EXPERT
+
+
+def test_zaya_capture_records_the_skip_expert_the_router_rewrites():
+    """Zaya's router picks among E experts and a skip (id E), then hands the experts id 0 with
+    weight 0 for a skip: capture records E there, not 0 (expert 0 is also picked for real)."""
+    model = tiny_family_model("zaya")
+    kwargs = inputs(model, seed=1)
+    skip = model.config.num_experts
+    raw = []  # each router's choice before the rewrite, from its own forward
+
+    def unmasked(module, args, kwargs, out):
+        config = module.config
+        module.config = type(config)(**{**config.to_dict(), "num_experts": -1})  # masks nothing
+        try:
+            with torch.no_grad():
+                raw.append(type(module).forward(module, *args, **kwargs)[2])
+        finally:
+            module.config = config
+
+    moe = find_routers(model)
+    handles = [r.module.register_forward_hook(unmasked, with_kwargs=True) for r in moe.routers]
+    try:
+        with capture(model) as cap, torch.no_grad():
+            native = output(model, kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert cap.layout.num_experts == skip + 1
+    routes = torch.from_numpy(np.stack(cap.routes()))
+    want = torch.stack(raw, dim=1).reshape(routes.shape)
+    assert torch.equal(routes.long(), want)
+    assert (want == skip).any() and (want == 0).any()
+    with replay(model, routes, layout=cap.layout), torch.no_grad():
+        assert torch.equal(output(model, kwargs), native)
 
 
 def test_router_weights_get_gradients(family):
@@ -267,6 +324,8 @@ def test_checkpointing_and_compile_see_the_forced_ids(family):
     routes = random_routes(layout, seed=7, missing=0.25)
     flat = routes.reshape(B * S, layout.num_moe_layers, layout.top_k).long()
     forced_L = [(flat[:, j] != MISSING).all(-1) for j in range(layout.num_moe_layers)]
+    if family in SKIP_EXPERT:  # the experts get id 0 for a skip
+        flat = flat.masked_fill(flat == layout.num_experts - 1, 0)
     want_L = [flat[:, j].sort(dim=1).values for j in range(layout.num_moe_layers)]
 
     def run(fn):

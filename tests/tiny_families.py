@@ -4,7 +4,8 @@
 the config class's defaults with every size field it has shrunk (hidden 64, 3 layers, the
 first dense where the family has dense layers, 8 experts, top-2, 2 expert groups of which 1
 is kept), per-layer lists cut to 3 entries, and the few fields a family needs besides.
-Routers get spread weights and random selection biases and per-expert scales, so that
+Routers get spread weights and random selection biases and per-expert scales (Zaya: a
+skip expert's bias that lets it be picked), so that
 ties never decide routing and a formula that dropped a bias or a scale would show.
 """
 
@@ -141,6 +142,8 @@ EXTRA: dict[str, dict] = {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
     },
+    # Zaya routes to one expert (its config refuses more).
+    "zaya": {"num_experts_per_tok": 1},
     # LongCat: 2 zero-computation experts (ids 8 and 9, whose output is the input).
     "longcat_flash": {"head_dim": 8, "zero_expert_num": 2},
     **{
@@ -149,6 +152,10 @@ EXTRA: dict[str, dict] = {
     },
 }
 
+
+# Routers whose logits come out of an MLP of their own (Zaya): every matrix of it is spread,
+# or the logits are near 0 and the choice is the balancing biases'.
+SPREAD_ALL = {"ZayaRouter"}
 
 # Families whose classes leave their experts' weights uninitialised (torch.empty) when built
 # from a config alone.
@@ -230,7 +237,10 @@ def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch
             if model_type in UNINITIALISED and ".experts." in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
         for module in model.modules():
-            if type(module).__name__ in known:
+            if type(module).__name__ in SPREAD_ALL:
+                for weight in (p for p in module.parameters() if p.dim() == 2):
+                    weight.copy_(torch.randn(weight.shape, generator=gen) * 0.5)
+            elif type(module).__name__ in known:
                 weight = next(p for p in module.parameters() if p.dim() == 2)
                 weight.copy_(torch.randn(weight.shape, generator=gen) * 0.5)
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -238,4 +248,7 @@ def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
             elif name.endswith("per_expert_scale"):
                 tensor.copy_(torch.rand(tensor.shape, generator=gen) + 0.5)
+            elif name.endswith("balancing_biases"):  # Zaya's; the last is its skip expert's
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
+                tensor[-1] += 0.2  # from -1 (never picked) to picked now and then
     return model.to(dtype).eval()

@@ -44,6 +44,7 @@ _SCORES: dict[str, ScoreFunction] = {
         scores.softmax_then_topk,
     ),
     "JambaTopKRouter": scores.softmax_at_ids,
+    "ZayaRouter": scores.softmax_with_skip,
     **dict.fromkeys(
         (
             "DeepseekV2TopkRouter",
@@ -118,7 +119,11 @@ _SCORES: dict[str, ScoreFunction] = {
     "DbrxFFN": scores.softmax_pnorm,
 }
 # How a router's output carries its choice, where it is not (scores, weights, ids, ...).
-_OUTPUTS: dict[str, Any] = {"Llama4Router": outputs.SCATTER, "DbrxFFN": outputs.PAIR}
+_OUTPUTS: dict[str, Any] = {
+    "Llama4Router": outputs.SCATTER,
+    "DbrxFFN": outputs.PAIR,
+    "ZayaRouter": outputs.SKIP_EXPERT,
+}
 # The method that routes, where it is not the router module's forward: DBRX's MoE block
 # picks its experts from its router's logits in a method of its own.
 _METHODS: dict[str, str] = {"DbrxFFN": "route_tokens_to_experts"}
@@ -139,7 +144,6 @@ REFUSED: dict[str, str] = {
     "Inkling2LoopTopKRouter": _NOT_YET + "a looped layer's router runs several times a token",
     "InklingTopkRouter": _NOT_YET + "its weights are normalised with the shared experts' gammas",
     "JetMoeTopKGating": _NOT_YET + "a sorted 5-tuple output, two routers a layer (MLP, attention)",
-    "ZayaRouter": _NOT_YET + "a skip expert (id E) rewritten inside the router",
 }
 
 # Classes named like routers that are not MoE routers (gates of linear attention, of looped or
@@ -176,7 +180,7 @@ class Router:
     name: str
     module: nn.Module
     score: ScoreFunction
-    output: Any = outputs.TRIPLE  # outputs.Triple, Scatter or Pair: where the choice is
+    output: Any = outputs.TRIPLE  # an output form of `outputs`: where the choice is
     method: str = "forward"  # the module's method that returns it
 
 

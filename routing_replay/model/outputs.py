@@ -5,8 +5,10 @@ writes forced ids and their weights back into the same output.
 returns and its MoE block hands to the experts. `Scatter`: Llama 4's `(scores_TE, logits_TE)`,
 the chosen experts' weights scattered into a `[T, E]` matrix (0 elsewhere) that the block
 multiplies every expert's output by. `Pair`: DBRX's `(weights_TK, ids_TK)` from a method of
-its MoE block given the logits. A forced output keeps the rows whose routes are missing
-(`missing_T1`, or None when none is) as the router made them.
+its MoE block given the logits. `SkipExpert`: Zaya's triple, whose router rewrites its skip
+expert (id E, no compute) to id 0 with weight 0 before the experts see it. A forced output
+keeps the rows whose routes are missing (`missing_T1`, or None when none is) as the router
+made them.
 """
 
 from __future__ import annotations
@@ -108,6 +110,47 @@ class Pair:
         return (weights_TK, ids_TK)
 
 
+class SkipExpert(Triple):
+    """Zaya's `(logits_TE+1, weights_TK, ids_TK, router_states)`: the router picks among E
+    experts and a skip expert, id E, then rewrites a chosen E to id 0 with weight 0 (the
+    experts add nothing for it). The routes hold the choice before that rewrite (E: skipped,
+    so the layout has E + 1 experts); forced ids and their weights are rewritten the same way.
+    """
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        """The router's choice before the rewrite: E where it skipped. A skip left id 0 with
+        weight 0; the router's own selection, redone from its logits, tells it from expert 0
+        chosen with a weight that underflowed to 0."""
+        _, weights_TK, ids_TK = output[:3]
+        skip = module.num_experts
+        with torch.no_grad():
+            probs_TE = torch.softmax(output[0], dim=-1)  # the router's ops, on its logits
+            biased_TE = probs_TE.to(torch.float32) + module.balancing_biases
+            picked_TK = torch.topk(biased_TE, module.top_k, dim=-1).indices
+            skipped_TK = (picked_TK == skip) & (ids_TK == 0) & (weights_TK == 0)
+        return ids_TK.masked_fill(skipped_TK, skip)
+
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        return output[0], self.ids(module, output)
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+        args: tuple = (),
+    ) -> tuple:
+        scores_TE, native_w_TK, native_ids_TK = output[:3]
+        weights_TK = score(module, scores_TE, ids_TK).to(native_w_TK.dtype)
+        skipped_TK = ids_TK == module.num_experts  # as the router masks its own choice
+        weights_TK = weights_TK.masked_fill(skipped_TK, 0)
+        ids_TK = ids_TK.masked_fill(skipped_TK, 0)
+        ids_TK, weights_TK = _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
+        return (scores_TE, weights_TK, ids_TK, *output[3:])
+
+
 def _merged(
     ids_TK: Tensor, weights_TK: Tensor, native_ids_TK: Tensor, native_w_TK: Tensor, missing_T1: Any
 ) -> tuple[Tensor, Tensor]:
@@ -123,3 +166,4 @@ def _merged(
 TRIPLE: Any = Triple()
 PAIR: Any = Pair()
 SCATTER: Any = Scatter()
+SKIP_EXPERT: Any = SkipExpert()

@@ -28,6 +28,13 @@ def softmax_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tens
     return torch.softmax(logits_TE, dim=-1, dtype=torch.float).gather(1, ids_TK)
 
 
+def softmax_with_skip(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Zaya: softmax in the logits' dtype over the E experts and the skip expert (id E), at the
+    ids (its balancing biases only choose). A skip's weight is 0: the output form
+    (`outputs.SkipExpert`) masks it, as the router does after this."""
+    return torch.softmax(logits_TE, dim=-1).gather(1, ids_TK)
+
+
 def softmax_then_topk(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
     """The Qwen MoE family, OLMoE, Mixtral, MiniMax, HunYuan, Mellum, Lara: float softmax at
     the ids, renormalised over them (by the router's `norm_topk_prob`, or always without one)."""
