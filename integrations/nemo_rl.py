@@ -31,24 +31,17 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-import pyarrow as pa
 import torch
 
 from routing_replay import MISSING, RoutesTensor, RoutingRef, TokenShard, to_torch, with_layout
 from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
+from routing_replay.integrations._reads import Fetch, check_row_tokens, fetch_checked, read_shard
 from routing_replay.integrations._rows import fill_missing as fill_missing  # (public here too)
 from routing_replay.integrations.replay_metrics import StepMetrics as StepMetrics  # (public)
-from routing_replay.schema import NUM_TOKENS, layout_of
+from routing_replay.schema import layout_of
 
 ROUTES_KEY = "routed_experts"
 REFS_KEY = "routing_refs"
-Fetch = Callable[..., pa.RecordBatch]  # fetch(refs) or fetch(refs, ranges=...)
-
-
-def _default_fetch(refs: list[RoutingRef], **kwargs: Any) -> pa.RecordBatch:
-    from routing_replay.ray import fetch_batch
-
-    return fetch_batch(refs, **kwargs)
 
 
 def attach_routes(
@@ -69,8 +62,7 @@ def attach_routes(
     input_ids, lengths = _ids_and_lengths(batch)
     B, S = input_ids.shape
     refs, rows = _refs_and_rows(batch, refs_key, lengths)
-    table = (fetch or _default_fetch)([refs[b] for b in rows])
-    _check_fetched(table, [refs[b] for b in rows])
+    table = fetch_checked([refs[b] for b in rows], fetch)
     layout = layout_of(table)
     mask = torch.zeros((len(rows), S), dtype=torch.bool)
     for i, b in enumerate(rows):
@@ -91,14 +83,8 @@ def _refs_and_rows(
         raise InvalidRoutesError(
             f"batch[{refs_key!r}] has {len(refs)} refs for {len(lengths)} rows"
         )
+    check_row_tokens(refs, lengths.tolist())
     rows = [b for b, r in enumerate(refs) if r is not None]
-    for b in rows:
-        if refs[b].num_tokens != int(lengths[b]):
-            raise InvalidRoutesError(
-                f"row {b}: sample {refs[b].sample_id!r} has {refs[b].num_tokens} routed tokens "
-                f"but input_lengths[{b}] = {int(lengths[b])}: routes cover exactly the tokens "
-                "the trainer forwards (prompt + completion); rebuild the batch from the rollout"
-            )
     if not rows:
         raise InvalidRoutesError(f"no row of the batch has a ref in batch[{refs_key!r}]")
     return refs, rows
@@ -117,16 +103,6 @@ def _ids_and_lengths(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]
             f"input_lengths must be in [0, {input_ids.shape[1]}], got {lengths.tolist()}"
         )
     return input_ids, lengths
-
-
-def _check_fetched(table: pa.RecordBatch | pa.Table, refs: list[RoutingRef]) -> None:
-    got = table.column("sample_id").to_pylist()
-    want = [r.sample_id for r in refs]
-    if got != want:
-        raise InvalidRoutesError(f"fetch returned samples {got}, asked for {want} in that order")
-    counts = table.column(NUM_TOKENS).to_pylist()
-    if counts != [r.num_tokens for r in refs]:
-        raise InvalidRoutesError(f"fetched token counts {counts} differ from the refs'")
 
 
 def pack(
@@ -306,13 +282,7 @@ def read_rank_routes(
             )["input_ids"]
         )
     cut = _rank_cut(cu, cp_size, cp_rank, tp_size, tp_rank, sequence_parallel)
-    shard = shard.map(cut)
-    picked = [refs[b] for b in rows]
-    table = (fetch or _default_fetch)(picked, ranges=shard.ranges())
-    got = table.column("sample_id").to_pylist()
-    if got != [r.sample_id for r in picked]:
-        raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
-    return shard.place(table, input_ids=cut(ids))
+    return read_shard([refs[b] for b in rows], shard.map(cut), cut(ids), fetch)
 
 
 def _rows_of(index: torch.Tensor, rows: list[int], num_rows: int) -> torch.Tensor:

@@ -40,11 +40,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from routing_replay import MISSING, RoutingLayout, RoutingRef, TokenShard, to_torch, with_layout
 from routing_replay.errors import InvalidRoutesError
+from routing_replay.integrations._reads import Fetch, check_row_tokens, fetch_checked, read_shard
 from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
 from routing_replay.integrations.replay_metrics import StepMetrics
 from routing_replay.validate import check_tolerance
@@ -52,7 +52,6 @@ from routing_replay.validate import check_tolerance
 REFS_KEY = "routing_refs"  # in DataProto.non_tensor_batch
 ROUTES_KEY = "routed_experts"  # verl's own key for routes in DataProto.batch
 LAYOUT_KEY = "routing_replay_layout"  # in DataProto.meta_info: the attached routes' layout
-Fetch = Callable[..., pa.RecordBatch]  # fetch(refs) or fetch(refs, ranges=...)
 
 
 def attach_routes(
@@ -85,12 +84,7 @@ def attach_routes(
                 f"row {b}: sample {ref.sample_id!r} has a {ref.prompt_len}-token prompt but "
                 f"the row's prompt holds {prompt_tokens[b]} tokens: the ref is not this row's"
             )
-    if fetch is None:
-        from routing_replay.ray import fetch_batch as fetch
-    table = fetch(refs)
-    got = table.column("sample_id").to_pylist()
-    if got != [r.sample_id for r in refs]:
-        raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
+    table = fetch_checked(refs, fetch)
     routes = to_torch(table, attention_mask=mask, input_ids=input_ids)
     # verl's batch holds plain tensors; the layout rides in meta_info, which verl hands to
     # every micro-batch (`DataProto.to_tensordict`), for the replaying engine to check.
@@ -175,21 +169,9 @@ def _read_rank_routes(
     else:
         mask = micro_batch["attention_mask"].bool()
         tokens, lengths = ids[mask], mask.sum(1).tolist()
-    for b, (ref, n) in enumerate(zip(refs, lengths, strict=True)):
-        if ref.num_tokens != n:
-            raise InvalidRoutesError(
-                f"row {b}: sample {ref.sample_id!r} has {ref.num_tokens} routed tokens, the "
-                f"row {n}: the ref is not this row's (rows reordered without their refs?)"
-            )
+    check_row_tokens(refs, lengths)
     shard = TokenShard.packed(lengths).map(cut)
-    if fetch is None:
-        from routing_replay.ray import fetch_batch as fetch
-    table = fetch(refs, ranges=shard.ranges())
-    got = table.column("sample_id").to_pylist()
-    if got != [r.sample_id for r in refs]:
-        raise InvalidRoutesError(f"fetch returned samples {got} for refs in another order")
-    local_ids = cut(tokens.cpu().unsqueeze(0))
-    return shard.place(table, input_ids=local_ids).to(tokens.device)
+    return read_shard(refs, shard, cut(tokens.cpu().unsqueeze(0)), fetch).to(tokens.device)
 
 
 def replaying_engine(

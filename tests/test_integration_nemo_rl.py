@@ -189,7 +189,7 @@ def test_pack_matches_packed_input_ids(filled):
 def test_wrong_length_and_bad_batches_raise(filled):
     store, batch = filled
     batch["input_lengths"] = torch.tensor([5, 7, 3])
-    with pytest.raises(InvalidRoutesError, match="8 routed tokens but input_lengths"):
+    with pytest.raises(InvalidRoutesError, match="8 routed tokens but the row holds"):
         attach_routes(batch, fetch=store.read)
     batch["input_lengths"] = torch.tensor([5, 8])
     with pytest.raises(InvalidRoutesError, match="input_lengths"):

@@ -25,6 +25,7 @@ PUBLIC = {
     "routing_replay.validate",
     "routing_replay.schema",
     "routing_replay.integrations",
+    "routing_replay.integrations._reads",
     "routing_replay.integrations._rows",
     "routing_replay.integrations._compat_vllm",
     "routing_replay.integrations._compat_trl",
