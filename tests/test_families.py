@@ -44,6 +44,7 @@ FAMILIES = {
     "hy_v3": "HYV3TopKRouter",
     "hy_v4": "HYV4TopkRouter",
     "hy_v4_vl_text": "HYV4VLTopkRouter",
+    "inkling_text": "InklingTopkRouter",
     "inkling2_text": "Inkling2TopKRouter",
     "kolibri1": "Kolibri1TopKRouter",
     "kolibri1_1": "Kolibri1_1TopKRouter",
@@ -72,7 +73,7 @@ FAMILIES = {
     "zaya": "ZayaRouter",
 }
 # The fast tier: a few families of the new score functions and output forms; all in the slow.
-FAST = {"gemma4_text", "llama4_text", "mistral4", "phimoe", "zaya"}
+FAST = {"gemma4_text", "inkling_text", "llama4_text", "mistral4", "phimoe", "zaya"}
 # Checkpointing and compile (slow): one family of each score function or output form new here.
 COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
 PARAMS = [
@@ -84,6 +85,8 @@ EMBEDS_ONLY = {"qwen3_omni_moe_talker_text"}  # no token embedding: called with 
 ZERO_EXPERTS = {"longcat_flash"}
 # A skip expert (id E, the layout's last): the router hands the experts id 0, weight 0, for it.
 SKIP_EXPERT = {"zaya"}
+# Shared experts' gammas normalised with the chosen experts' weights: forced ids change both.
+SHARED_GAMMAS = {"inkling_text"}
 
 
 def inputs(model, seed: int) -> dict:
@@ -143,6 +146,7 @@ class ExpertsSpy:
         self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.outs: list[list[torch.Tensor]] = []
         self.args: list[list[tuple]] = []
+        self.gammas: list[list[torch.Tensor]] = []  # what Inkling's shared experts get
         self.handles = []
         for j, router in enumerate(self.moe.routers):
             parent = model.get_submodule(router.name.rsplit(".", 1)[0])
@@ -151,7 +155,13 @@ class ExpertsSpy:
             self.calls.append([])
             self.outs.append([])
             self.args.append([])
-
+            self.gammas.append([])
+            if isinstance(router.output, outputs.SharedGammas):
+                self.handles.append(
+                    parent.shared_experts.register_forward_pre_hook(
+                        self._gammas(j), with_kwargs=True
+                    )
+                )
             self.handles.append(
                 parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
             )
@@ -168,6 +178,12 @@ class ExpertsSpy:
             weights = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
             if ids is not None:  # None: Llama 4's experts take the scaled tokens only
                 self.calls[j].append((ids.detach().clone(), weights.detach().clone()))
+
+        return hook
+
+    def _gammas(self, j):
+        def hook(module, args, kwargs):
+            self.gammas[j].append(kwargs["gammas"].detach().clone())
 
         return hook
 
@@ -245,7 +261,14 @@ def test_forced_ids_reach_the_experts(family):
             ((ids, weights),) = spy.calls[j]
         pair = isinstance(router.output, outputs.Pair)  # DBRX: scored from the call's logits
         scores_TE = args[0] if pair else out[0]
-        if family in SKIP_EXPERT:  # a forced skip reaches the experts as id 0, weight 0
+        if family in SHARED_GAMMAS:  # the router's own forward, made to pick the forced ids
+            expected, gammas = forced_by_the_router(module, args, forced_TK)
+            assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
+            (got_gammas,) = spy.gammas[j]
+            assert torch.equal(got_gammas[~missing_T], gammas[~missing_T])
+            assert torch.equal(got_gammas[missing_T], native[3][missing_T])
+            assert not torch.equal(gammas[~missing_T], native[3][~missing_T])
+        elif family in SKIP_EXPERT:  # a forced skip reaches the experts as id 0, weight 0
             skip_TK = forced_TK == layout.num_experts - 1
             skips += int(skip_TK[~missing_T].sum())
             assert torch.equal(ids[~missing_T], forced_TK.masked_fill(skip_TK, 0)[~missing_T])
@@ -260,6 +283,31 @@ def test_forced_ids_reach_the_experts(family):
         assert torch.equal(ids[missing_T], native_ids[missing_T])
         assert torch.equal(weights[missing_T], native_w[missing_T])
     assert skips > 0 or family not in SKIP_EXPERT
+
+
+def forced_by_the_router(module, args, forced_TK):
+    """Inkling: (weights, gammas) its router's own forward gives at `forced_TK`, row by row: a
+    correction bias (which only chooses) of 100 at a row's forced experts makes it pick them.
+    Weights in the forced ids' order; missing rows (-1) are left 0."""
+    bias = module.e_score_correction_bias
+    saved = bias.clone()
+    weights = torch.zeros(forced_TK.shape)
+    gammas = torch.zeros(forced_TK.shape[0], module.n_shared_experts)
+    try:
+        with torch.no_grad():
+            for t, ids_K in enumerate(forced_TK):
+                if (ids_K < 0).any():
+                    continue
+                bias.zero_()
+                bias[ids_K] = 100.0
+                _, w_TK, i_TK, g_TS = type(module).forward(module, *args)
+                slot_K = (i_TK[t][None, :] == ids_K[:, None]).int().argmax(dim=1)
+                assert torch.equal(i_TK[t][slot_K], ids_K)
+                weights[t], gammas[t] = w_TK[t][slot_K], g_TS[t]
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+    return weights, gammas
 
 
 def test_zaya_capture_records_the_skip_expert_the_router_rewrites():
@@ -305,6 +353,8 @@ def test_router_weights_get_gradients(family):
     for router in find_routers(model).routers:
         weight = next(p for p in router.module.parameters() if p.dim() == 2)
         assert weight.grad is not None and weight.grad.abs().sum() > 0, router.name
+        if family in SHARED_GAMMAS:  # the shared experts' rows, through the forced gammas
+            assert weight.grad[router.module.num_experts :].abs().sum() > 0, router.name
 
 
 def chosen(spy: ExpertsSpy, j: int) -> list[torch.Tensor]:

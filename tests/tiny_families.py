@@ -142,6 +142,8 @@ EXTRA: dict[str, dict] = {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
     },
+    # Inkling: two shared experts, their gammas normalised with the chosen experts' weights.
+    "inkling_text": {"n_shared_experts": 2},
     # Zaya routes to one expert (its config refuses more).
     "zaya": {"num_experts_per_tok": 1},
     # LongCat: 2 zero-computation experts (ids 8 and 9, whose output is the input).
@@ -246,7 +248,7 @@ def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
-            elif name.endswith("per_expert_scale"):
+            elif name.endswith(("per_expert_scale", "gate.global_scale")):  # Inkling: the latter
                 tensor.copy_(torch.rand(tensor.shape, generator=gen) + 0.5)
             elif name.endswith("balancing_biases"):  # Zaya's; the last is its skip expert's
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)

@@ -45,6 +45,7 @@ _SCORES: dict[str, ScoreFunction] = {
     ),
     "JambaTopKRouter": scores.softmax_at_ids,
     "ZayaRouter": scores.softmax_with_skip,
+    "InklingTopkRouter": scores.logsigmoid_with_shared,
     **dict.fromkeys(
         (
             "DeepseekV2TopkRouter",
@@ -123,6 +124,7 @@ _OUTPUTS: dict[str, Any] = {
     "Llama4Router": outputs.SCATTER,
     "DbrxFFN": outputs.PAIR,
     "ZayaRouter": outputs.SKIP_EXPERT,
+    "InklingTopkRouter": outputs.SHARED_GAMMAS,
 }
 # The method that routes, where it is not the router module's forward: DBRX's MoE block
 # picks its experts from its router's logits in a method of its own.
@@ -142,7 +144,6 @@ REFUSED: dict[str, str] = {
     "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
     "Ernie4_5_VLMoeMoeTopKRouter": _NOT_YET + "two routers a layer (text and image tokens)",
     "Inkling2LoopTopKRouter": _NOT_YET + "a looped layer's router runs several times a token",
-    "InklingTopkRouter": _NOT_YET + "its weights are normalised with the shared experts' gammas",
     "JetMoeTopKGating": _NOT_YET + "a sorted 5-tuple output, two routers a layer (MLP, attention)",
 }
 

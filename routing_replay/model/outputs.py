@@ -6,9 +6,10 @@ returns and its MoE block hands to the experts. `Scatter`: Llama 4's `(scores_TE
 the chosen experts' weights scattered into a `[T, E]` matrix (0 elsewhere) that the block
 multiplies every expert's output by. `Pair`: DBRX's `(weights_TK, ids_TK)` from a method of
 its MoE block given the logits. `SkipExpert`: Zaya's triple, whose router rewrites its skip
-expert (id E, no compute) to id 0 with weight 0 before the experts see it. A forced output
-keeps the rows whose routes are missing (`missing_T1`, or None when none is) as the router
-made them.
+expert (id E, no compute) to id 0 with weight 0 before the experts see it. `SharedGammas`:
+Inkling's triple plus the shared experts' gammas, normalised with the chosen weights. A forced
+output keeps the rows whose routes are missing (`missing_T1`, or None when none is) as the
+router made them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from routing_replay.model.scores import ScoreFunction
 
@@ -151,6 +153,50 @@ class SkipExpert(Triple):
         return (scores_TE, weights_TK, ids_TK, *output[3:])
 
 
+class SharedGammas(Triple):
+    """Inkling's `(routed_logits_TE, weights_TK, ids_TK, gammas_TS)`: the chosen experts' weights
+    and the S shared experts' gammas are normalised together, so forced ids change both. The
+    score function takes the router's whole logits: the routed ones are its first output, the
+    shared ones are not in its output and are recomputed from its input with its own op (the
+    same float32 matmul over every row of its weight, so the same bits; the shared rows get
+    their gradient through it). Weights and gammas are computed as the router does: float32,
+    autocast off, then in the input's dtype."""
+
+    def logits(self, module: nn.Module, output: tuple, args: tuple) -> Tensor:
+        """The router's `[T, E + S]` logits: its routed output, then the shared experts'."""
+        if not args:
+            raise TypeError(
+                f"{type(module).__name__} was called without its input as a positional argument: "
+                "replay recomputes the shared experts' logits from it"
+            )
+        hidden = args[0]
+        flat = hidden.reshape(-1, module.hidden_dim)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            all_TE = F.linear(flat.float(), module.weight.float())
+        return torch.cat([output[0], all_TE[:, module.num_experts :]], dim=-1)
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+        args: tuple = (),
+    ) -> tuple:
+        scores_TE, native_w_TK, native_ids_TK, native_g_TS = output[:4]
+        logits_TE = self.logits(module, output, args)
+        with torch.autocast(device_type=logits_TE.device.type, enabled=False):
+            joint_TJ = score(module, logits_TE, ids_TK)
+        joint_TJ = joint_TJ.to(native_w_TK.dtype)
+        gammas_TS = joint_TJ[:, ids_TK.shape[1] :].contiguous()
+        weights_TK = joint_TJ[:, : ids_TK.shape[1]].contiguous()
+        ids_TK, weights_TK = _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
+        if missing_T1 is not None:
+            gammas_TS = torch.where(missing_T1, native_g_TS, gammas_TS)
+        return (scores_TE, weights_TK, ids_TK, gammas_TS, *output[4:])
+
+
 def _merged(
     ids_TK: Tensor, weights_TK: Tensor, native_ids_TK: Tensor, native_w_TK: Tensor, missing_T1: Any
 ) -> tuple[Tensor, Tensor]:
@@ -167,3 +213,4 @@ TRIPLE: Any = Triple()
 PAIR: Any = Pair()
 SCATTER: Any = Scatter()
 SKIP_EXPERT: Any = SkipExpert()
+SHARED_GAMMAS: Any = SharedGammas()

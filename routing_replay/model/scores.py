@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from routing_replay.compat.transformers import phimoe_multiplier
 
@@ -183,6 +184,19 @@ def sparsemixer_at_ids(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> 
         weights.append(weight_T1)
         rest_TE = torch.scatter(logits_TE, -1, id_T1, float("-inf"))
     return torch.cat(weights, dim=-1)
+
+
+def logsigmoid_with_shared(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Inkling: `logits_TE` is the router's whole float32 logits, the E routed experts' then its
+    S shared experts'; the chosen logits and the shared ones go through log-sigmoid, normalised
+    together (logsumexp over the K + S), times `route_scale` and the learned `global_scale`.
+    Returns `[T, K + S]`: the K weights, then the shared experts' gammas (`outputs.SharedGammas`
+    splits them; the correction bias only chooses)."""
+    experts = router.num_experts
+    chosen_TK = torch.cat([logits_TE[:, :experts].gather(-1, ids_TK), logits_TE[:, experts:]], -1)
+    log_probs_TK = F.logsigmoid(chosen_TK)
+    weights_TK = torch.exp(log_probs_TK - torch.logsumexp(log_probs_TK, dim=-1, keepdim=True))
+    return weights_TK * router.route_scale * router.global_scale.float()
 
 
 def softmax_pnorm(block: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:

@@ -25,9 +25,12 @@ FORCED, AGREED, REPLACED = 0, 1, 2  # the entries of a layer's [3] tally
 
 def scores_over_all(score: ScoreFunction, router: nn.Module, scores_TE: Tensor) -> Tensor:
     """The family's weights at every expert, `[T, E]` (PhiMoE's sparsemixer weighs two ids
-    at a time: its softmax instead)."""
+    at a time: its softmax instead; Inkling normalises its weights with its shared experts':
+    the sigmoid of its routed logits, the same ratios)."""
     if score is scores.sparsemixer_at_ids:
         return torch.softmax(scores_TE.float(), dim=-1)
+    if score is scores.logsigmoid_with_shared:  # Inkling: exp(logsigmoid), over a common sum
+        return torch.sigmoid(scores_TE.float())
     rows, experts = scores_TE.shape
     all_TE = torch.arange(experts, device=scores_TE.device).expand(rows, experts)
     return score(router, scores_TE, all_TE)
