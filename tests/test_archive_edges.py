@@ -5,15 +5,18 @@ nothing behind."""
 
 from __future__ import annotations
 
+import glob
 import os
 import resource
+import sys
 import threading
 import uuid
 
 import numpy as np
 import pytest
 
-from routing_replay import RoutingLayout, RoutingStore, load_routes, save_routes
+import routing_replay
+from routing_replay import RoutingLayout, RoutingRef, RoutingStore, load_routes, save_routes
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.segment import segment_path
 
@@ -177,3 +180,62 @@ def test_a_path_in_a_missing_directory_or_naming_one_is_refused_before_any_read(
     with pytest.raises(InvalidArgumentError, match="is a directory"):
         save_routes(tmp_path, refs, read=read)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_ref_made_by_hand_saves_an_archive_that_loads(stores, tmp_path):
+    """A hand-made ref (no serial, no digest) reads its sample; the archive saves the digest
+    of the tokens it read, so it loads (before: every load refused it as damaged)."""
+    src = stores()
+    [real] = put_samples(src, "a", 1, 20)
+    hand = RoutingRef(real.sample_id, src.name, real.node_id, real.num_tokens)
+    path = str(tmp_path / "r.arrow")
+    save_routes(path, [hand], read=src.read)
+    dst = stores()
+    [new] = load_routes(path, dst)
+    assert new.tokens_digest == real.tokens_digest
+    assert dst.read([new]).equals(src.read([real]))
+    assert load_routes(path, stores(), [hand])[0].tokens_digest == real.tokens_digest
+
+
+@pytest.mark.parametrize(
+    "stride", [pytest.param(7, id="every-7th"), pytest.param(1, marks=pytest.mark.slow, id="all")]
+)
+def test_a_save_stopped_at_any_line_leaves_no_temporary_file(stores, tmp_path, stride):
+    """KeyboardInterrupt at each line of routing_replay code a save runs: no `.partial-*` file
+    stays, and the archive is absent or loads exactly (before: stops between the temporary
+    file's creation and the clean-up's `try` left it for good)."""
+    src = stores()
+    refs = put_samples(src, "s", 3, 9)
+    path = str(tmp_path / "r.arrow")
+    package = os.path.dirname(routing_replay.__file__)
+
+    def traced(stop: int) -> int:
+        seen = 0
+
+        def tracer(frame, event, arg):
+            nonlocal seen
+            if not frame.f_code.co_filename.startswith(package):
+                return None
+            if event == "line":
+                seen += 1
+                if seen == stop:
+                    raise KeyboardInterrupt
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            save_routes(path, refs, read=src.read, chunk_tokens=10)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return seen
+
+    events = traced(0)
+    assert events > 100
+    for stop in range(1, events + 1, stride):
+        traced(stop)
+        assert glob.glob(path + ".partial-*") == [], f"stopped at line event {stop}"
+        if os.path.exists(path):
+            assert_loads_exactly(stores, path, src, refs)
+            os.unlink(path)

@@ -177,55 +177,70 @@ def save_routes(
             f"{os.path.join(path, 'routes.arrow')}"
         )
     chunks = list(_chunks(refs, chunk_tokens))
-    f, tmp = _temp_file(path)
+    made: list[str] = []  # the temporary file, named before it is made: removed on any error
     try:
-        try:
-            # Reading the next chunk while the last is written is safe only if `read`
-            # returns new memory: when it returns memory of the batch still being written
-            # (`out=`), the file may hold its next batch's routes, so it is written again,
-            # each batch written before the next is read.
-            if not _write_batches(f, path, refs, chunks, read, overlap=True):
-                with _disk(path, "rewriting"):
-                    f.seek(0)
-                    f.truncate()
-                _write_batches(f, path, refs, chunks, read, overlap=False)
-            with _disk(path, "syncing"):
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            with contextlib.suppress(OSError):  # after an error, flushing may fail again
-                f.close()
+        _write_file(_temp_file(path, made), path, refs, chunks, read)
         with _disk(path, "renaming the finished file to"):
-            os.replace(tmp, path)
+            os.replace(made[0], path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        for tmp in made:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
     with _disk(path, "syncing the directory of", saved=True):
         _fsync_dir(os.path.dirname(path) or ".")  # the rename itself survives a power cut
         return os.path.getsize(path)
 
 
-def _temp_file(path: str) -> tuple[Any, str]:
+def _write_file(f: Any, path: str, refs: list[RoutingRef], chunks: list, read: Any) -> None:
+    """Write the archive into the open file `f`, sync it, close it (whatever happens)."""
+    try:
+        # Reading the next chunk while the last is written is safe only if `read` returns
+        # new memory: when it returns memory of the batch still being written (`out=`), the
+        # file may hold its next batch's routes, so it is written again, each batch written
+        # before the next is read.
+        if not _write_batches(f, path, refs, chunks, read, overlap=True):
+            with _disk(path, "rewriting"):
+                f.seek(0)
+                f.truncate()
+            _write_batches(f, path, refs, chunks, read, overlap=False)
+        with _disk(path, "syncing"):
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(OSError):  # after an error, flushing may fail again
+            f.close()
+
+
+def _temp_file(path: str, made: list[str]) -> Any:
     """A new file, `path` plus `.partial-<pid>-<random>`, for this save alone (other saves
-    to `path`, of other threads or of other containers' pid 1, write their own)."""
+    to `path`, of other threads or of other containers' pid 1, write their own). Its name is
+    in `made` before it exists, so a stop at any line leaves nothing the caller cannot remove."""
     for _ in range(16):
         tmp = f"{path}.partial-{os.getpid()}-{secrets.token_hex(6)}"
+        made[:] = [tmp]
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         except FileExistsError:
+            made.clear()  # another save's file (a 48-bit name collision): never ours to remove
             continue
         except (FileNotFoundError, NotADirectoryError) as e:
+            made.clear()
             raise InvalidArgumentError(
                 f"save_routes: cannot create {path} ({e.strerror}): its directory "
                 f"{os.path.dirname(path) or '.'} does not exist; create it first"
             ) from e
         except OSError as e:
+            made.clear()
             raise StoreUnavailableError(
                 f"save_routes: cannot create a file next to {path} ({e}): check the path "
                 "and that this process may write in its directory; nothing was saved"
             ) from e
-        return os.fdopen(fd, "wb"), tmp
+        try:
+            return os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            raise
     raise StoreUnavailableError(f"save_routes: no free temporary name next to {path}")
 
 
@@ -344,10 +359,23 @@ def _archive_batch(
     columns = [
         *batch.columns,
         pa.array(spans, type=SPANS),
-        pa.array([r.tokens_digest for r in refs], type=pa.uint64()),
+        pa.array(_saved_digests(batch, refs), type=pa.uint64()),
         pa.array([r.serial for r in refs], type=pa.uint64()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _saved_digests(batch: pa.RecordBatch, refs: list[RoutingRef]) -> list[int]:
+    """The digest of the token ids each row saves: its ref's, or, for a ref made by hand
+    (no digest), that of the tokens read, which the load checks them against."""
+    tokens = batch.column(TOKEN_IDS)
+    digests = []
+    for i, ref in enumerate(refs):
+        digest = ref.tokens_digest
+        if digest == NO_DIGEST and tokens[i].is_valid:
+            digest = token_digest(tokens[i].values.to_numpy(zero_copy_only=False))
+        digests.append(digest)
+    return digests
 
 
 @contextlib.contextmanager
@@ -500,7 +528,11 @@ class RouteArchive:
                     f"sample {ref.sample_id!r} is not in {self.path}: it was not saved "
                     "there; nothing was loaded"
                 )
-            if (ref.num_tokens, ref.tokens_digest, ref.serial) != saved[ref.sample_id]:
+            n, digest, serial = saved[ref.sample_id]
+            by_hand = ref.serial == 0 and ref.tokens_digest == NO_DIGEST  # names no one put
+            if ref.num_tokens != n or (
+                not by_hand and (ref.tokens_digest, ref.serial) != (digest, serial)
+            ):
                 raise SampleReplacedError(
                     f"ref {ref.sample_id!r} names another put of that id than the one saved "
                     f"in {self.path}; nothing was loaded"
