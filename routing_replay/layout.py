@@ -256,7 +256,10 @@ class RoutingLayout:
           MoE config); Qwen3-Omni's `thinker_config.text_config`: the thinker is the model
           users train (its talker's text config alone gives the talker's layout).
         * layers: `num_hidden_layers`; LongCat-Flash's `num_layers` (its `num_hidden_layers`
-          counts two attention sublayers per decoder layer).
+          counts two attention sublayers per decoder layer); JetMoE's `2 * num_hidden_layers`:
+          each decoder layer routes twice, in its mixture-of-attention (the query and output
+          projections are experts) and in its MLP, with the same top-k and expert count, so
+          decoder layer i is routed layers 2i (attention) and 2i + 1 (MLP), every one MoE.
         * top-k and expert count: the first set of `_TOP_K` and of `_EXPERTS`, on the config or
           DBRX's `ffn_config`; plus LongCat-Flash's `zero_expert_num` (its zero-computation
           experts take the ids after the routed ones), and Zaya's skip expert: its router picks
@@ -420,6 +423,9 @@ def _refuse_unroutable(config: Any, name: str) -> None:
 
 
 def _num_layers(config: Any, name: str) -> int:
+    if _get(config, "model_type") == "jetmoe":
+        # Two routers a decoder layer: its attention's (MoA) and its MLP's, layers 2i, 2i + 1.
+        return 2 * _get(config, "num_hidden_layers")
     if _get(config, "model_type") == "longcat_flash" or _get(config, "zero_expert_num") is not None:
         layers = _get(config, "num_layers")  # num_hidden_layers = 2 * num_layers
         if layers is not None:

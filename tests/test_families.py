@@ -45,6 +45,7 @@ FAMILIES = {
     "hy_v4": "HYV4TopkRouter",
     "hy_v4_vl_text": "HYV4VLTopkRouter",
     "inkling_text": "InklingTopkRouter",
+    "jetmoe": "JetMoeTopKGating",
     "inkling2_text": "Inkling2TopKRouter",
     "kolibri1": "Kolibri1TopKRouter",
     "kolibri1_1": "Kolibri1_1TopKRouter",
@@ -73,7 +74,7 @@ FAMILIES = {
     "zaya": "ZayaRouter",
 }
 # The fast tier: a few families of the new score functions and output forms; all in the slow.
-FAST = {"gemma4_text", "inkling_text", "llama4_text", "mistral4", "phimoe", "zaya"}
+FAST = {"gemma4_text", "inkling_text", "jetmoe", "llama4_text", "mistral4", "phimoe", "zaya"}
 # Checkpointing and compile (slow): one family of each score function or output form new here.
 COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
 PARAMS = [
@@ -87,6 +88,8 @@ ZERO_EXPERTS = {"longcat_flash"}
 SKIP_EXPERT = {"zaya"}
 # Shared experts' gammas normalised with the chosen experts' weights: forced ids change both.
 SHARED_GAMMAS = {"inkling_text"}
+# No gradient checkpointing (its PreTrainedModel says so): compiled only.
+NO_CHECKPOINTING = {"jetmoe"}
 
 
 def inputs(model, seed: int) -> dict:
@@ -136,6 +139,22 @@ def _detached(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
+def unsorted(module, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """JetMoE's `(index_sorted_experts, batch_index, batch_gates, expert_size, logits)` as its
+    experts use it, back to per-token `[T, K]` (ids, gates): expert e takes the next
+    expert_size[e] sorted pairs; pair p is token batch_index[p], slot index_sorted[p] % K."""
+    index_sorted, batch_index, gates, expert_size, logits = out[:5]
+    k = module.top_k
+    assert torch.equal(batch_index, index_sorted.div(k, rounding_mode="trunc"))
+    experts = torch.repeat_interleave(torch.arange(len(expert_size)), torch.tensor(expert_size))
+    ids = torch.empty_like(index_sorted)
+    weights = torch.empty_like(gates)
+    ids[index_sorted] = experts.to(ids.device)
+    weights[index_sorted] = gates
+    rows = logits.shape[0]
+    return ids.view(rows, k).detach().clone(), weights.view(rows, k).detach().clone()
+
+
 class ExpertsSpy:
     """The (ids, weights) each MoE layer's experts module is called with, and each router's
     output (as the MoE block gets it) and inputs (args, kwargs: Zaya's routers take the
@@ -162,9 +181,10 @@ class ExpertsSpy:
                         self._gammas(j), with_kwargs=True
                     )
                 )
-            self.handles.append(
-                parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
-            )
+            if not isinstance(router.output, outputs.Sorted):  # JetMoE: no experts call
+                self.handles.append(
+                    parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
+                )
             if router.method == "forward":
                 self.handles.append(
                     router.module.register_forward_hook(self._router(j), with_kwargs=True)
@@ -190,7 +210,10 @@ class ExpertsSpy:
     def _router(self, j):
         def hook(module, args, *rest):  # what the MoE block gets: forced, when replaying
             kwargs, out = rest if len(rest) == 2 else ({}, rest[0])
-            self.outs[j].append(tuple(o.detach().clone() for o in out[:3]))
+            if isinstance(self.moe.routers[j].output, outputs.Sorted):
+                self.calls[j].append(unsorted(module, out))
+                out = (out[4], None, None)  # what the block is scored from
+            self.outs[j].append(tuple(_detached(o) for o in out[:3]))
             args = tuple(a.detach().clone() for a in args)
             self.args[j].append((args, {k: _detached(v) for k, v in kwargs.items()}))
 
@@ -279,6 +302,8 @@ def test_forced_ids_reach_the_experts(family):
             expected = router.score(module, scores_TE, ids).to(weights.dtype)
         assert torch.equal(weights[~missing_T], expected[~missing_T])
         native_w, native_ids = native[:2] if pair else native[1:3]
+        if isinstance(router.output, outputs.Sorted):
+            native_ids, native_w = unsorted(module, native)
         assert weights.dtype == native_w.dtype
         assert torch.equal(ids[missing_T], native_ids[missing_T])
         assert torch.equal(weights[missing_T], native_w[missing_T])
@@ -390,17 +415,18 @@ def test_checkpointing_and_compile_see_the_forced_ids(family):
         return loss.detach(), spy
 
     eager, _ = run(lambda **kw: output(model, kw))
-    model.gradient_checkpointing_enable()
-    try:
-        ckpt, spy_ckpt = run(lambda **kw: output(model, kw))
-    finally:
-        model.gradient_checkpointing_disable()
-    assert torch.equal(eager, ckpt)
-    for j, (forced_T, want_TK) in enumerate(zip(forced_L, want_L, strict=True)):
-        calls = chosen(spy_ckpt, j)
-        assert len(calls) == 2  # the forward and its recompute
-        for got_TK in calls:
-            assert torch.equal(got_TK[forced_T], want_TK[forced_T])
+    if family not in NO_CHECKPOINTING:
+        model.gradient_checkpointing_enable()
+        try:
+            ckpt, spy_ckpt = run(lambda **kw: output(model, kw))
+        finally:
+            model.gradient_checkpointing_disable()
+        assert torch.equal(eager, ckpt)
+        for j, (forced_T, want_TK) in enumerate(zip(forced_L, want_L, strict=True)):
+            calls = chosen(spy_ckpt, j)
+            assert len(calls) == 2  # the forward and its recompute
+            for got_TK in calls:
+                assert torch.equal(got_TK[forced_T], want_TK[forced_T])
     compiled = torch.compile(lambda **kw: output(model, kw), backend="aot_eager")
     loss_c, spy_c = run(compiled)
     if family != "phimoe":  # its draws differ compiled

@@ -8,6 +8,7 @@ import torch
 from hf_configs import build, routers, tiny
 
 from routing_replay import RoutingLayout
+from routing_replay.model.adapters import find_routers
 
 
 def test_zaya_layout_counts_its_skip_expert():
@@ -26,3 +27,20 @@ def test_zaya_layout_counts_its_skip_expert():
         logits, weights, ids, _ = router(torch.randn(1, 3, 64))
     assert logits.shape == (3, layout.num_experts)
     assert ids.flatten().tolist() == [0, 0, 0] and weights.flatten().tolist() == [0, 0, 0]
+
+
+def test_jetmoe_layout_has_two_routed_layers_per_decoder_layer():
+    """JetMoE routes twice a decoder layer, in its mixture-of-attention and in its MLP (same
+    top-k and expert count): decoder layer i is routed layers 2i and 2i + 1."""
+    config = tiny("JetMoeConfig", num_hidden_layers=3)
+    layout = RoutingLayout.from_hf_config(config)
+    assert layout == RoutingLayout(6, 2, 8)
+    model = build("JetMoeModel", config)
+    found = routers(model, "JetMoeTopKGating")
+    assert [layer for layer, _ in found] == [0, 0, 1, 1, 2, 2]
+    moe = find_routers(model)
+    assert [r.layer for r in moe.routers] == list(layout.moe_layers)
+    parts = ("self_attention.experts.router", "mlp.router")
+    assert [r.name for r in moe.routers] == [f"layers.{i}.{p}" for i in range(3) for p in parts]
+    for router in moe.routers:  # one logit per expert
+        assert router.module.layer.weight.shape[0] == layout.num_experts

@@ -45,6 +45,7 @@ _SCORES: dict[str, ScoreFunction] = {
     ),
     "JambaTopKRouter": scores.softmax_at_ids,
     "ZayaRouter": scores.softmax_with_skip,
+    "JetMoeTopKGating": scores.topk_then_softmax,
     "InklingTopkRouter": scores.logsigmoid_with_shared,
     **dict.fromkeys(
         (
@@ -125,7 +126,12 @@ _OUTPUTS: dict[str, Any] = {
     "DbrxFFN": outputs.PAIR,
     "ZayaRouter": outputs.SKIP_EXPERT,
     "InklingTopkRouter": outputs.SHARED_GAMMAS,
+    "JetMoeTopKGating": outputs.SORTED,
 }
+# Router classes a decoder layer has several of, each its own routed layer of the layout:
+# decoder layer i's router under `layers.<i>.<part>` is layer `i * len(parts) + index(part)`
+# (`RoutingLayout.from_hf_config` counts them so).
+_SUBLAYERS: dict[str, tuple[str, ...]] = {"JetMoeTopKGating": ("self_attention.", "mlp.")}
 # The method that routes, where it is not the router module's forward: DBRX's MoE block
 # picks its experts from its router's logits in a method of its own.
 _METHODS: dict[str, str] = {"DbrxFFN": "route_tokens_to_experts"}
@@ -144,7 +150,6 @@ REFUSED: dict[str, str] = {
     "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
     "Ernie4_5_VLMoeMoeTopKRouter": _NOT_YET + "two routers a layer (text and image tokens)",
     "Inkling2LoopTopKRouter": _NOT_YET + "a looped layer's router runs several times a token",
-    "JetMoeTopKGating": _NOT_YET + "a sorted 5-tuple output, two routers a layer (MLP, attention)",
 }
 
 # Classes named like routers that are not MoE routers (gates of linear attention, of looped or
@@ -225,11 +230,20 @@ def find_routers(model: nn.Module) -> MoeModel:
                 f"router {name!r} is not inside a `layers.<i>` (or `blocks.<i>`) module list"
             )
         layer = int(match.group(1))
+        kind = type(module).__name__
+        parts = _SUBLAYERS.get(kind)
+        if parts is not None:
+            rest = name[match.end() :]
+            which = [i for i, part in enumerate(parts) if rest.startswith(part)]
+            if len(which) != 1:
+                raise UnsupportedModelError(
+                    f"router {name!r} is in none of its decoder layer's routed parts {parts}"
+                )
+            layer = layer * len(parts) + which[0]
         if layer in found:
             raise UnsupportedModelError(
                 f"layer {layer} has two routers: {found[layer].name!r} and {name!r}"
             )
-        kind = type(module).__name__
         output, method = _OUTPUTS.get(kind, outputs.TRIPLE), _METHODS.get(kind, "forward")
         found[layer] = Router(layer, name, module, score, output, method)
     unknown = [i for i in layout.moe_layers if i not in found]

@@ -7,9 +7,10 @@ the chosen experts' weights scattered into a `[T, E]` matrix (0 elsewhere) that 
 multiplies every expert's output by. `Pair`: DBRX's `(weights_TK, ids_TK)` from a method of
 its MoE block given the logits. `SkipExpert`: Zaya's triple, whose router rewrites its skip
 expert (id E, no compute) to id 0 with weight 0 before the experts see it. `SharedGammas`:
-Inkling's triple plus the shared experts' gammas, normalised with the chosen weights. A forced
-output keeps the rows whose routes are missing (`missing_T1`, or None when none is) as the
-router made them.
+Inkling's triple plus the shared experts' gammas, normalised with the chosen weights.
+`Sorted`: JetMoE's 5-tuple, the token-expert pairs sorted by expert. A forced output keeps
+the rows whose routes are missing (`missing_T1`, or None when none is) as the router made
+them.
 """
 
 from __future__ import annotations
@@ -197,6 +198,44 @@ class SharedGammas(Triple):
         return (scores_TE, weights_TK, ids_TK, gammas_TS, *output[4:])
 
 
+class Sorted:
+    """JetMoE's `(index_sorted_experts, batch_index, batch_gates, expert_size, logits_TE)`: the
+    T x K token-expert pairs sorted by expert (their flat index, their token, their gate), the
+    pairs per expert (a list of ints), and the float logits. The ids are the top-k of the
+    logits (the router's own op). Forced, the whole tuple is rebuilt from the forced ids (the
+    router's own on missing rows) with the router's ops: gates by the score function in the
+    router's dtype, counts per expert, the same sort of the flat ids."""
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        return torch.topk(output[4], module.top_k, dim=1).indices
+
+    def rows(self, output: tuple) -> Tensor:
+        return output[4]
+
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        return output[4], self.ids(module, output)
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+        args: tuple = (),
+    ) -> tuple:
+        logits_TE, native_gates = output[4], output[2]
+        if missing_T1 is not None:  # the router's own ids there: its own gates follow
+            ids_TK = torch.where(missing_T1, self.ids(module, output), ids_TK)
+        gates_TK = score(module, logits_TE, ids_TK).to(native_gates.dtype)
+        flat_N = ids_TK.flatten()
+        expert_size = torch.bincount(flat_N, minlength=module.num_experts).tolist()
+        _, index_sorted_N = flat_N.sort(0)
+        batch_index_N = index_sorted_N.div(module.top_k, rounding_mode="trunc")
+        batch_gates_N = gates_TK.flatten()[index_sorted_N]
+        return (index_sorted_N, batch_index_N, batch_gates_N, expert_size, logits_TE, *output[5:])
+
+
 def _merged(
     ids_TK: Tensor, weights_TK: Tensor, native_ids_TK: Tensor, native_w_TK: Tensor, missing_T1: Any
 ) -> tuple[Tensor, Tensor]:
@@ -214,3 +253,4 @@ PAIR: Any = Pair()
 SCATTER: Any = Scatter()
 SKIP_EXPERT: Any = SkipExpert()
 SHARED_GAMMAS: Any = SharedGammas()
+SORTED: Any = Sorted()
