@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -19,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+import routing_replay
 from routing_replay import RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
     CorruptStoreError,
@@ -653,3 +655,110 @@ def test_ids_that_are_not_utf8_and_reads_of_no_list_are_refused(name):
             s.read(None)
         assert len(s) == 0
         s.verify()
+
+
+def open_fds() -> set[int]:
+    return {int(f) for f in os.listdir("/proc/self/fd")}
+
+
+@pytest.mark.slow
+def test_a_create_stopped_at_any_line_leaves_nothing(name, tmp_path):
+    """KeyboardInterrupt at each line of package code a spilling `create` runs: no segment,
+    no spill directory, no descriptor stays, and the name can be created again (before: 26
+    stops left the segment with its owner lease held, so neither sweep nor create could use
+    the name until the process exited)."""
+    package = os.path.dirname(routing_replay.__file__)
+
+    def create_stopped_at(stop: int) -> tuple[int, RoutingStore | None]:
+        seen = 0
+
+        def tracer(frame, event, arg):
+            nonlocal seen
+            if not frame.f_code.co_filename.startswith(package):
+                return None
+            if event == "line":
+                seen += 1
+                if seen == stop:
+                    raise KeyboardInterrupt
+            return tracer
+
+        store = None
+        sys.settrace(tracer)
+        try:
+            store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        return seen, store
+
+    before = open_fds()
+    events, store = create_stopped_at(0)
+    store.close()
+    store.unlink()
+    assert events > 50 and store_dirs(tmp_path) == []
+    for stop in range(1, events + 1):
+        _, store = create_stopped_at(stop)
+        if store is not None:  # this run had fewer lines (e.g. a sweep found nothing)
+            store.close()
+            store.unlink()
+            continue
+        where = f"stopped at line event {stop}"
+        assert not os.path.exists(segment_path(name)), where
+        assert store_dirs(tmp_path) == [], where
+        if open_fds() != before:  # a handle cut short in its constructor: mmap's own fd
+            gc.collect()  # goes once the cycle of its half-made objects is collected
+        assert open_fds() == before, (
+            where,
+            {
+                f: os.readlink(f"/proc/self/fd/{f}")
+                for f in open_fds() - before
+                if os.path.exists(f"/proc/self/fd/{f}")
+            },
+        )
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
+        store.put("a", TINY.random_routes(np.random.default_rng(0), P))
+
+
+EMFILE_CHILD = """
+import os, resource, sys
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import RoutingReplayError
+name, spill_dir = sys.argv[1], sys.argv[2]
+layout = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+before = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+errors = []
+for spare in range(0, 8):  # the descriptors left free to create: every point of running out
+    limit = max(before) + 1 + spare
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        store = RoutingStore.create(name, layout, 32, page_tokens=8, spill_dir=spill_dir)
+    except RoutingReplayError as e:
+        errors.append(type(e).__name__)
+        continue
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    store.unlink()
+    store.close()
+    break
+left = [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+        if int(f) not in before and os.path.exists(f"/proc/self/fd/{f}")]
+print(repr((errors, left, os.path.exists("/dev/shm/rr_" + name), os.listdir(spill_dir))))
+"""
+
+
+def test_a_create_out_of_file_descriptors_says_so_and_leaves_nothing(name, tmp_path):
+    """Out of descriptors at each point of a spilling create: a StoreUnavailableError, no
+    descriptor, segment or directory left, then a create with one more succeeds (before: a
+    raw OSError from the spill directory's open, and the segment's descriptors leaked)."""
+    out = subprocess.run(
+        [sys.executable, "-c", EMFILE_CHILD, name, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    errors, left, segment_left, dirs = eval(out.stdout)
+    assert errors and set(errors) == {"StoreUnavailableError"}
+    assert (left, segment_left, dirs) == ([], False, [])

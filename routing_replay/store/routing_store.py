@@ -88,12 +88,26 @@ class RoutingStore:
 
     # -- life cycle -------------------------------------------------------------------
 
-    def __init__(self, segment: Segment, put_timeout: float) -> None:
-        self._core = StoreCore(segment, timeout_seconds(put_timeout, "put_timeout"))
-        self.layout = self._core.layout
-        self.node_id = self._core.node_id
-        self.page_tokens = self._core.page_tokens
-        self.capacity_tokens = self._core.capacity_tokens
+    def __init__(self, segment: Segment, put_timeout: float, users_fd: int | None = None) -> None:
+        # One line: a handle cut short here holds nothing (StoreCore takes the spill
+        # directory's lock last, or adopts `users_fd`), and one made is its caller's at once.
+        self._core = StoreCore(segment, timeout_seconds(put_timeout, "put_timeout"), users_fd)
+
+    @property
+    def layout(self) -> RoutingLayout:
+        return self._core.layout
+
+    @property
+    def node_id(self) -> str:
+        return self._core.node_id
+
+    @property
+    def page_tokens(self) -> int:
+        return self._core.page_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._core.capacity_tokens
 
     @property
     def put_timeout(self) -> float:
@@ -177,22 +191,23 @@ class RoutingStore:
             "node_id": node,
             "layout": layout_json,
         }
-        seg = Segment.create(name, offsets["end"], OWNER_LEASE)
+        seg = store = None
         spill_path, owner_fd = "", -1  # the dir's users lock until the handle holds its own
         try:
+            seg = Segment.create(name, offsets["end"], OWNER_LEASE)
             if spill_root:  # after the segment: a directory whose store is gone is an orphan
                 spill_path, owner_fd = make_spill_dir(spill_root, name, uid)
             initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
-            store = cls(seg, put_timeout)  # its handle takes its own shared lock on the dir
-            if owner_fd >= 0:
-                fd, owner_fd = owner_fd, -1
-                os.close(fd)
+            store = cls(seg, put_timeout, owner_fd)  # the handle adopts the dir's users lock
             return store
         except BaseException:
-            seg.unlink()  # nothing half-made stays behind
-            remove_spill_dir(spill_path)
-            if owner_fd >= 0:
+            if store is not None:  # made, then stopped: its lock on the directory goes
+                store._core.spill.close()
+            elif owner_fd >= 0:
                 os.close(owner_fd)
+            if seg is not None:
+                seg.discard()  # nothing half-made stays behind, no descriptor stays open
+            remove_spill_dir(spill_path)
             raise
 
     @classmethod

@@ -195,12 +195,10 @@ class Segment:
                 "the container more shared memory (docker run --shm-size=16g; Ray's object "
                 "store lives there too)"
             )
-        try:
+        fd = lock_fd = -1
+        mm = None
+        try:  # whatever stops it (an OSError, Ctrl-C), nothing it made stays
             fd = os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
-        except FileExistsError:
-            raise StoreUnavailableError(_exists_message(name, path)) from None
-        lock_fd = -1
-        try:
             os.fchmod(fd, SEGMENT_MODE)
             lock_fd = _reopen(fd)
             lease_try(lock_fd, owner_lease)  # a new file: nobody else can hold it
@@ -208,17 +206,20 @@ class Segment:
             # killing a writer with SIGBUS half-way through a put later.
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
-        except OSError as e:
-            for f in (fd, lock_fd):
-                if f >= 0:
-                    os.close(f)
-            os.unlink(path)
-            raise StoreUnavailableError(
-                f"could not allocate {size / 2**20:.1f} MiB in {SHM_DIR} for store {name!r} "
-                f"({e.strerror}): lower capacity_tokens or give the container more shared "
-                "memory (docker run --shm-size=...)"
-            ) from e
-        return cls(name, fd, lock_fd, mm, owner=True)
+            return cls(name, fd, lock_fd, mm, owner=True)
+        except BaseException as e:
+            if fd < 0:  # not ours: the name was taken, or nothing was made
+                if isinstance(e, FileExistsError):
+                    raise StoreUnavailableError(_exists_message(name, path)) from None
+            else:
+                _discard(path, mm, (fd, lock_fd))
+            if isinstance(e, OSError) and not isinstance(e, StoreUnavailableError):
+                raise StoreUnavailableError(
+                    f"could not allocate {size / 2**20:.1f} MiB in {SHM_DIR} for store "
+                    f"{name!r} ({e.strerror}): lower capacity_tokens or give the container "
+                    "more shared memory (docker run --shm-size=...)"
+                ) from e
+            raise
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -282,6 +283,13 @@ class Segment:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
+    def discard(self) -> None:
+        """Remove a segment whose creation failed, and give back its descriptors and leases
+        now (its mapping too, unless a view of it is still alive)."""
+        _discard(self.path, self.mmap, (self.fd, self._lock_fd))
+        self.fd = self._lock_fd = -1
+        _SEGMENTS.discard(self)
+
     def _forget_parents_locks(self) -> None:
         """In a forked child: close the lock description shared with the parent."""
         if self._lock_fd >= 0:
@@ -289,6 +297,19 @@ class Segment:
                 os.close(self._lock_fd)  # the parent's locks stay the parent's
         self._lock_fd = -1
         self.epoch = _fork_epoch
+
+
+def _discard(path: str, mm: mmap.mmap | None, fds: tuple[int, ...]) -> None:
+    """Unlink a half-made segment, close its descriptors, unmap it if no view is alive."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    for f in fds:
+        if f >= 0:
+            with contextlib.suppress(OSError):
+                os.close(f)
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
 
 
 def _reopen(fd: int) -> int:

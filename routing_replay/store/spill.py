@@ -250,13 +250,16 @@ class Spiller:
     same file. A thread that waits for another's spill then finds the room it made.
     """
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: StoreCore, users_fd: int | None = None) -> None:
         self.core = core
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
         self.error: OSError | None = None  # why the last spill could not write, if it failed
         self._cleaned = -CLEAN_EVERY_S  # when this handle last cleaned (time.monotonic)
-        self.users_fd = use_spill_dir(self.dir) if self.enabled else -1
+        # The handle's shared lock on the directory: its creator's (adopted), or its own.
+        if users_fd is None:
+            users_fd = use_spill_dir(self.dir) if self.enabled else -1
+        self.users_fd = users_fd
 
     @property
     def enabled(self) -> bool:
@@ -624,9 +627,10 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]
     lock: a shared flock on `USERS_FILE` in it that every handle of the store holds, seen by
     every process of the host whatever its /dev/shm (`sweep_spill_dirs` judges by it).
     Returns the path and the lock's descriptor, held until the new store's handle has its own."""
-    path = store_spill_dir(spill_dir, name, store_uid)
-    os.mkdir(path, DIR_MODE)
+    path = store_spill_dir(spill_dir, name, store_uid)  # ours alone: the store's uid names it
+    fd = -1
     try:
+        os.mkdir(path, DIR_MODE)
         os.chmod(path, DIR_MODE)  # whatever the umask
         # Locked under a name no sweep opens, then renamed: a sweep sees no users file (a
         # store being created) or a held one, never a free lock of a live store.
@@ -634,36 +638,53 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]
         fd = os.open(os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody else holds it
         os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
-    except BaseException:
-        remove_spill_dir(path)
+        return path, fd
+    except BaseException as e:
+        if fd >= 0:
+            os.close(fd)
+        for name_in_it in (USERS_FILE + ".new", USERS_FILE):  # all it can hold by now
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(path, name_in_it))
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # no descriptor needed: works out of them too (rmtree does not)
+        if isinstance(e, OSError):
+            raise StoreUnavailableError(
+                f"cannot make store {name!r}'s spill directory in {spill_dir} ({e}): check "
+                "the disk and this process's open file limit (ulimit -n); nothing was created"
+            ) from e
         raise
-    return path, fd
 
 
 def use_spill_dir(path: str) -> int:
     """A handle's shared lock on its store's directory (-1 if the directory is gone: its
     spilled samples then read as missing). A sweep probing the lock holds it exclusively for
     an instant: waited for, up to ATTACH_WAIT_S."""
-    try:
+    fd = -1
+    try:  # one try, no nested one: a stop at any line of it closes what it opened
         fd = os.open(os.path.join(path, USERS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return -1
-    deadline = time.monotonic() + ATTACH_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            if _same_file(fd, os.path.join(path, USERS_FILE)):
-                return fd
-            os.close(fd)  # a sweep took the directory away meanwhile
-            return -1
-        except BlockingIOError:
+        deadline = time.monotonic() + ATTACH_WAIT_S
+        while not _shared_lock(fd):
             if time.monotonic() >= deadline:
-                os.close(fd)
-                return -1
+                raise BlockingIOError("held by a sweep past the wait")
             time.sleep(0.001)
-        except BaseException:
+        if _same_file(fd, os.path.join(path, USERS_FILE)):
+            return fd
+        raise FileNotFoundError("a sweep took the directory away meanwhile")
+    except BaseException as e:
+        if fd >= 0:
             os.close(fd)
-            raise
+        if isinstance(e, OSError):
+            return -1
+        raise
+
+
+def _shared_lock(fd: int) -> bool:
+    """Take a shared flock on `fd` without waiting; whether it was free of exclusive ones."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def check_dir(path: str) -> None:
