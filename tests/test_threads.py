@@ -24,6 +24,7 @@ actor reads and releases through the node's store actor (whose threads share its
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -458,3 +459,62 @@ def test_a_handle_closed_while_another_thread_calls_it(name):
     owner.verify()
     owner.close()
     owner.unlink()
+
+
+def test_the_client_closes_a_dead_stores_handle_once_its_last_call_ends(name):
+    """The Ray client's cache (`node_store`, `fetch_batch`): a store is re-created while a
+    thread's read on the old handle is in flight. The next attach does not wait for that read,
+    and once it ends the old handle is closed, its descriptors given back (before: close gave
+    up after the put timeout under the cache's lock, and the handle was dropped unclosed, its
+    descriptors on the removed segment open for the life of the process)."""
+    from routing_replay.ray import client
+
+    def on_removed_segment() -> list[str]:
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [t for t in targets if name in t and t.endswith("(deleted)")]
+
+    owner = RoutingStore.create(name, LAYOUT, 256, page_tokens=8)
+    old = client.attached(name, LAYOUT)
+    ref = old.put("a", LAYOUT.random_routes(np.random.default_rng(0), 10))
+    in_read, finish = threading.Event(), threading.Event()
+
+    def slow_read() -> None:
+        def tracer(frame, event, arg):
+            if frame.f_code.co_name == "batch" and frame.f_code.co_filename.endswith("read.py"):
+                in_read.set()
+                finish.wait(30)
+            return None
+
+        sys.settrace(tracer)
+        try:
+            old.read([ref])
+        except StoreUnavailableError:
+            pass
+        finally:
+            sys.settrace(None)
+
+    reader = threading.Thread(target=slow_read)
+    reader.start()
+    new = None
+    try:
+        assert in_read.wait(30)
+        owner.close()
+        owner.unlink()  # its store actor died; another one made the store again
+        new = RoutingStore.create(name, LAYOUT, 256, page_tokens=8)
+        handle = client.attached(name, LAYOUT)
+        assert handle is not old and old in client._closing  # not waited for: kept to close
+        finish.set()
+        reader.join()
+        assert client.attached(name, LAYOUT) is handle  # a later call closes the old one
+        assert old not in client._closing and on_removed_segment() == []
+    finally:
+        finish.set()
+        reader.join()
+        if name in client._attached:
+            client._close([client._attached.pop(name)])
+        if new is not None:
+            new.close()
+            new.unlink()

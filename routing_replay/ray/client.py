@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from routing_replay.errors import LayoutMismatchError, StoreUnavailableError
+from routing_replay.errors import LayoutMismatchError, StoreBusyError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
 from routing_replay.ray.actor import (
     DEFAULT_CAPACITY_TOKENS,
@@ -102,13 +102,13 @@ def _close_dead() -> None:
 
 
 def _close(stores: list[RoutingStore]) -> list[RoutingStore]:
-    """Close each store; those still viewed (by an operation of another thread) are
-    returned, to be closed at a later call."""
+    """Close each store without waiting; those still in use (a call of another thread on
+    the handle, or a view of it) are returned, to be closed at a later call."""
     busy = []
     for store in stores:
         try:
-            store.close()
-        except BufferError:
+            store.close(timeout=0)
+        except (BufferError, StoreBusyError):  # StoreBusyError is an OSError: caught first
             busy.append(store)
         except OSError:
             pass  # closed half-way already: nothing left to give back
