@@ -182,6 +182,26 @@ class Reader:
     def release(self, refs: list) -> int:
         return release_refs(refs)
 
+    def fetch_releasing_meanwhile(self, refs: list, taken: list) -> tuple[list, list[str]]:
+        """fetch_batch(refs, release=True) while another consumer releases `taken` between
+        the read and the release (at the release's first line): routes, warnings."""
+        import warnings
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_release_read":
+                sys.settrace(None)
+                release_refs(taken)
+            return None
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sys.settrace(tracer)
+            try:
+                batch = fetch_batch(refs, release=True)
+            finally:
+                sys.settrace(None)
+        return [r.numpy() for r in _split(batch)], [str(w.message) for w in caught]
+
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -626,6 +646,31 @@ def shm_usage(job: str) -> tuple[int, dict[str, int]]:
         if f.startswith(f"rr_{job}."):
             mine[f] = os.stat(os.path.join(SHM_DIR, f)).st_blocks * 512
     return (st.f_blocks - st.f_bfree) * st.f_frsize, mine
+
+
+def test_release_true_across_stores_never_costs_a_read_batch(cluster):
+    # A sample named twice is refused before anything is read (before: read, then the
+    # release of the first store went through and the second refused the duplicate, so
+    # the batch was lost with the first store's samples released). A store that cannot
+    # release after the whole read (another consumer released its sample meanwhile) costs
+    # nothing: the batch comes back whole, a warning names what could not be released.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    a = ray.get(ray.remote(Writer).options(**on(head)).remote(job).put.remote([1, 2], "a"))
+    b = ray.get(ray.remote(Writer).options(**on(other)).remote(job).put.remote([3], "b"))
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    for call in (reader.fetch.remote, functools.partial(reader.dataset.remote, layout=LAYOUT)):
+        with pytest.raises(InvalidArgumentError, match=r"names samples \['b3'\] more than once"):
+            ray.get(call([*a, *b, *b], release=True))
+    for i, routes in zip((1, 2, 3), ray.get(reader.fetch.remote([*a, *b])), strict=True):
+        np.testing.assert_array_equal(routes, sample_routes(i))  # nothing was released
+    got, warned = ray.get(reader.fetch_releasing_meanwhile.remote([*a, *b], b))
+    for i, routes in zip((1, 2, 3), got, strict=True):
+        np.testing.assert_array_equal(routes, sample_routes(i))
+    assert len(warned) == 1 and "could not release 1 of them (first ['b3'])" in warned[0]
+    stats = ray.get([actor.stats.remote() for actor in store_actors(job).values()])
+    assert sum(s["samples"] for s in stats) == 0  # a's released by the call, b's meanwhile
+    shutdown_node_stores(job)
 
 
 def test_fifty_steps_of_put_read_release_return_shm_to_start(cluster):

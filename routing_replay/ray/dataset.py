@@ -21,7 +21,8 @@ Ray is imported inside the functions: `import routing_replay` works without Ray.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -169,10 +170,14 @@ def fetch_batch(
     With `out` (reused memory, as in `RoutingStore.read`) the batch is built there: refs of
     one same-node store are read straight into it, anything else is copied in once built.
     With `release=True` the samples are released once *all* of them were read: a read that
-    fails (a lost store, a released sample) raises and leaves every sample stored.
+    fails (a lost store, a released sample) raises and leaves every sample stored, and a
+    sample named twice is refused before anything is read. A store that then fails to
+    release costs no sample: the batch is returned, with a RuntimeWarning naming what stays.
     """
     _no_staleness_args("fetch_batch", policy_version, max_staleness)
     refs = _refs_list(refs, "fetch_batch")
+    if release:
+        _check_once(refs, "fetch_batch")
     _check_ranges(ranges, refs)
     here = current_node_id()
     groups = _by_store(refs)
@@ -211,7 +216,7 @@ def fetch_batch(
     if out is not None and direct is None:
         batch = copy_into(batch, out)
     if release:
-        release_refs(refs)  # every sample was read: now, and only now, they go
+        _release_read(refs, "fetch_batch")  # every sample was read: now, and only now, they go
     return batch
 
 
@@ -249,6 +254,8 @@ def read_dataset(
     _no_staleness_args("read_dataset", policy_version, max_staleness)
     refs = _refs_list(refs, "read_dataset")
     _check_ranges(ranges, refs)
+    if release:
+        _check_once(refs, "read_dataset")
     here = None if _is_driver() else current_node_id()
     blocks, block_groups = [], []
     local_tables = []
@@ -268,30 +275,75 @@ def read_dataset(
     # return of each read (its row count), not for the table, which stays on its node.
     _get([m for _, m in blocks], block_groups)
     if release:
-        release_refs(refs)  # every block was read into the object store
+        _release_read(refs, "read_dataset")  # every block was read into the object store
     return ray.data.from_arrow_refs(local_tables + [b for b, _ in blocks])
 
 
 def release_refs(refs: Iterable[RoutingRef]) -> int:
-    """Release consumed samples from their stores (local ones directly); returns how many."""
+    """Release consumed samples from their stores (local ones directly); returns how many.
+
+    Each store releases its samples all or none; every store is asked, and the first
+    store's error is raised after the others released theirs."""
     refs = list(refs)
-    if not refs:
-        return 0
-    here = None if _is_driver() else current_node_id()
-    groups = _by_store(refs)
-    pending, pending_groups = [], []
-    for indices in groups.values():
-        group = [refs[i] for i in indices]
-        if group[0].node_id == here:
-            try:
-                attached(group[0].store).release(group)
-            except StoreUnavailableError:
-                raise lost_error(group, "its segment is gone from this node") from None
-        else:
-            pending.append(_actor_for(group).release.remote(group))
-            pending_groups.append(group)
-    _get(pending, pending_groups)
+    failed = _release_each_store(refs)
+    if failed:
+        raise failed[0][1]
     return len(refs)
+
+
+def _release_each_store(refs: list[RoutingRef]) -> list[tuple[list[RoutingRef], Exception]]:
+    """Release `refs` store by store (remote stores at once); the stores that failed, and why."""
+    if not refs:
+        return []
+    here = None if _is_driver() else current_node_id()
+    failed: list[tuple[list[RoutingRef], Exception]] = []
+    pending, pending_groups = [], []
+    for indices in _by_store(refs).values():
+        group = [refs[i] for i in indices]
+        try:
+            if group[0].node_id == here:
+                try:
+                    attached(group[0].store).release(group)
+                except StoreUnavailableError:
+                    raise lost_error(group, "its segment is gone from this node") from None
+            else:
+                pending.append(_actor_for(group).release.remote(group))
+                pending_groups.append(group)
+        except RoutingReplayError as e:
+            failed.append((group, e))
+    for obj, group in zip(pending, pending_groups, strict=True):
+        try:
+            _get([obj], [group])
+        except RoutingReplayError as e:
+            failed.append((group, e))
+    return failed
+
+
+def _check_once(refs: list[RoutingRef], caller: str) -> None:
+    """`release=True` releases every sample read: each may be named once only."""
+    seen = Counter((r.store, r.sample_id) for r in refs)
+    twice = sorted(sid for (_, sid), n in seen.items() if n > 1)
+    if twice:
+        raise InvalidArgumentError(
+            f"{caller}(..., release=True) names samples {twice[:5]} more than once: a sample "
+            "is released once; pass each ref once (nothing was read or released)"
+        )
+
+
+def _release_read(refs: list[RoutingRef], caller: str) -> None:
+    """Release what a call read whole. A store that fails costs no sample: the read is
+    returned, and a RuntimeWarning names the samples left stored and why."""
+    failed = _release_each_store(refs)
+    if failed:
+        kept = [r.sample_id for group, _ in failed for r in group]
+        why = "; ".join(f"{group[0].store}: {e}" for group, e in failed)
+        warnings.warn(
+            f"{caller}(..., release=True) read all {len(refs)} samples but could not release "
+            f"{len(kept)} of them (first {kept[:5]}): {why}. The batch is whole; release those "
+            "with release_refs once their stores answer",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 class _RoutesCollate:
