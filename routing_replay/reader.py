@@ -129,7 +129,7 @@ def to_torch(
             f"attention_mask must be [batch={len(lengths)}, seq_len], got {tuple(mask.shape)}"
         )
     counts = mask.sum(1).numpy()
-    starts = mask.int().argmax(1).numpy()
+    starts = mask.int().argmax(1).numpy() if mask.shape[1] else np.zeros(len(mask), np.int64)
     for b, (n, start) in enumerate(zip(lengths, starts, strict=True)):
         if counts[b] != n or not bool(mask[b, start : start + n].all()):
             raise InvalidRoutesError(

@@ -94,7 +94,13 @@ def _token_ids_array(
 
 def output_buffer(out: Any, nbytes: int) -> pa.Buffer:
     """The first `nbytes` of caller-provided memory as a writable Arrow buffer (no copy)."""
-    arr = np.asarray(out)
+    try:
+        arr = np.asarray(out)
+    except (TypeError, ValueError, RuntimeError) as e:  # a GPU or meta tensor, an object
+        raise InvalidArgumentError(
+            f"out must be host memory numpy can view (a CPU tensor, an array, a bytearray), "
+            f"got {type(out).__name__} ({e}): read into host memory, then copy to the device"
+        ) from None
     if not (arr.flags.c_contiguous and arr.flags.writeable) or arr.nbytes < nbytes:
         raise InvalidArgumentError(
             f"out must be writable, C-contiguous memory of at least {nbytes} bytes (the "

@@ -138,7 +138,7 @@ def test_token_checks_work_on_slices(group):
         ([(0.5, 2)], "pair of ints >= 0"),
         (["0:2"], "pair of ints >= 0"),
         ([[]], "pair of ints >= 0"),
-        ([(0, 2), (0, 2)], "2 entries for 1 samples"),
+        ([(0, 2), (0, 2)], "2 entries for 1 refs"),
     ],
 )
 def test_bad_ranges_raise_and_change_nothing(group, ranges, words):
@@ -185,3 +185,17 @@ def test_the_wire_form_of_ranges_ships_only_their_tokens(group):
     # "bare" its 4-8 (5). Nothing else.
     assert len(wire.routes) == 5 + 6 + 6 + 5
     assert wire.batch().equals(store.read(refs, ranges=ranges))
+
+
+def test_ranges_from_a_generator_and_out_in_device_memory(group):
+    """A generator of ranges reads as its list (before: a raw TypeError); `out` numpy cannot
+    view (a meta or GPU tensor) is an InvalidArgumentError saying what to pass."""
+    store, refs, _ = group
+    pairs = [(0, 3), (1, 5)]
+    assert store.read(refs[:2], ranges=(p for p in pairs)).equals(
+        store.read(refs[:2], ranges=pairs)
+    )
+    with pytest.raises(InvalidArgumentError, match="one entry per ref, got int"):
+        store.read(refs[:2], ranges=3)
+    with pytest.raises(InvalidArgumentError, match="out must be host memory numpy can view"):
+        store.read(refs[:1], out=torch.empty(1 << 14, dtype=torch.uint8, device="meta"))

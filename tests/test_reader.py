@@ -153,3 +153,12 @@ def test_a_tensor_never_writes_into_memory_it_does_not_own(store):
     own = to_torch(local)  # this process's own read: a view of its buffer
     values = local.column("routed_experts").flatten().flatten()
     assert own.data_ptr() == values.buffers()[1].address + values.offset
+
+
+def test_an_empty_sequence_dimension_is_a_batch_of_empty_rows(store):
+    """Rows read with no tokens against a `[B, 0]` mask: `[B, 0, L, K]` (before: a raw
+    IndexError from the mask's argmax)."""
+    refs = [store.put(sid, LAYOUT.random_routes(np.random.default_rng(7), 4)) for sid in "ab"]
+    batch = store.read(refs, ranges=[(0, 0), (2, 2)])
+    padded = to_torch(batch, attention_mask=torch.ones(2, 0))
+    assert tuple(padded.shape) == (2, 0, LAYOUT.num_moe_layers, LAYOUT.top_k)

@@ -51,6 +51,7 @@ from routing_replay.schema import (
     routes_schema,
 )
 from routing_replay.store import Part, RoutingRef
+from routing_replay.store.refs import ranges_per_ref
 
 if TYPE_CHECKING:
     import ray.data
@@ -137,13 +138,6 @@ def _no_staleness_args(what: str, policy_version: Any, max_staleness: Any) -> No
         )
 
 
-def _check_ranges(ranges: Sequence[Any] | None, refs: list[RoutingRef]) -> None:
-    if ranges is not None and len(ranges) != len(refs):
-        raise InvalidArgumentError(
-            f"ranges has {len(ranges)} entries for {len(refs)} refs: one per ref"
-        )
-
-
 def _refs_list(refs: Sequence[RoutingRef], what: str) -> list[RoutingRef]:
     refs = list(refs)
     if not refs:
@@ -178,7 +172,7 @@ def fetch_batch(
     refs = _refs_list(refs, "fetch_batch")
     if release:
         _check_once(refs, "fetch_batch")
-    _check_ranges(ranges, refs)
+    ranges = ranges_per_ref(ranges, len(refs))
     here = current_node_id()
     groups = _by_store(refs)
 
@@ -253,7 +247,7 @@ def read_dataset(
 
     _no_staleness_args("read_dataset", policy_version, max_staleness)
     refs = _refs_list(refs, "read_dataset")
-    _check_ranges(ranges, refs)
+    ranges = ranges_per_ref(ranges, len(refs))
     if release:
         _check_once(refs, "read_dataset")
     here = None if _is_driver() else current_node_id()

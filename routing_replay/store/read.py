@@ -43,6 +43,7 @@ from routing_replay.store.refs import (
     as_list,
     check_part,
     check_store,
+    ranges_per_ref,
     resolve,
     sample_id_bytes,
     token_ranges,
@@ -215,10 +216,7 @@ class ReadPlan:
         return [range(span.start + a, span.start + b) for a, b in pairs]
 
     def _request(self, part: Part, ranges: Sequence[Any] | None) -> Request:
-        if ranges is not None and len(ranges) != len(self.ids):
-            raise InvalidArgumentError(
-                f"ranges has {len(ranges)} entries for {len(self.ids)} samples: one per ref"
-            )
+        ranges = ranges_per_ref(ranges, len(self.ids))
         pieces = [
             self.pieces(i, part, None if ranges is None else ranges[i])
             for i in range(len(self.ids))

@@ -251,6 +251,21 @@ def resolve(
     return slots
 
 
+def ranges_per_ref(ranges: Any, count: int) -> list | None:
+    """A read's `ranges=` as a list of one entry per ref (any iterable: a generator too)."""
+    if ranges is None:
+        return None
+    try:
+        ranges = list(ranges)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"ranges must hold one entry per ref, got {type(ranges).__name__}"
+        ) from None
+    if len(ranges) != count:
+        raise InvalidArgumentError(f"ranges has {len(ranges)} entries for {count} refs: one each")
+    return ranges
+
+
 def token_ranges(value: Any, length: int, sample_id: str) -> list[tuple[int, int]]:
     """One sample's `ranges=` entry as `(start, stop)` pairs over its `length` positions: a
     pair, or a sequence of pairs (context parallel gives a rank two chunks), rising and
