@@ -25,8 +25,7 @@ from transformers import (
 )
 
 from routing_replay import RoutingLayout
-from routing_replay.errors import InvalidRoutesError
-from routing_replay.errors import InvalidArgumentError
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
 
 
 @pytest.mark.parametrize(
