@@ -253,8 +253,8 @@ def find_routers(model: nn.Module) -> MoeModel:
             f"({_describe_layer(model, unknown[0])}); replay knows {len(_SCORES)} router classes "
             "(routing_replay.model.adapters.known_routers()). "
             "Replay would silently route natively; register the router's score function with "
-            "routing_replay.register_router(class_name, score) if its forward returns "
-            "(logits, weights, ids)."
+            "routing_replay.model.adapters.register_router(class_name, score) if its forward "
+            "returns (logits, weights, ids)."
         )
     extra = sorted(set(found) - set(layout.moe_layers))
     if extra:
