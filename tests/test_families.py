@@ -21,6 +21,8 @@ from routing_replay.model import outputs
 from routing_replay.model.adapters import find_routers
 from routing_replay.validate import MISSING
 
+TOP_K = 2  # tiny_families' top-k
+
 B, S = 2, 8
 # model type -> its router class (all token-choice top-k, forward -> (logits, weights, ids)).
 FAMILIES = {
@@ -33,6 +35,7 @@ FAMILIES = {
     "deepseek_ocr2_text": "DeepseekOcr2TextTopkRouter",
     "dots3_note_text": "Dots3NoteTextTopkRouter",
     "ergo": "ErgoTopkRouter",
+    "ernie4_5_vl_moe_text": "Ernie4_5_VLMoeMoeTopKRouter",
     "flint": "FlintTopKRouter",
     "gemma4_text": "Gemma4TextRouter",
     "glm4v_moe_text": "Glm4vMoeTextTopkRouter",
@@ -367,6 +370,135 @@ def test_zaya_capture_records_the_skip_expert_the_router_rewrites():
     assert (want == skip).any() and (want == 0).any()
     with replay(model, routes, layout=cap.layout), torch.no_grad():
         assert torch.equal(output(model, kwargs), native)
+
+
+# ERNIE 4.5 VL: each MoE layer has a text router and a vision router; its block routes the
+# tokens of type 0 by the first, the others (image, video) by the second.
+ERNIE = "ernie4_5_vl_moe_text"
+
+
+def ernie_types() -> torch.Tensor:
+    """`moe_mm_token_type_ids` of a batch with image tokens (1) and video tokens (2)."""
+    types = torch.zeros(B, S, dtype=torch.long)
+    types[0, 2:6] = 1
+    types[1, 5:] = 2
+    return types
+
+
+def ernie_spy(model):
+    """Per MoE layer and part (0: text, 1: vision): the (ids, weights) its experts get, and the
+    router's args. Returns (calls, args, handles)."""
+    moe = find_routers(model)
+    calls, args, handles = {}, {}, []
+    for router in moe.all_routers:
+        key = (moe.slot(router), router.rows.part)
+        calls[key], args[key] = [], []
+        block = model.get_submodule(router.name.rsplit(".", 1)[0])
+
+        def experts(module, a, kwargs, key=key):
+            calls[key].append((a[1].detach().clone(), a[2].detach().clone()))
+
+        def gate(module, a, out, key=key):
+            args[key].append(a[0].detach().clone())
+
+        handles.append(block.experts.register_forward_pre_hook(experts, with_kwargs=True))
+        handles.append(router.module.register_forward_hook(gate))
+    return calls, args, handles
+
+
+@pytest.mark.slow
+def test_ernie_vl_routes_each_token_by_its_types_router():
+    """Image and video tokens in the batch: capture records each token's route from the router
+    that routed it, the recorded routes replayed give the native output bit for bit, and forced
+    ids reach each router's experts on its own tokens (missing rows: that router's own)."""
+    model = tiny_family_model(ERNIE)
+    moe = find_routers(model)
+    assert [r.rows.part for r in moe.routers] == [0, 0] and len(moe.extra) == 2
+    types = ernie_types()
+    vision_N = types.reshape(-1) != 0
+    kwargs = {**inputs(model, seed=1), "moe_mm_token_type_ids": types}
+    calls, args, handles = ernie_spy(model)
+    try:
+        with capture(model) as cap, torch.no_grad():
+            native = output(model, kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    routes = torch.from_numpy(np.stack(cap.routes()))
+    flat = routes.reshape(B * S, 2, TOP_K).long()
+    for j in range(2):  # each part's rows hold its own router's choice
+        for part, rows_N in ((0, ~vision_N), (1, vision_N)):
+            ((ids, _),) = calls[j, part]
+            assert torch.equal(flat[rows_N, j], ids)
+    with replay(model, routes, layout=cap.layout), torch.no_grad():
+        assert torch.equal(output(model, kwargs), native)
+
+    forced = random_routes(moe.layout, seed=3, missing=0.3)
+    calls, args, handles = ernie_spy(model)
+    try:
+        with replay(model, forced, layout=moe.layout), torch.no_grad():
+            replayed = output(model, kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not torch.equal(replayed, native)
+    flat = forced.reshape(B * S, 2, TOP_K).long()
+    for router in moe.all_routers:
+        j, part = moe.slot(router), router.rows.part
+        rows_N = vision_N if part else ~vision_N
+        forced_TK = flat[rows_N, j]
+        missing_T = (forced_TK == MISSING).any(-1)
+        assert 0 < int(missing_T.sum()) < len(missing_T)
+        ((ids, weights),) = calls[j, part]
+        (hidden,) = args[j, part]
+        with torch.no_grad():
+            logits, native_w, native_ids = type(router.module).forward(router.module, hidden)
+        expected = router.score(router.module, logits, forced_TK.clamp(min=0))
+        assert torch.equal(ids[~missing_T], forced_TK[~missing_T])
+        assert torch.equal(weights[~missing_T], expected[~missing_T])
+        assert torch.equal(ids[missing_T], native_ids[missing_T])
+        assert torch.equal(weights[missing_T], native_w[missing_T])
+
+
+@pytest.mark.slow
+def test_ernie_vl_both_routers_get_gradients_and_checkpointing_and_compile_see_the_ids():
+    model = tiny_family_model(ERNIE).train()
+    moe = find_routers(model)
+    kwargs = {**inputs(model, seed=6), "moe_mm_token_type_ids": ernie_types()}
+    vision_N = kwargs["moe_mm_token_type_ids"].reshape(-1) != 0
+    routes = random_routes(moe.layout, seed=7, missing=0.25)
+    flat = routes.reshape(B * S, 2, TOP_K).long()
+
+    def run(fn):
+        model.zero_grad()
+        calls, _, handles = ernie_spy(model)
+        try:
+            with replay(model, routes, layout=moe.layout):
+                loss = fn(**kwargs).float().square().mean()
+                loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return loss.detach(), calls
+
+    eager, _ = run(lambda **kw: output(model, kw))
+    for router in moe.all_routers:
+        assert router.module.weight.grad.abs().sum() > 0, router.name
+    model.gradient_checkpointing_enable()
+    try:
+        ckpt, calls_ckpt = run(lambda **kw: output(model, kw))
+    finally:
+        model.gradient_checkpointing_disable()
+    compiled, calls_c = run(torch.compile(lambda **kw: output(model, kw), backend="aot_eager"))
+    assert torch.equal(eager, ckpt)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for calls, count in ((calls_ckpt, 2), (calls_c, 1)):  # checkpointed: forward, recompute
+        for (j, part), got in calls.items():
+            forced_TK = flat[vision_N if part else ~vision_N, j]
+            forced_T = (forced_TK != MISSING).all(-1)
+            assert len(got) == count
+            for ids, _ in got:
+                assert torch.equal(ids[forced_T], forced_TK[forced_T])
 
 
 def test_router_weights_get_gradients(family):

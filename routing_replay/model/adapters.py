@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
-from routing_replay.errors import LayoutMismatchError, UnsupportedModelError
+from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model import outputs, scores
 from routing_replay.model.scores import ScoreFunction
@@ -57,6 +57,7 @@ _SCORES: dict[str, ScoreFunction] = {
         scores.softmax_scaled,
     ),
     "Ernie4_5_MoeTopKRouter": scores.softmax_clamped_renorm,
+    "Ernie4_5_VLMoeMoeTopKRouter": scores.softmax_clamped_renorm,
     "Mistral4TopkRouter": scores.softmax_eps_renorm_scaled,
     "MistralLarge4TextTopkRouter": scores.softmax_eps_renorm_scaled,
     "Gemma4TextRouter": scores.probs_renorm_per_expert_scale,
@@ -132,6 +133,13 @@ _OUTPUTS: dict[str, Any] = {
 # decoder layer i's router under `layers.<i>.<part>` is layer `i * len(parts) + index(part)`
 # (`RoutingLayout.from_hf_config` counts them so).
 _SUBLAYERS: dict[str, tuple[str, ...]] = {"JetMoeTopKGating": ("self_attention.", "mlp.")}
+# Router classes a decoder layer has several of, each routing its own tokens of the layer (a
+# token goes through exactly one, so one route per token and layer still): the decoder's
+# per-token type argument, and the routers' parts by type (ERNIE 4.5 VL: text tokens, type 0,
+# by `text_moe.gate`; image and video tokens, nonzero, by `vision_moe.gate`).
+_ROW_SPLITS: dict[str, tuple[str, tuple[str, str]]] = {
+    "Ernie4_5_VLMoeMoeTopKRouter": ("moe_mm_token_type_ids", ("text_moe.", "vision_moe."))
+}
 # The method that routes, where it is not the router module's forward: DBRX's MoE block
 # picks its experts from its router's logits in a method of its own.
 _METHODS: dict[str, str] = {"DbrxFFN": "route_tokens_to_experts"}
@@ -148,7 +156,6 @@ REFUSED: dict[str, str] = {
     "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline, with no router module",
     "DiffusionGemmaTextRouter": _NOT_YET + "an encoder and a decoder stack route apart",
     "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
-    "Ernie4_5_VLMoeMoeTopKRouter": _NOT_YET + "two routers a layer (text and image tokens)",
     "Inkling2LoopTopKRouter": _NOT_YET + "a looped layer's router runs several times a token",
 }
 
@@ -179,6 +186,40 @@ def register_router(class_name: str, score: ScoreFunction) -> None:
 
 
 @dataclass(frozen=True)
+class RowSplit:
+    """Which of its layer's tokens a router routes, where a layer has one router per token type:
+    `part` 0 routes the tokens whose type (the decoder's `kwarg`, `[*batch]`) is 0, and every
+    token when no type is given or none is nonzero; `part` 1 the tokens of nonzero type (ERNIE
+    4.5 VL's MoE block splits its tokens so, the text router's first)."""
+
+    kwarg: str
+    part: int
+
+
+def split_rows(types: Any) -> tuple[Tensor, Tensor] | None:
+    """The flat rows (batch order) of type 0 and of nonzero type, or None where the first router
+    routes every row (no types, or none nonzero: the MoE block then routes all by the first)."""
+    if not isinstance(types, Tensor):
+        return None
+    nonzero_N = types.reshape(-1).bool()
+    if not bool(nonzero_N.any()):  # the block's own test
+        return None
+    return (~nonzero_N).nonzero().squeeze(1), nonzero_N.nonzero().squeeze(1)
+
+
+def rows_of(split: RowSplit | None, rows: tuple[Tensor, Tensor] | None) -> Tensor | None:
+    """A router's rows of the batch given `split_rows`' answer (None: every row)."""
+    if split is None or rows is None:
+        if split is not None and split.part != 0:
+            raise InvalidRoutesError(
+                "a router of nonzero token types was called while the decoder was given no "
+                f"nonzero {split.kwarg!r}: its rows are unknown"
+            )
+        return None
+    return rows[split.part]
+
+
+@dataclass(frozen=True)
 class Router:
     """One MoE router of a model: its global layer index, module path, module and score function."""
 
@@ -188,6 +229,7 @@ class Router:
     score: ScoreFunction
     output: Any = outputs.TRIPLE  # an output form of `outputs`: where the choice is
     method: str = "forward"  # the module's method that returns it
+    rows: RowSplit | None = None  # its part of the layer's tokens, where it routes a part
 
 
 @dataclass(frozen=True)
@@ -195,8 +237,22 @@ class MoeModel:
     """A model's routing layout, its routers in layout order, and the module running the layers."""
 
     layout: RoutingLayout
-    routers: tuple[Router, ...]
+    routers: tuple[Router, ...]  # one a MoE layer (where a layer splits its tokens: part 0's)
     decoder: nn.Module
+    extra: tuple[Router, ...] = ()  # the other routers of layers that split their tokens
+
+    @property
+    def all_routers(self) -> tuple[Router, ...]:
+        return (*self.routers, *self.extra)
+
+    @property
+    def row_kwarg(self) -> str | None:
+        """The decoder's per-token type argument that splits a layer's tokens, if any."""
+        return next((r.rows.kwarg for r in self.routers if r.rows is not None), None)
+
+    def slot(self, router: Router) -> int:
+        """The router's index among the MoE layers (the L of the routes)."""
+        return self.layout.moe_layers.index(router.layer)
 
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # decoder layers (DBRX: blocks)
@@ -220,6 +276,7 @@ def find_routers(model: nn.Module) -> MoeModel:
     except (ValueError, AttributeError) as err:
         raise UnsupportedModelError(f"{type(model).__name__} is not an MoE model: {err}") from err
     found: dict[int, Router] = {}
+    extra: list[Router] = []
     for name, module in modules:
         score = _SCORES.get(type(module).__name__)
         if score is None:
@@ -240,12 +297,26 @@ def find_routers(model: nn.Module) -> MoeModel:
                     f"router {name!r} is in none of its decoder layer's routed parts {parts}"
                 )
             layer = layer * len(parts) + which[0]
+        split = None
+        if kind in _ROW_SPLITS:
+            kwarg, parts = _ROW_SPLITS[kind]
+            rest = name[match.end() :]
+            which = [i for i, part in enumerate(parts) if part in rest]
+            if len(which) != 1:
+                raise UnsupportedModelError(
+                    f"router {name!r} is in none of its decoder layer's token parts {parts}"
+                )
+            split = RowSplit(kwarg, which[0])
+        output, method = _OUTPUTS.get(kind, outputs.TRIPLE), _METHODS.get(kind, "forward")
+        router = Router(layer, name, module, score, output, method, split)
+        if split is not None and split.part != 0:
+            extra.append(router)
+            continue
         if layer in found:
             raise UnsupportedModelError(
                 f"layer {layer} has two routers: {found[layer].name!r} and {name!r}"
             )
-        output, method = _OUTPUTS.get(kind, outputs.TRIPLE), _METHODS.get(kind, "forward")
-        found[layer] = Router(layer, name, module, score, output, method)
+        found[layer] = router
     unknown = [i for i in layout.moe_layers if i not in found]
     if unknown:
         raise UnsupportedModelError(
@@ -256,16 +327,16 @@ def find_routers(model: nn.Module) -> MoeModel:
             "routing_replay.model.adapters.register_router(class_name, score) if its forward "
             "returns (logits, weights, ids)."
         )
-    extra = sorted(set(found) - set(layout.moe_layers))
-    if extra:
+    stray = sorted((set(found) | {r.layer for r in extra}) - set(layout.moe_layers))
+    if stray:
         raise LayoutMismatchError(
-            f"routers in layers {extra} are not MoE layers of the config's layout "
+            f"routers in layers {stray} are not MoE layers of the config's layout "
             f"{list(layout.moe_layers)}"
         )
     routers = tuple(found[i] for i in layout.moe_layers)
     prefix = routers[0].name[: _LAYER.search(routers[0].name).start()]
     decoder = model.get_submodule(prefix) if prefix else model
-    return MoeModel(layout, routers, decoder)
+    return MoeModel(layout, routers, decoder, tuple(extra))
 
 
 def _describe_layer(model: nn.Module, layer: int) -> str:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
-from routing_replay.model.adapters import MoeModel, find_routers
+from routing_replay.model.adapters import MoeModel, Router, find_routers, rows_of, split_rows
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 
@@ -33,6 +33,10 @@ class Capture:
         self._handles: list[Any] = []
         self._own: dict[str, Any] = {}  # instance overrides of the wrapped methods, if any
         self._outer_ids: Tensor | None = None  # the token ids a wrapping model was called with
+        # Layers whose routers split their tokens by type (ERNIE 4.5 VL): this forward's rows of
+        # each part (`adapters.split_rows`), and per layer the parts recorded so far.
+        self._split: tuple[Tensor, Tensor] | None = None
+        self._parts: dict[int, dict[int, Tensor]] = {}
 
     # -- context --------------------------------------------------------------------
 
@@ -62,11 +66,12 @@ class Capture:
             )
         self._handles.append(decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(self._end))
-        for j, router in enumerate(self.moe.routers):
+        for router in self.moe.all_routers:
+            record = self._recorder(self.moe.slot(router), router)
             if router.method == "forward":
-                self._handles.append(router.module.register_forward_hook(self._recorder(j)))
+                self._handles.append(router.module.register_forward_hook(record))
             else:  # a block's method that routes (DBRX): wrapped while the block is open
-                self._handles.append(_MethodHook(router.module, router.method, self._recorder(j)))
+                self._handles.append(_MethodHook(router.module, router.method, record))
         if callable(getattr(self.model, "generate", None)):
             self._wrap("generate", self._wrap_generate)
             if callable(getattr(self.model, "prepare_inputs_for_generation", None)):
@@ -130,6 +135,9 @@ class Capture:
         if shape is None or len(shape) != 2:
             self._current = None  # not a token batch we can align; routers are ignored
             return
+        self._parts = {}
+        kwarg = self.moe.row_kwarg
+        self._split = split_rows(kwargs.get(kwarg)) if kwarg is not None else None
         mask = kwargs.get("attention_mask")
         group = self._generating
         if group is not None:  # this forward's 2-D mask, before a compilable cache made it 4-D
@@ -170,12 +178,29 @@ class Capture:
         device = lengths[0].device
         return int(torch.stack([t.reshape(()).to(device) for t in lengths]).max())  # the read
 
-    def _recorder(self, j: int) -> Any:
-        read = self.moe.routers[j].output
+    def _recorder(self, j: int, router: Router) -> Any:
+        read, split = router.output, router.rows
 
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
-            if self._current is not None:  # None: outside a forward (e.g. a checkpoint recompute)
-                self._current.ids_L[j] = read.ids(module, output)
+            if self._current is None:  # outside a forward (e.g. a checkpoint recompute)
+                return
+            ids = read.ids(module, output)
+            if split is None:
+                self._current.ids_L[j] = ids
+                return
+            # One router of a layer that splits its tokens: its rows, merged once all ran.
+            rows_of(split, self._split)  # raises where this part has no rows
+            if self._split is None:
+                self._current.ids_L[j] = ids
+                return
+            parts = self._parts.setdefault(j, {})
+            parts[split.part] = ids
+            if len(parts) == len(self._split):
+                rows = self._split[0].numel() + self._split[1].numel()
+                merged = ids.new_empty((rows, ids.shape[1]))
+                for part, part_ids in parts.items():
+                    merged.index_copy_(0, self._split[part].to(ids.device), part_ids)
+                self._current.ids_L[j] = merged
 
         return hook
 
@@ -183,6 +208,7 @@ class Capture:
         fwd, self._current = self._current, None
         if fwd is None:
             return
+        self._parts = {}
         if any(ids is None for ids in fwd.ids_L):
             names = [
                 r.name for r, ids in zip(self.moe.routers, fwd.ids_L, strict=True) if ids is None

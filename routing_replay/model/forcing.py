@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward
 from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
-from routing_replay.model.adapters import MoeModel, Router, find_routers
+from routing_replay.model.adapters import MoeModel, Router, find_routers, rows_of, split_rows
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -50,6 +50,9 @@ class ReplayState:
         self.ran_L: list[bool] = [False] * moe.layout.num_moe_layers
         self.tolerance: float | None = None  # the block's tolerance ratio, if any
         self.tally_L: list[Tensor] = []  # the block's counts per layer (`tolerance.tally`)
+        # Where a layer's routers split its tokens by type (ERNIE 4.5 VL): this forward's rows of
+        # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
+        self.split: tuple[Tensor, Tensor] | None = None
 
     def deactivate(self) -> None:
         """Back to native routing; drop every reference to the batch's routes."""
@@ -61,6 +64,7 @@ class ReplayState:
         self.ran_L = [False] * self.moe.layout.num_moe_layers
         self.tolerance = None
         self.tally_L = []
+        self.split = None
 
 
 class ReplayingForward:
@@ -79,6 +83,7 @@ class ReplayingForward:
         self.score: ScoreFunction = router.score
         self.output = router.output
         self.method = router.method  # "forward", or the block's method that routes (DBRX)
+        self.rows = router.rows  # its part of the layer's tokens, where it routes a part
         self.inner = inner  # an instance forward found when installing, or None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -103,8 +108,8 @@ def prepare_model(moe: MoeModel) -> ReplayState:
             handle.remove()
         state = ReplayState(moe)
         setattr(decoder, _STATE, state)  # a plain object: not a submodule, not in state_dict
-    for j, router in enumerate(moe.routers):
-        module = router.module
+    for router in moe.all_routers:
+        module, j = router.module, moe.slot(router)
         installed = module.__dict__.get(router.method)
         if _reaches_ours(installed, module, state):
             continue  # ours, or other code's forward set on top of ours (it calls ours)
@@ -129,14 +134,14 @@ def is_prepared(model: nn.Module) -> bool:
     return (
         isinstance(state, ReplayState)
         and all(
-            _reaches_ours(r.module.__dict__.get(r.method), r.module, state) for r in moe.routers
+            _reaches_ours(r.module.__dict__.get(r.method), r.module, state) for r in moe.all_routers
         )
         and sum(_hook_registered(moe.decoder, h) for h in state.handles) == 2
     )
 
 
 def _router_ids(moe: MoeModel) -> tuple[int, ...]:
-    return tuple(id(r.module) for r in moe.routers)
+    return tuple(id(r.module) for r in moe.all_routers)
 
 
 def _reaches_ours(forward: Any, module: nn.Module, state: ReplayState) -> bool:
@@ -165,27 +170,33 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        if j == 0:
+        if j == 0 and (slot.rows is None or slot.rows.part == 0):
             state.owner._count_pass()
         if state.all_missing_L[j]:
             return output
     rows_T = slot.output.rows(output)
     routes = state.layer_routes[j]
     ids_NLK = routes.ids.flatten(0, -3)  # the rows the routers see (a view)
-    if rows_T.shape[0] != ids_NLK.shape[0]:
+    rows_N = rows_of(slot.rows, state.split)  # this router's rows, where it routes a part
+    count = ids_NLK.shape[0] if rows_N is None else rows_N.shape[0]
+    if rows_T.shape[0] != count:
         raise InvalidRoutesError(
             f"router {slot.name!r} sees {rows_T.shape[0]} tokens but the routes "
-            f"have {ids_NLK.shape[0]} rows (batch shape {list(state.batch_shape)})"
+            f"have {count} rows for it (batch shape {list(state.batch_shape)})"
         )
     if not compiling and ids_NLK.device != rows_T.device:  # a model moved since
         routes = state.owner._device_routes(rows_T.device)
         ids_NLK = routes.ids.flatten(0, -3)
     ids_TK = ids_NLK[:, j].long()  # widened per layer: the batch stays narrow
+    if rows_N is not None:
+        ids_TK = ids_TK.index_select(0, rows_N.to(ids_TK.device))
     # Compiled: always merge (uniform ops, so the graph does not depend on which layers have
     # missing rows in this batch). Eager: only where a row is missing (the same values).
     missing_T1 = None
     if compiling or state.any_missing_L[j]:
         missing_T1 = routes.missing.flatten(0, -2)[:, j, None]
+        if rows_N is not None:
+            missing_T1 = missing_T1.index_select(0, rows_N.to(missing_T1.device))
     scores_TE, native_TK = slot.output.native(module, output, args)
     replaced_TK = None
     recorded_TK = ids_TK
@@ -202,6 +213,9 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not state.active:
         return
     state.ran_L = [False] * len(state.ran_L)
+    kwarg = state.moe.row_kwarg
+    if kwarg is not None:  # this forward's tokens of each type (ERNIE 4.5 VL)
+        state.split = split_rows(kwargs.get(kwarg))
     if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not in_backward():
         # Counted here, where the caller's grad mode holds: reentrant checkpointing runs
         # the layers (and so the routers) under no_grad in the forward.
