@@ -247,7 +247,9 @@ class RoutingLayout:
         return cls(d["num_layers"], d["top_k"], d["num_experts"], tuple(d["moe_layers"]))
 
     @classmethod
-    def from_hf_config(cls, config: Any, *, mtp: bool = False) -> RoutingLayout:
+    def from_hf_config(
+        cls, config: Any, *, mtp: bool = False, loops: bool = False
+    ) -> RoutingLayout:
         """Layout of a transformers MoE config: the decoder layers whose routers the model builds.
 
         Reads every MoE config of transformers 5.25:
@@ -274,9 +276,17 @@ class RoutingLayout:
           ERNIE's `moe_layer_interval/start/end`; `decoder_sparse_step` and `mlp_only_layers`
           (either alone too); else every layer (Mixtral, GPT-OSS, Gemma 4, the Qwen3-Omni
           talker, which ignores its `decoder_sparse_step` and `mlp_only_layers`).
+        * looped layers (Inkling2-Loop, `loop_num_passes` P > 1: decoder layers
+          `loop_layer_index_start` s to `loop_layer_index_end` e - 1 run P times a forward, and
+          their routers pick experts on every pass): with `loops=True`, each pass of a looped
+          layer is a layer of its own, numbered in execution order: layers 0..s-1, then pass 0 of
+          layers s..e-1, pass 1 of them, ..., then layers e.., so `num_hidden_layers + (P - 1) *
+          (e - s)` layers (`loop_layers(config)` lists each one's decoder layer and pass); that
+          is the layout replay and capture use for such a model. Without `loops=True` refused,
+          as an engine's per-layer routes would not say which pass they are.
         * refused, saying why: `is_moe=False` (dense Doge), `enable_moe_block=False` (dense
-          Gemma 4), `loop_num_passes > 1` (Inkling2-Loop: a looped layer's router runs once per
-          pass), a top-k or expert count that differs between layers (dots3's vision encoder).
+          Gemma 4), a top-k or expert count that differs between layers (dots3's vision
+          encoder).
 
         Multi-token prediction (`num_nextn_predict_layers`, alias `num_mtp_layers`): no
         transformers 5.25 model builds its MTP layers into the main model (generate(use_mtp=True)
@@ -299,9 +309,13 @@ class RoutingLayout:
                 f"{' / '.join(_EXPERTS)}; top-k: {' / '.join(_TOP_K)}); build "
                 "RoutingLayout(num_layers, top_k, num_experts, moe_layers) by hand"
             )
-        _refuse_unroutable(config, name)
+        _refuse_unroutable(config, name, loops)
         n = _num_layers(config, name)
         moe = _moe_layers(config, n, name)
+        looped = loop_layers(config)
+        if looped is not None:  # one layer per pass of a looped layer (see above)
+            moe = [v for v, (i, _) in enumerate(looped) if i in set(moe)]
+            n = len(looped)
         if not moe:
             raise InvalidArgumentError(
                 f"{name} has no MoE layer among its {n} layers (every layer is dense by its "
@@ -343,6 +357,22 @@ def mtp_layer_count(config: Any) -> int:
     """
     config = _routed_config(config)
     return _mtp(config, type(config).__name__)[0]
+
+
+def loop_layers(config: Any) -> list[tuple[int, int]] | None:
+    """(decoder layer, pass) of each layer of a looped model's layout, in execution order (see
+    `RoutingLayout.from_hf_config(..., loops=True)`); None where no layer runs twice."""
+    config = _routed_config(config)
+    passes = _get(config, "loop_num_passes")
+    if passes is None or passes <= 1:
+        return None
+    start, end = _get(config, "loop_layer_index_start"), _get(config, "loop_layer_index_end")
+    n = _get(config, "num_hidden_layers")
+    return (
+        [(i, 0) for i in range(start)]
+        + [(i, p) for p in range(passes) for i in range(start, end)]
+        + [(i, 0) for i in range(end, n)]
+    )
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -403,7 +433,7 @@ def _one_value(config: Any, name: str, value: Any, moe: list[int], n: int, what:
     return values[0]
 
 
-def _refuse_unroutable(config: Any, name: str) -> None:
+def _refuse_unroutable(config: Any, name: str, loops: bool = False) -> None:
     """Raise for an MoE-looking config whose model has no routes, or routes no layout holds."""
     for flag in ("is_moe", "enable_moe_block"):  # Doge, Gemma 4
         if _get(config, flag) is False:
@@ -412,13 +442,15 @@ def _refuse_unroutable(config: Any, name: str) -> None:
                 f"though the config names experts; replay needs an MoE model ({flag}=True)"
             )
     passes = _get(config, "loop_num_passes")  # Inkling2-Loop
-    if passes is not None and passes > 1:
+    if passes is not None and passes > 1 and not loops:
         start, end = _get(config, "loop_layer_index_start"), _get(config, "loop_layer_index_end")
         raise InvalidArgumentError(
             f"{name} runs layers {start}..{end - 1} {passes} times per forward "
             f"(loop_num_passes={passes}): each looped layer's router picks experts once per "
             "pass, and a RoutingLayout holds one top-k per token and layer, so these routes "
-            "cannot be recorded or replayed; only loop_num_passes=1 is supported"
+            "cannot be recorded or replayed; only loop_num_passes=1 is supported unless each "
+            "pass is a layer of its own: from_hf_config(config, loops=True), the layout "
+            "capture and replay use"
         )
 
 

@@ -50,6 +50,7 @@ FAMILIES = {
     "inkling_text": "InklingTopkRouter",
     "jetmoe": "JetMoeTopKGating",
     "inkling2_text": "Inkling2TopKRouter",
+    "inkling2_loop_text": "Inkling2LoopTopKRouter",
     "kolibri1": "Kolibri1TopKRouter",
     "kolibri1_1": "Kolibri1_1TopKRouter",
     "laguna": "LagunaTopKRouter",
@@ -80,6 +81,8 @@ FAMILIES = {
 FAST = {"gemma4_text", "inkling_text", "jetmoe", "llama4_text", "mistral4", "phimoe", "zaya"}
 # Checkpointing and compile (slow): one family of each score function or output form new here.
 COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
+# Looped layers (each pass its own layout layer): checkpointing and compile see every pass.
+COMPILED |= {"inkling2_loop_text"}
 PARAMS = [
     pytest.param(f, marks=() if f in FAST else pytest.mark.slow, id=f) for f in sorted(FAMILIES)
 ]
@@ -163,14 +166,19 @@ class ExpertsSpy:
     output (as the MoE block gets it) and inputs (args, kwargs: Zaya's routers take the
     previous layer's router states by keyword)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, recompute: bool = False) -> None:
         self.moe = find_routers(model)
+        # Per router module, its MoE layers' indices in call order: one, or a looped layer's
+        # passes in order (then, recomputed by checkpointing, in reverse order: backward).
+        self.order: list[list[int]] = []
         self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.outs: list[list[torch.Tensor]] = []
         self.args: list[list[tuple]] = []
         self.gammas: list[list[torch.Tensor]] = []  # what Inkling's shared experts get
         self.handles = []
-        for j, router in enumerate(self.moe.routers):
+        for j, (router, layers) in enumerate(self.moe.by_module()):
+            order = list(layers)
+            self.order.append(order + order[::-1] if recompute and len(order) > 1 else order)
             parent = model.get_submodule(router.name.rsplit(".", 1)[0])
             if hasattr(router.module, "experts"):  # DBRX: the router is the MoE block itself
                 parent = router.module
@@ -195,6 +203,16 @@ class ExpertsSpy:
             else:  # DBRX: the block's method that routes, wrapped (over replay's, if there)
                 self.handles.append(MethodSpy(router.module, router.method, self._router(j)))
 
+    def by_layer(self) -> None:
+        """Regroup what each module saw by MoE layer (a looped layer's calls by pass)."""
+        for name in ("calls", "outs", "args", "gammas"):
+            per_module = getattr(self, name)
+            per_layer = [[] for _ in range(self.moe.layout.num_moe_layers)]
+            for order, seen in zip(self.order, per_module, strict=True):
+                for k, item in enumerate(seen):
+                    per_layer[order[k % len(order)]].append(item)
+            setattr(self, name, per_layer)
+
     def _experts(self, j):
         def hook(module, args, kwargs):
             ids = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
@@ -213,7 +231,7 @@ class ExpertsSpy:
     def _router(self, j):
         def hook(module, args, *rest):  # what the MoE block gets: forced, when replaying
             kwargs, out = rest if len(rest) == 2 else ({}, rest[0])
-            if isinstance(self.moe.routers[j].output, outputs.Sorted):
+            if isinstance(self.moe.by_module()[j][0].output, outputs.Sorted):
                 self.calls[j].append(unsorted(module, out))
                 out = (out[4], None, None)  # what the block is scored from
             self.outs[j].append(tuple(_detached(o) for o in out[:3]))
@@ -225,6 +243,7 @@ class ExpertsSpy:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.by_layer()
 
 
 @pytest.fixture(scope="module", params=PARAMS)
@@ -535,9 +554,9 @@ def test_checkpointing_and_compile_see_the_forced_ids(family):
         flat = flat.masked_fill(flat == layout.num_experts - 1, 0)
     want_L = [flat[:, j].sort(dim=1).values for j in range(layout.num_moe_layers)]
 
-    def run(fn):
+    def run(fn, recompute=False):
         torch.manual_seed(8)  # PhiMoE's training forward draws: the same draws each run
-        spy = ExpertsSpy(model)
+        spy = ExpertsSpy(model, recompute)
         try:
             with replay(model, routes, layout=layout):
                 loss = fn(**kwargs).float().square().mean()
@@ -550,7 +569,7 @@ def test_checkpointing_and_compile_see_the_forced_ids(family):
     if family not in NO_CHECKPOINTING:
         model.gradient_checkpointing_enable()
         try:
-            ckpt, spy_ckpt = run(lambda **kw: output(model, kw))
+            ckpt, spy_ckpt = run(lambda **kw: output(model, kw), recompute=True)
         finally:
             model.gradient_checkpointing_disable()
         assert torch.equal(eager, ckpt)

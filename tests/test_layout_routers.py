@@ -4,10 +4,13 @@ the routers of the tiny model built from the same config sitting where it says."
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hf_configs import build, routers, tiny
 
 from routing_replay import RoutingLayout
+from routing_replay.errors import InvalidArgumentError
+from routing_replay.layout import loop_layers
 from routing_replay.model.adapters import find_routers
 
 
@@ -44,3 +47,24 @@ def test_jetmoe_layout_has_two_routed_layers_per_decoder_layer():
     assert [r.name for r in moe.routers] == [f"layers.{i}.{p}" for i in range(3) for p in parts]
     for router in moe.routers:  # one logit per expert
         assert router.module.layer.weight.shape[0] == layout.num_experts
+
+
+def test_inkling2_loop_layout_has_a_layer_per_pass_in_execution_order():
+    """Inkling2-Loop runs layers s..e-1 P times a forward, each pass routing again: with
+    loops=True each pass is a layout layer, numbered in execution order (what replay uses)."""
+    config = tiny(
+        "Inkling2LoopTextConfig", num_hidden_layers=4, loop_num_passes=3,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        loop_layer_index_start=1, loop_layer_index_end=3, n_layers_per_attn_res_block=1,
+    )  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="loops=True"):
+        RoutingLayout.from_hf_config(config)
+    layout = RoutingLayout.from_hf_config(config, loops=True)
+    assert layout == RoutingLayout(8, 2, 8)
+    steps = [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2), (3, 0)]
+    assert loop_layers(config) == steps
+    moe = find_routers(build("Inkling2LoopTextModel", config))
+    assert [(r.name, r.loop_pass or 0) for r in moe.routers] == [
+        (f"layers.{i}.mlp.gate", p) for i, p in steps
+    ]
+    assert [r.layer for r in moe.routers] == list(layout.moe_layers)

@@ -144,6 +144,15 @@ EXTRA: dict[str, dict] = {
     },
     # Inkling: two shared experts, their gammas normalised with the chosen experts' weights.
     "inkling_text": {"n_shared_experts": 2},
+    # Inkling2-Loop: layers 1 and 2 of 4 run 3 times a forward (8 layout layers, one a pass).
+    "inkling2_loop_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        "loop_num_passes": 3,
+        "loop_layer_index_start": 1,
+        "loop_layer_index_end": 3,
+        "n_layers_per_attn_res_block": 1,
+    },
     # Zaya routes to one expert (its config refuses more).
     "zaya": {"num_experts_per_tok": 1},
     # LongCat: 2 zero-computation experts (ids 8 and 9, whose output is the input).

@@ -9,13 +9,13 @@ it can force the ids while the router keeps its gradient.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
 
 from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, UnsupportedModelError
-from routing_replay.layout import RoutingLayout
+from routing_replay.layout import RoutingLayout, loop_layers
 from routing_replay.model import outputs, scores
 from routing_replay.model.scores import ScoreFunction
 
@@ -114,7 +114,12 @@ _SCORES: dict[str, ScoreFunction] = {
         scores.sigmoid_flag_renorm,
     ),
     **dict.fromkeys(
-        ("DeepseekV4TopKRouter", "DeepseekV4HashRouter", "Inkling2TopKRouter"),
+        (
+            "DeepseekV4TopKRouter",
+            "DeepseekV4HashRouter",
+            "Inkling2TopKRouter",
+            "Inkling2LoopTopKRouter",
+        ),
         scores.score_fn_renorm,
     ),
     "PhimoeTopKRouter": scores.sparsemixer_at_ids,
@@ -156,7 +161,6 @@ REFUSED: dict[str, str] = {
     "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline, with no router module",
     "DiffusionGemmaTextRouter": _NOT_YET + "an encoder and a decoder stack route apart",
     "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
-    "Inkling2LoopTopKRouter": _NOT_YET + "a looped layer's router runs several times a token",
 }
 
 # Classes named like routers that are not MoE routers (gates of linear attention, of looped or
@@ -220,6 +224,30 @@ def rows_of(split: RowSplit | None, rows: tuple[Tensor, Tensor] | None) -> Tenso
 
 
 @dataclass(frozen=True)
+class LoopPass:
+    """Which pass a looped decoder layer runs, read where its call says it: Inkling2-Loop's
+    looped layers call their attention (`sibling`) with `cache_offset`, 0 on pass 0 and
+    `num_hidden_layers + (p - 1) * (end - start) - start` on pass p >= 1. Read again when
+    gradient checkpointing recomputes the layer (the attention is called again, with the same
+    argument), so a recompute replays its own pass whatever the order."""
+
+    sibling: str  # the decoder layer's submodule whose call carries the pass
+    num_layers: int
+    start: int
+    end: int
+
+    def of(self, kwargs: dict) -> int:
+        offset = kwargs.get("cache_offset") or 0
+        if offset == 0:
+            return 0
+        return (offset - self.num_layers + self.start) // (self.end - self.start) + 1
+
+
+# Routers of looped layers: where their pass is said (see LoopPass).
+_LOOPED: dict[str, str] = {"Inkling2LoopTopKRouter": "self_attn"}
+
+
+@dataclass(frozen=True)
 class Router:
     """One MoE router of a model: its global layer index, module path, module and score function."""
 
@@ -230,6 +258,11 @@ class Router:
     output: Any = outputs.TRIPLE  # an output form of `outputs`: where the choice is
     method: str = "forward"  # the module's method that returns it
     rows: RowSplit | None = None  # its part of the layer's tokens, where it routes a part
+    # A looped layer's router (one Router per pass, the same module): its pass, and where the
+    # pass is read (the decoder layer's module whose call says it) and how.
+    loop_pass: int | None = None
+    pass_module: nn.Module | None = None
+    loop: LoopPass | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +287,15 @@ class MoeModel:
         """The router's index among the MoE layers (the L of the routes)."""
         return self.layout.moe_layers.index(router.layer)
 
+    def by_module(self) -> list[tuple[Router, tuple[int, ...]]]:
+        """Each router module once (its first Router) with the MoE-layer index (the L of the
+        routes) of each of its calls in a forward: one, or one per pass of a looped layer."""
+        found: dict[int, tuple[Router, list[int]]] = {}
+        for router in sorted(self.all_routers, key=lambda r: r.loop_pass or 0):
+            entry = found.setdefault(id(router.module), (router, []))
+            entry[1].append(self.slot(router))
+        return [(router, tuple(slots)) for router, slots in found.values()]
+
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")  # decoder layers (DBRX: blocks)
 
@@ -272,11 +314,12 @@ def find_routers(model: nn.Module) -> MoeModel:
                 f"{why}"
             )
     try:
-        layout = RoutingLayout.from_hf_config(config)
+        layout = RoutingLayout.from_hf_config(config, loops=True)
     except (ValueError, AttributeError) as err:
         raise UnsupportedModelError(f"{type(model).__name__} is not an MoE model: {err}") from err
     found: dict[int, Router] = {}
     extra: list[Router] = []
+    looped = loop_layers(config)  # (decoder layer, pass) of each layout layer, if it loops
     for name, module in modules:
         score = _SCORES.get(type(module).__name__)
         if score is None:
@@ -312,11 +355,13 @@ def find_routers(model: nn.Module) -> MoeModel:
         if split is not None and split.part != 0:
             extra.append(router)
             continue
-        if layer in found:
-            raise UnsupportedModelError(
-                f"layer {layer} has two routers: {found[layer].name!r} and {name!r}"
-            )
-        found[layer] = router
+        for each in _passes(router, looped, model, name[: match.end()], config):
+            if each.layer in found:
+                raise UnsupportedModelError(
+                    f"layer {each.layer} has two routers: {found[each.layer].name!r} and "
+                    f"{name!r}"
+                )
+            found[each.layer] = each
     unknown = [i for i in layout.moe_layers if i not in found]
     if unknown:
         raise UnsupportedModelError(
@@ -337,6 +382,39 @@ def find_routers(model: nn.Module) -> MoeModel:
     prefix = routers[0].name[: _LAYER.search(routers[0].name).start()]
     decoder = model.get_submodule(prefix) if prefix else model
     return MoeModel(layout, routers, decoder, tuple(extra))
+
+
+def _passes(
+    router: Router, looped: Any, model: nn.Module, layer_path: str, config: Any
+) -> list[Router]:
+    """The router as its layout layers see it: itself, or one Router per pass where its decoder
+    layer loops (layers numbered by `layout.loop_layers`)."""
+    if looped is None:
+        return [router]
+    index = {step: v for v, step in enumerate(looped)}
+    passes = [p for i, p in looped if i == router.layer]
+    if len(passes) == 1:
+        return [replace(router, layer=index[router.layer, 0])]
+    sibling = _LOOPED.get(type(router.module).__name__)
+    if sibling is None:
+        raise UnsupportedModelError(
+            f"router {router.name!r} is in a looped layer but replay does not know how its "
+            "layer says which pass it runs"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    loop = LoopPass(
+        sibling, text.num_hidden_layers, text.loop_layer_index_start, text.loop_layer_index_end
+    )
+    return [
+        replace(
+            router,
+            layer=index[router.layer, p],
+            loop_pass=p,
+            pass_module=model.get_submodule(layer_path + sibling),
+            loop=loop,
+        )
+        for p in passes
+    ]
 
 
 def _describe_layer(model: nn.Module, layer: int) -> str:

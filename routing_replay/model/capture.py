@@ -37,6 +37,7 @@ class Capture:
         # each part (`adapters.split_rows`), and per layer the parts recorded so far.
         self._split: tuple[Tensor, Tensor] | None = None
         self._parts: dict[int, dict[int, Tensor]] = {}
+        self._calls: dict[int, int] = {}  # per looped router module: its calls this forward
 
     # -- context --------------------------------------------------------------------
 
@@ -66,8 +67,8 @@ class Capture:
             )
         self._handles.append(decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(self._end))
-        for router in self.moe.all_routers:
-            record = self._recorder(self.moe.slot(router), router)
+        for router, layers in self.moe.by_module():
+            record = self._recorder(layers, router)
             if router.method == "forward":
                 self._handles.append(router.module.register_forward_hook(record))
             else:  # a block's method that routes (DBRX): wrapped while the block is open
@@ -136,6 +137,7 @@ class Capture:
             self._current = None  # not a token batch we can align; routers are ignored
             return
         self._parts = {}
+        self._calls = {}
         kwarg = self.moe.row_kwarg
         self._split = split_rows(kwargs.get(kwarg)) if kwarg is not None else None
         mask = kwargs.get("attention_mask")
@@ -178,12 +180,22 @@ class Capture:
         device = lengths[0].device
         return int(torch.stack([t.reshape(()).to(device) for t in lengths]).max())  # the read
 
-    def _recorder(self, j: int, router: Router) -> Any:
+    def _recorder(self, layers: tuple[int, ...], router: Router) -> Any:
         read, split = router.output, router.rows
 
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
             if self._current is None:  # outside a forward (e.g. a checkpoint recompute)
                 return
+            j = layers[0]
+            if len(layers) > 1:  # a looped layer's router: its k-th call is pass k
+                calls = self._calls.get(id(module), 0)
+                self._calls[id(module)] = calls + 1
+                if calls >= len(layers):
+                    raise UnsupportedModelError(
+                        f"capture: router {router.name!r} of a looped layer ran more than its "
+                        f"{len(layers)} passes in one forward"
+                    )
+                j = layers[calls]
             ids = read.ids(module, output)
             if split is None:
                 self._current.ids_L[j] = ids

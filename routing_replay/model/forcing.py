@@ -41,6 +41,7 @@ class ReplayState:
     def __init__(self, moe: MoeModel) -> None:
         self.moe = moe
         self.handles: list[Any] = []  # the decoder hooks
+        self.pass_handles: list[Any] = []  # looped layers' PassTrackers
         self.active = False
         self.owner: Replay | None = None
         self.batch_shape: tuple[int, ...] = ()
@@ -74,11 +75,20 @@ class ReplayingForward:
     `copy.deepcopy` and pickling carry it over to the copied module."""
 
     def __init__(
-        self, module: nn.Module, state: ReplayState, layer: int, router: Router, inner: Any
+        self,
+        module: nn.Module,
+        state: ReplayState,
+        layers: tuple[int, ...],
+        router: Router,
+        inner: Any,
     ) -> None:
         self.module = module
         self.state = state
-        self.layer = layer  # index among the MoE layers (the L of the routes)
+        # Index among the MoE layers (the L of the routes) of each of its calls in a forward:
+        # one, or one per pass of a looped layer (`current`, set by its PassTracker).
+        self.layers = layers
+        self.layer = layers[0]
+        self.current = 0
         self.name = router.name
         self.score: ScoreFunction = router.score
         self.output = router.output
@@ -108,14 +118,16 @@ def prepare_model(moe: MoeModel) -> ReplayState:
             handle.remove()
         state = ReplayState(moe)
         setattr(decoder, _STATE, state)  # a plain object: not a submodule, not in state_dict
-    for router in moe.all_routers:
-        module, j = router.module, moe.slot(router)
+    for router, layers in moe.by_module():
+        module = router.module
         installed = module.__dict__.get(router.method)
-        if _reaches_ours(installed, module, state):
-            continue  # ours, or other code's forward set on top of ours (it calls ours)
-        if isinstance(installed, ReplayingForward):  # ours for a former state: unwrap it
-            installed = installed.inner
-        setattr(module, router.method, ReplayingForward(module, state, j, router, installed))
+        if not _reaches_ours(installed, module, state):  # else ours, or other code's on top
+            if isinstance(installed, ReplayingForward):  # ours for a former state: unwrap it
+                installed = installed.inner
+            installed = ReplayingForward(module, state, layers, router, installed)
+            setattr(module, router.method, installed)
+        if router.loop is not None:
+            _track_passes(moe, state, router, _ours(module.__dict__[router.method]))
     live = [h for h in state.handles if _hook_registered(decoder, h)]
     if len(live) != 2:
         for handle in live:
@@ -137,7 +149,45 @@ def is_prepared(model: nn.Module) -> bool:
             _reaches_ours(r.module.__dict__.get(r.method), r.module, state) for r in moe.all_routers
         )
         and sum(_hook_registered(moe.decoder, h) for h in state.handles) == 2
+        and all(
+            any(_hook_registered(r.pass_module, h) for h in state.pass_handles)
+            for r in moe.all_routers
+            if r.loop is not None
+        )
     )
+
+
+class PassTracker:
+    """A forward pre-hook on a looped decoder layer's module whose call says its pass
+    (`adapters.LoopPass`): sets the pass on the layer's router's forward, before the router
+    runs, in the forward and again in a checkpoint's recompute."""
+
+    def __init__(self, slot: ReplayingForward, loop: Any) -> None:
+        self.slot = slot
+        self.loop = loop
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.slot.current = self.loop.of(kwargs)
+
+
+def _track_passes(moe: MoeModel, state: ReplayState, router: Router, slot: Any) -> None:
+    """Register the PassTracker of a looped router once (kept while it is live)."""
+    target = router.pass_module
+    for handle in state.pass_handles:
+        hook = target._forward_pre_hooks.get(handle.id)
+        if isinstance(hook, PassTracker) and hook.slot is slot:
+            return
+    tracker = PassTracker(slot, router.loop)
+    state.pass_handles.append(target.register_forward_pre_hook(tracker, with_kwargs=True))
+
+
+def _ours(forward: Any) -> Any:
+    """Our ReplayingForward under `forward` (following `__wrapped__`)."""
+    for _ in range(16):
+        if isinstance(forward, ReplayingForward):
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def _router_ids(moe: MoeModel) -> tuple[int, ...]:
@@ -166,7 +216,7 @@ def _hook_registered(module: nn.Module, handle: Any) -> bool:
 def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple) -> tuple:
     """The router's output with the forced ids and the family's weights at them, merged with
     the native missing rows."""
-    state, j = slot.state, slot.layer
+    state, j = slot.state, slot.layers[slot.current]
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
     if not compiling:
