@@ -157,10 +157,19 @@ REFUSED: dict[str, str] = {
     "tokens per batch, so a token's experts are not its own choice",
     "SwitchTransformersTop1Router": "a capacity-limited top-1 router of an encoder-decoder "
     "model: it drops tokens per batch, so a token's experts are not its own choice",
+    "Dots3NoteVisionTopKRouter": "the routers of dots3's vision encoder: they route image "
+    "patches inside the vision tower, not the language model's tokens, which are what engines "
+    "record (and a RoutingLayout holds one expert count, theirs differ per layer); replay the "
+    "language model (its Dots3NoteTextTopkRouter routers replay)",
     # Not yet: each needs more than a score function (issue 32 lists them).
-    "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline, with no router module",
-    "DiffusionGemmaTextRouter": _NOT_YET + "an encoder and a decoder stack route apart",
-    "Dots3NoteVisionTopKRouter": _NOT_YET + "a vision encoder's routers, per-layer expert counts",
+    "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline in its MoE block's forward, "
+    "with no router module and no method returning the choice; an exact replay is possible "
+    "(a forced id e weighs softmax over the chosen logits_x[e // num_keys] + "
+    "logits_y[e % num_keys]) but needs the block's whole forward redone at the forced ids",
+    "DiffusionGemmaTextRouter": _NOT_YET + "its encoder routes the prompt tokens (input_ids) "
+    "and its decoder, once per denoising step, the canvas tokens (decoder_input_ids, another "
+    "length): no token goes through both stacks, so routes shaped input_ids.shape + (L, K) "
+    "hold only one of them",
 }
 
 # Classes named like routers that are not MoE routers (gates of linear attention, of looped or
@@ -358,8 +367,7 @@ def find_routers(model: nn.Module) -> MoeModel:
         for each in _passes(router, looped, model, name[: match.end()], config):
             if each.layer in found:
                 raise UnsupportedModelError(
-                    f"layer {each.layer} has two routers: {found[each.layer].name!r} and "
-                    f"{name!r}"
+                    f"layer {each.layer} has two routers: {found[each.layer].name!r} and {name!r}"
                 )
             found[each.layer] = each
     unknown = [i for i in layout.moe_layers if i not in found]
