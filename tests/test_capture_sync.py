@@ -52,7 +52,7 @@ class ReadCounter:
             monkeypatch.setattr(Capture, name, self._inside(Capture.__dict__[name], name))
         recorder = Capture.__dict__["_recorder"]
         monkeypatch.setattr(
-            Capture, "_recorder", lambda cap, j: self._inside(recorder(cap, j), "router")
+            Capture, "_recorder", lambda cap, *a: self._inside(recorder(cap, *a), "router")
         )
         # generate's prepare step: capture's peek counts, transformers' prepare does not.
         wrap_prepare = Capture.__dict__.get("_wrap_prepare")
