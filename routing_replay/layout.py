@@ -247,9 +247,7 @@ class RoutingLayout:
         return cls(d["num_layers"], d["top_k"], d["num_experts"], tuple(d["moe_layers"]))
 
     @classmethod
-    def from_hf_config(
-        cls, config: Any, *, mtp: bool = False, loops: bool = False
-    ) -> RoutingLayout:
+    def from_hf_config(cls, config: Any, *, mtp: bool = False) -> RoutingLayout:
         """Layout of a transformers MoE config: the decoder layers whose routers the model builds.
 
         Reads every MoE config of transformers 5.25:
@@ -278,12 +276,10 @@ class RoutingLayout:
           talker, which ignores its `decoder_sparse_step` and `mlp_only_layers`).
         * looped layers (Inkling2-Loop, `loop_num_passes` P > 1: decoder layers
           `loop_layer_index_start` s to `loop_layer_index_end` e - 1 run P times a forward, and
-          their routers pick experts on every pass): with `loops=True`, each pass of a looped
-          layer is a layer of its own, numbered in execution order: layers 0..s-1, then pass 0 of
-          layers s..e-1, pass 1 of them, ..., then layers e.., so `num_hidden_layers + (P - 1) *
-          (e - s)` layers (`loop_layers(config)` lists each one's decoder layer and pass); that
-          is the layout replay and capture use for such a model. Without `loops=True` refused,
-          as an engine's per-layer routes would not say which pass they are.
+          their routers pick experts on every pass): each pass of a looped layer is a layer of
+          its own, numbered in execution order: layers 0..s-1, then pass 0 of layers s..e-1,
+          pass 1 of them, ..., then layers e.., so `num_hidden_layers + (P - 1) * (e - s)`
+          layers (`loop_layers(config)` lists each one's decoder layer and pass).
         * refused, saying why: `is_moe=False` (dense Doge), `enable_moe_block=False` (dense
           Gemma 4), a top-k or expert count that differs between layers (dots3's vision
           encoder).
@@ -309,7 +305,7 @@ class RoutingLayout:
                 f"{' / '.join(_EXPERTS)}; top-k: {' / '.join(_TOP_K)}); build "
                 "RoutingLayout(num_layers, top_k, num_experts, moe_layers) by hand"
             )
-        _refuse_unroutable(config, name, loops)
+        _refuse_unroutable(config, name)
         n = _num_layers(config, name)
         moe = _moe_layers(config, n, name)
         looped = loop_layers(config)
@@ -433,7 +429,7 @@ def _one_value(config: Any, name: str, value: Any, moe: list[int], n: int, what:
     return values[0]
 
 
-def _refuse_unroutable(config: Any, name: str, loops: bool = False) -> None:
+def _refuse_unroutable(config: Any, name: str) -> None:
     """Raise for an MoE-looking config whose model has no routes, or routes no layout holds."""
     for flag in ("is_moe", "enable_moe_block"):  # Doge, Gemma 4
         if _get(config, flag) is False:
@@ -441,17 +437,6 @@ def _refuse_unroutable(config: Any, name: str, loops: bool = False) -> None:
                 f"{name} has {flag}=False: its model builds dense MLPs, no layer routes, "
                 f"though the config names experts; replay needs an MoE model ({flag}=True)"
             )
-    passes = _get(config, "loop_num_passes")  # Inkling2-Loop
-    if passes is not None and passes > 1 and not loops:
-        start, end = _get(config, "loop_layer_index_start"), _get(config, "loop_layer_index_end")
-        raise InvalidArgumentError(
-            f"{name} runs layers {start}..{end - 1} {passes} times per forward "
-            f"(loop_num_passes={passes}): each looped layer's router picks experts once per "
-            "pass, and a RoutingLayout holds one top-k per token and layer, so these routes "
-            "cannot be recorded or replayed; only loop_num_passes=1 is supported unless each "
-            "pass is a layer of its own: from_hf_config(config, loops=True), the layout "
-            "capture and replay use"
-        )
 
 
 def _num_layers(config: Any, name: str) -> int:

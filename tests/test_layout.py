@@ -221,14 +221,9 @@ def test_doge_routes_only_with_is_moe():
     assert routers(dense, "DogeCDMoE") == []
 
 
-def test_inkling2_loop_routes_once_per_layer_only_without_looping():
-    looped = transformers.Inkling2LoopTextConfig()  # layers 6..17 run 3 times
-    message = (
-        r"runs layers 6\.\.17 3 times per forward \(loop_num_passes=3\): each looped layer's "
-        r"router picks experts once per pass.*only loop_num_passes=1 is supported"
-    )
-    with pytest.raises(InvalidArgumentError, match=message):
-        RoutingLayout.from_hf_config(looped)
+def test_inkling2_loop_without_looping_routes_once_per_layer():
+    looped = transformers.Inkling2LoopTextConfig()  # layers 6..17 run 3 times: a layer a pass
+    assert RoutingLayout.from_hf_config(looped).num_layers == 24 + 2 * 12
     config = tiny(
         "Inkling2LoopTextConfig", num_hidden_layers=3, loop_num_passes=1,
         loop_layer_index_start=1, loop_layer_index_end=2, n_layers_per_attn_res_block=1,

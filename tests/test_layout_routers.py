@@ -4,12 +4,10 @@ the routers of the tiny model built from the same config sitting where it says."
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hf_configs import build, routers, tiny
 
 from routing_replay import RoutingLayout
-from routing_replay.errors import InvalidArgumentError
 from routing_replay.layout import loop_layers
 from routing_replay.model.adapters import find_routers
 
@@ -50,16 +48,14 @@ def test_jetmoe_layout_has_two_routed_layers_per_decoder_layer():
 
 
 def test_inkling2_loop_layout_has_a_layer_per_pass_in_execution_order():
-    """Inkling2-Loop runs layers s..e-1 P times a forward, each pass routing again: with
-    loops=True each pass is a layout layer, numbered in execution order (what replay uses)."""
+    """Inkling2-Loop runs layers s..e-1 P times a forward, each pass routing again: each pass
+    is a layout layer, numbered in execution order (what replay uses)."""
     config = tiny(
         "Inkling2LoopTextConfig", num_hidden_layers=4, loop_num_passes=3,
         layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
         loop_layer_index_start=1, loop_layer_index_end=3, n_layers_per_attn_res_block=1,
     )  # fmt: skip
-    with pytest.raises(InvalidArgumentError, match="loops=True"):
-        RoutingLayout.from_hf_config(config)
-    layout = RoutingLayout.from_hf_config(config, loops=True)
+    layout = RoutingLayout.from_hf_config(config)
     assert layout == RoutingLayout(8, 2, 8)
     steps = [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2), (3, 0)]
     assert loop_layers(config) == steps

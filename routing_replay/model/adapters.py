@@ -323,7 +323,7 @@ def find_routers(model: nn.Module) -> MoeModel:
                 f"{why}"
             )
     try:
-        layout = RoutingLayout.from_hf_config(config, loops=True)
+        layout = RoutingLayout.from_hf_config(config)
     except (ValueError, AttributeError) as err:
         raise UnsupportedModelError(f"{type(model).__name__} is not an MoE model: {err}") from err
     found: dict[int, Router] = {}
