@@ -357,10 +357,10 @@ class Writer:
 
     def put(self, key: str, spec: dict) -> dict:
         from routing_replay import PutRequest
-        from routing_replay.ray import node_store
+        from routing_replay.ray import StoreOptions, node_store
 
         layout = layout_of_model()
-        store = node_store(self.job, layout, capacity_tokens=self.capacity)
+        store = node_store(self.job, layout, options=StoreOptions(capacity_tokens=self.capacity))
         before = store.stats()
         cache: dict = {}
         routes = [sample_routes(spec, i, layout, cache) for i in range(len(spec["samples"]))]

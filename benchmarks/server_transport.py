@@ -74,7 +74,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from routing_replay import RoutingLayout, RoutingStore, to_torch  # noqa: E402
-from routing_replay.ray import fetch_batch  # noqa: E402
+from routing_replay.ray import StoreOptions, fetch_batch  # noqa: E402
 from routing_replay.testing import tiny_moe  # noqa: E402
 
 # Identical for both servers (the HTTP server gets them as flags).
@@ -437,7 +437,10 @@ def main() -> None:
         try:
             t0 = time.perf_counter()
             actor = vllm_server(
-                job, model_dir, page_tokens=16, capacity_tokens=cap, engine_kwargs=ENGINE
+                job,
+                model_dir,
+                engine_kwargs=ENGINE,
+                store_options=StoreOptions(page_tokens=16, capacity_tokens=cap),
             )
             ray.get(actor.start.remote(), timeout=600)
             starts["ray"].append(time.perf_counter() - t0)

@@ -284,9 +284,11 @@ def writer_setup(way: str, spec: dict, opts: dict) -> dict:
 
             st["store"] = RoutingStore.attach(opts["store"], layout)
         else:
-            from routing_replay.ray import node_store
+            from routing_replay.ray import StoreOptions, node_store
 
-            st["store"] = node_store(opts["job"], layout, capacity_tokens=opts["capacity"])
+            st["store"] = node_store(
+                opts["job"], layout, options=StoreOptions(capacity_tokens=opts["capacity"])
+            )
     st["src_bytes"] = sum(a.nbytes for a in st["src"])
     return st
 

@@ -35,6 +35,7 @@ from routing_replay import Episode, capture, replay, to_torch
 from routing_replay.model.adapters import find_routers
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import (
+    StoreOptions,
     fetch_batch,
     node_store,
     release_refs,
@@ -53,7 +54,9 @@ class AgentServer:
     def __init__(self, job: str, seed: int = 0) -> None:
         torch.set_num_threads(1)
         self.model = tiny_moe(seed, torch.bfloat16)
-        self.store = node_store(job, find_routers(self.model).layout, page_tokens=16)
+        self.store = node_store(
+            job, find_routers(self.model).layout, options=StoreOptions(page_tokens=16)
+        )
         self.episodes: dict[str, Episode] = {}
         self.policy_version = 0
         self.peak_shared = 0  # bytes the store saved by sharing pages across turns

@@ -28,6 +28,7 @@ from routing_replay import capture, replay, to_torch
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import (
     Rollout,
+    StoreOptions,
     fetch_batch,
     rollout_worker,
     shutdown_node_stores,
@@ -112,7 +113,13 @@ def run(
     nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
     model_fn = functools.partial(tiny_moe, seed, torch.bfloat16)  # the "inference engine"
     workers = [
-        rollout_worker(job, model_fn, node_id=nodes[i % len(nodes)], num_cpus=0.5, page_tokens=16)
+        rollout_worker(
+            job,
+            model_fn,
+            node_id=nodes[i % len(nodes)],
+            num_cpus=0.5,
+            store_options=StoreOptions(page_tokens=16),
+        )
         for i in range(num_workers)
     ]
     trainer = ray.remote(Trainer).options(num_cpus=0.5).remote(seed)

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from routing_replay import RoutingLayout, to_torch
 from routing_replay.ray import (
+    StoreOptions,
     fetch_batch,
     node_store,
     read_dataset,
@@ -37,7 +38,7 @@ class Writer:
     """Puts random samples into its node's store."""
 
     def put(self, prefix: str, samples: int, tokens: int) -> list:
-        store = node_store(JOB, LAYOUT, capacity_tokens=4 * samples * tokens)
+        store = node_store(JOB, LAYOUT, options=StoreOptions(capacity_tokens=4 * samples * tokens))
         rng = np.random.default_rng(0)
         routes = LAYOUT.random_routes(rng, tokens, np.int32)
         return [store.put(f"{prefix}{i}", routes) for i in range(samples)]

@@ -56,6 +56,7 @@ from routing_replay.errors import TokenMismatchError
 from routing_replay.integrations.replay_metrics import combine
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.ray import (
+    StoreOptions,
     fetch_batch,
     read_dataset,
     rollout_worker,
@@ -82,7 +83,10 @@ WORLD = 2  # Ray Train workers (data-parallel ranks)
 def rollout(job: str, num_prompts: int, n: int, max_new_tokens: int, seed: int) -> list[Any]:
     """Two bfloat16 rollout workers generate under capture; returns their `Rollout`s."""
     model_fn = functools.partial(tiny_moe, seed, torch.bfloat16)  # the "inference engine"
-    workers = [rollout_worker(job, model_fn, num_cpus=0.5, page_tokens=16) for _ in range(2)]
+    workers = [
+        rollout_worker(job, model_fn, num_cpus=0.5, store_options=StoreOptions(page_tokens=16))
+        for _ in range(2)
+    ]
     prompts = make_prompts(num_prompts, seed)
     shares = np.array_split(np.arange(num_prompts), len(workers))
     pending = [

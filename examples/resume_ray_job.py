@@ -33,7 +33,13 @@ import torch
 
 from routing_replay import RoutingLayout, capture, load_routes, replay, save_routes, to_torch
 from routing_replay.model.agreement import routing_agreement
-from routing_replay.ray import fetch_batch, node_store, rollout_worker, shutdown_node_stores
+from routing_replay.ray import (
+    StoreOptions,
+    fetch_batch,
+    node_store,
+    rollout_worker,
+    shutdown_node_stores,
+)
 from routing_replay.testing import group_advantages, grpo_loss, right_padded, tiny_moe
 
 VOCAB = 128
@@ -67,7 +73,10 @@ class Trainer:
 
 def rollout(job: str, seed: int) -> list[Any]:
     model_fn = lambda: tiny_moe(seed, torch.bfloat16)  # noqa: E731  (the "inference engine")
-    workers = [rollout_worker(job, model_fn, num_cpus=0.5, page_tokens=16) for _ in range(2)]
+    workers = [
+        rollout_worker(job, model_fn, num_cpus=0.5, store_options=StoreOptions(page_tokens=16))
+        for _ in range(2)
+    ]
     rng = np.random.default_rng(seed)
     prompts = [[2, *rng.integers(3, VOCAB, int(rng.integers(6, 30))).tolist()] for _ in range(8)]
     pending = [

@@ -79,6 +79,7 @@ from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, Unsu
 from routing_replay.integrations import _compat_trl, _compat_vllm
 from routing_replay.integrations.replay_metrics import KEYS as REPLAY_KEYS
 from routing_replay.integrations.replay_metrics import StepMetrics
+from routing_replay.integrations.vllm import check_family
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.model.replay import prepare_replay
 from routing_replay.store import DEFAULT_PAGE_TOKENS
@@ -197,6 +198,8 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         if self.use_vllm:
             self._keep_vllm_outputs()
         policy = prepare_replay(self._policy(self.model))  # refuses a model it cannot replay
+        if self.use_vllm and routing_mode == "R3":
+            check_family(policy.config)  # vLLM's routes of some families lose choices
         self.routing_layout = RoutingLayout.from_hf_config(policy.config)
         self._store = routing_store
         self._own_store = routing_store is None

@@ -53,11 +53,15 @@ from typing import Any
 import numpy as np
 
 from routing_replay import PutRequest, RoutingLayout, RoutingRef, RoutingStore
-from routing_replay.errors import InvalidRoutesError, SampleNotFoundError, StoreUnavailableError
+from routing_replay.errors import (
+    InvalidRoutesError,
+    SampleNotFoundError,
+    StoreUnavailableError,
+    UnsupportedModelError,
+)
 from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._rows import fill_prefix, place_rows, token_array
-from routing_replay.ray import Rollout, node_store
-from routing_replay.store import DEFAULT_PAGE_TOKENS
+from routing_replay.ray import Rollout, StoreOptions, node_store
 
 # What the rollout worker passes to vllm.LLM unless told otherwise (CPU, in-process).
 DEFAULT_LLM_KWARGS: dict[str, Any] = {
@@ -66,6 +70,12 @@ DEFAULT_LLM_KWARGS: dict[str, Any] = {
     "dtype": "bfloat16",
     "enforce_eager": True,
     "distributed_executor_backend": "uni",
+}
+# Families whose routes vLLM records with a choice rewritten to expert 0 (docs/engines.md):
+# replaying them would send those tokens through expert 0. Refused where a host starts.
+LOSSY_FAMILIES = {
+    "longcat_flash": "a pick of a zero-computation expert (ZeroExpertRouter._compute_routing)",
+    "zaya": "a pick of the skip expert (its router's 'no expert')",
 }
 # Environment the worker sets (if unset) before importing vLLM: in-process engine core.
 DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -589,6 +599,17 @@ _unclosed: list[RoutingStore] = []  # stale handles whose close failed: closed a
 _unclosed_lock = threading.Lock()
 
 
+def check_family(config: Any) -> None:
+    """Refuse a model whose vLLM routes lose a choice (`LOSSY_FAMILIES`), saying what to do."""
+    family = getattr(config, "model_type", None)
+    if family in LOSSY_FAMILIES:
+        raise UnsupportedModelError(
+            f"vLLM records {LOSSY_FAMILIES[family]} of a {family} model as expert 0 in its "
+            "routed_experts, so its routes cannot be replayed exactly (those tokens would go "
+            "through expert 0): record the routes in the trainer instead (R2, docs/replay.md)"
+        )
+
+
 def unclosed_handles() -> int:
     """Stale store handles of this process whose close failed (another thread's call still
     ran past the put timeout, numpy views alive): `current_or_none` closes them later."""
@@ -634,8 +655,7 @@ class StoreHost:
         job: str,
         model_dir: str,
         store_name: str | None,
-        capacity_tokens: int,
-        page_tokens: int,
+        store_options: StoreOptions | None,
         put_timeout: float | None = None,
     ) -> None:
         for key, value in DEFAULT_ENV.items():
@@ -645,8 +665,9 @@ class StoreHost:
         self.job = job
         self.store_name = store_name
         config = transformers.AutoConfig.from_pretrained(model_dir)
+        check_family(config)
         self.layout = RoutingLayout.from_hf_config(config)
-        self._store_options = {"capacity_tokens": capacity_tokens, "page_tokens": page_tokens}
+        self.store_options = store_options  # the Ray node store's (None: the defaults)
         self._store: RoutingStore | None = None
         self.put_timeout = put_timeout  # seconds a put waits for room (None: the store's)
         self._attach_lock = threading.Lock()  # store() may run in several threads at once
@@ -662,7 +683,7 @@ class StoreHost:
                     timeout = {} if self.put_timeout is None else {"put_timeout": self.put_timeout}
                     self._store = RoutingStore.attach(self.store_name, self.layout, **timeout)
             return self._store
-        store = node_store(self.job, self.layout, **self._store_options)
+        store = node_store(self.job, self.layout, self.store_options)
         if self.put_timeout is not None:  # this process's cached handle: the host's own
             store.put_timeout = self.put_timeout
         return store
@@ -682,11 +703,10 @@ class VllmRolloutWorker(StoreHost):
         model_dir: str,
         *,
         store_name: str | None = None,
-        capacity_tokens: int = 1 << 20,
-        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        store_options: StoreOptions | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._host(job, model_dir, store_name, capacity_tokens, page_tokens)
+        self._host(job, model_dir, store_name, store_options)
         import vllm
 
         started = time.perf_counter()

@@ -53,7 +53,7 @@ from routing_replay.integrations.vllm import (
     sampled_logprobs,
     samples_of,
 )
-from routing_replay.store import DEFAULT_PAGE_TOKENS
+from routing_replay.ray import StoreOptions
 
 # What the server passes to AsyncEngineArgs unless told otherwise (CPU, token ids in).
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
@@ -132,12 +132,11 @@ class VllmServer(StoreHost):
         model_dir: str,
         *,
         store_name: str | None = None,
-        capacity_tokens: int = 1 << 20,
-        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        store_options: StoreOptions | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         put_timeout: float | None = None,
     ) -> None:
-        self._host(job, model_dir, store_name, capacity_tokens, page_tokens, put_timeout)
+        self._host(job, model_dir, store_name, store_options, put_timeout)
         self.model_dir = model_dir
         self._engine_kwargs = {**DEFAULT_ENGINE_KWARGS, **(engine_kwargs or {})}
         self._engine: Any = None

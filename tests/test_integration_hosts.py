@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 import pytest
+import transformers
 
 from routing_replay import RoutingLayout, RoutingStore
-from routing_replay.errors import StoreUnavailableError
+from routing_replay.errors import StoreUnavailableError, UnsupportedModelError
 from routing_replay.integrations.vllm import StoreHost, unclosed_handles
 from routing_replay.integrations.vllm_middleware import (
     COMPLETIONS,
@@ -73,7 +74,7 @@ def test_the_middleware_attaches_a_store_created_anew(name, monkeypatch):
 def test_a_host_with_a_store_name_attaches_a_store_created_anew(name, tmp_path):
     tiny_moe().config.save_pretrained(tmp_path)
     host = StoreHost()
-    host._host("job", str(tmp_path), name, capacity_tokens=4096, page_tokens=16)
+    host._host("job", str(tmp_path), name, None)
     owner = RoutingStore.create(name, LAYOUT, 4096)
     first = host.store()
     put_one(first, "before")
@@ -361,3 +362,20 @@ def test_a_stale_handle_that_could_not_be_closed_is_closed_later(name, monkeypat
         finish.set()
         owner.close()
         owner.unlink()
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [
+        ("zaya", {"num_experts": 8, "num_experts_per_tok": 1}),
+        ("longcat_flash", {"n_routed_experts": 8, "zero_expert_num": 2, "moe_topk": 2}),
+    ],
+)
+def test_a_host_refuses_a_family_whose_vllm_routes_lose_choices(tmp_path, family, config):
+    """vLLM records LongCat's zero-expert and Zaya's skip picks as expert 0 (docs/engines.md):
+    replaying them would route those tokens through expert 0, so a host does not start."""
+    transformers.AutoConfig.for_model(family, num_hidden_layers=2, **config).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(UnsupportedModelError, match=f"of a {family} model as expert 0"):
+        StoreHost()._host("job", str(tmp_path), "never-made", None)

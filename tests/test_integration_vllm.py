@@ -27,6 +27,7 @@ from routing_replay.integrations.vllm import (  # noqa: E402
     put_request_output,
 )
 from routing_replay.model.agreement import routing_agreement  # noqa: E402
+from routing_replay.ray import StoreOptions  # noqa: E402
 from routing_replay.testing import save_tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -131,7 +132,9 @@ def test_in_process_rollout_store_replay(model_dir):
     layout = RoutingLayout.from_hf_config(transformers.AutoConfig.from_pretrained(model_dir))
     name = f"test-vllm-{uuid.uuid4().hex[:8]}"
     with RoutingStore.create(name, layout, capacity_tokens=4096, page_tokens=PAGE) as store:
-        worker = VllmRolloutWorker("vllm-test", model_dir, store_name=name, page_tokens=PAGE)
+        worker = VllmRolloutWorker(
+            "vllm-test", model_dir, store_name=name, store_options=StoreOptions(page_tokens=PAGE)
+        )
         started = time.perf_counter()
         rollouts = worker.generate(PROMPTS, n=N, max_new_tokens=12, seed=0)
         gen_s = time.perf_counter() - started
@@ -179,7 +182,9 @@ def test_ray_rollout_worker_store_replay(model_dir):
     job = f"vllm{uuid.uuid4().hex[:6]}"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        worker = vllm_rollout_worker(job, model_dir, page_tokens=PAGE, capacity_tokens=4096)
+        worker = vllm_rollout_worker(
+            job, model_dir, store_options=StoreOptions(page_tokens=PAGE, capacity_tokens=4096)
+        )
         info = ray.get(worker.info.remote())
         started = time.perf_counter()
         rollouts = ray.get(worker.generate.remote(PROMPTS, n=N, max_new_tokens=12, seed=0))

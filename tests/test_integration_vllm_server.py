@@ -29,6 +29,7 @@ from routing_replay.errors import StoreBusyError  # noqa: E402
 from routing_replay.integrations.vllm import RoutesNotStoredError, routes_from_vllm  # noqa: E402
 from routing_replay.integrations.vllm_server import vllm_server  # noqa: E402
 from routing_replay.model.agreement import routing_agreement  # noqa: E402
+from routing_replay.ray import StoreOptions  # noqa: E402
 from routing_replay.ray.actor import shutdown_node_stores  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -68,9 +69,8 @@ def server(ray_local, tmp_path_factory):
     actor = vllm_server(
         job,
         model_a,
-        page_tokens=16,
-        capacity_tokens=1 << 14,
         engine_kwargs={"block_size": 32, "max_model_len": 256},
+        store_options=StoreOptions(page_tokens=16, capacity_tokens=1 << 14),
     )
     info = ray.get(actor.start.remote(), timeout=600)
     info["actor_start_s"] = time.perf_counter() - started

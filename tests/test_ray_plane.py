@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from routing_replay import PutRequest, RoutingLayout, to_torch  # noqa: E402
 from routing_replay.errors import InvalidArgumentError, SampleNotFoundError, StoreUnavailableError  # noqa: E402
+from routing_replay.ray import StoreOptions  # noqa: E402
 from routing_replay.ray.actor import (  # noqa: E402
     shutdown_node_stores,
     store_actor,
@@ -98,9 +99,8 @@ class Writer:
         self.spill = spill  # spill_dir, spill_budget
 
     def put(self, ids: list[int], prefix: str = "x", T: int | None = None, version=None) -> list:
-        store = node_store(
-            self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32, **self.spill
-        )
+        options = StoreOptions(capacity_tokens=self.capacity_tokens, page_tokens=32, **self.spill)
+        store = node_store(self.job, LAYOUT, options)
         return [
             store.put(f"{prefix}{i}", sample_routes(i, T), prompt_len=2, policy_version=version)
             for i in ids
@@ -108,7 +108,11 @@ class Writer:
 
     def put_group(self, prefix: str, prompt_len: int, completions: list[int]) -> list:
         """A GRPO group in one put_many: the samples share their prompt's full pages."""
-        store = node_store(self.job, LAYOUT, capacity_tokens=self.capacity_tokens, page_tokens=32)
+        store = node_store(
+            self.job,
+            LAYOUT,
+            options=StoreOptions(capacity_tokens=self.capacity_tokens, page_tokens=32),
+        )
         prompt = sample_routes(100, prompt_len)
         requests = []
         for j, n in enumerate(completions):
@@ -544,11 +548,12 @@ JOB_DRIVER = """
 import sys, time, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from routing_replay import RoutingLayout
-from routing_replay.ray import node_store
+from routing_replay.ray import StoreOptions, node_store
 address, job, node = sys.argv[1:4]
 ray.init(address=address, log_to_driver=False)
 layout = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
-put = ray.remote(lambda: node_store(job, layout, job_watch_s=0.5).put("a0", [[[0, 1]] * 3] * 5))
+watched = StoreOptions(job_watch_s=0.5)
+put = ray.remote(lambda: node_store(job, layout, watched).put("a0", [[[0, 1]] * 3] * 5))
 ref = ray.get(put.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, False)).remote())
 print(ref.store, flush=True)
 sys.stdin.readline()  # until the test says: then exit without shutdown_node_stores
@@ -590,7 +595,7 @@ class BigWriter(Writer):
     """Asks for a store larger than /dev/shm."""
 
     def segment(self) -> str:
-        return node_store(self.job, LAYOUT, capacity_tokens=10**13).name
+        return node_store(self.job, LAYOUT, options=StoreOptions(capacity_tokens=10**13)).name
 
 
 def test_store_actor_that_cannot_start_raises_clearly_and_can_retry(cluster):
@@ -607,11 +612,11 @@ DRIVER = """
 import sys, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from routing_replay import RoutingLayout
-from routing_replay.ray import node_store
+from routing_replay.ray import StoreOptions, node_store
 address, job, node = sys.argv[1:4]
 ray.init(address=address, log_to_driver=False)
 layout = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
-task = ray.remote(lambda: node_store(job, layout, job_watch_s=0.5).name)
+task = ray.remote(lambda: node_store(job, layout, StoreOptions(job_watch_s=0.5)).name)
 strategy = NodeAffinitySchedulingStrategy(node, soft=False)
 print(ray.get(task.options(scheduling_strategy=strategy, num_cpus=0).remote()))
 """  # exits without shutdown_node_stores: a crashed driver, as far as the stores know

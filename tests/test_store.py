@@ -14,6 +14,7 @@ import uuid
 
 import numpy as np
 import pytest
+from store_stats import held
 
 from routing_replay import RoutingLayout, RoutingRef, RoutingStore, cu_seqlens, to_torch
 from routing_replay.errors import (
@@ -493,7 +494,7 @@ def test_bad_input_is_refused_and_store_unharmed(name):
         with pytest.raises(InvalidArgumentError, match="part='all'"):
             store.get("noprompt", part="prompt")
         store.release(["noprompt"])
-        assert store.stats() == before
+        assert held(store.stats()) == held(before)  # the good puts and reads above came and went
         assert np.array_equal(store.get("good"), good)
         with pytest.raises(LayoutMismatchError, match="holds routes for"):
             RoutingStore.attach(name, RoutingLayout(6, 2, 32, (1, 2, 4, 5)))

@@ -292,25 +292,25 @@ def _ray_main(job: str, spill_root: str, rounds: int, per_call: int) -> dict:
     threads. The store holds ~5 samples: puts spill. Returns errors, counts, end state."""
     import ray
 
-    from routing_replay.ray import node_store, shutdown_node_stores, store_actor
+    from routing_replay.ray import StoreOptions, node_store, shutdown_node_stores, store_actor
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    options = {
-        "capacity_tokens": PAGES * P,
-        "page_tokens": P,
-        "max_samples": MAX_SAMPLES,
-        "job_watch_s": None,
-        "spill_dir": spill_root,
-        "spill_budget": BUDGET,
-    }
+    options = StoreOptions(
+        capacity_tokens=PAGES * P,
+        page_tokens=P,
+        max_samples=MAX_SAMPLES,
+        job_watch_s=None,
+        spill_dir=spill_root,
+        spill_budget=BUDGET,
+    )
     try:
-        node_store(job, LAYOUT, **options)  # the store actor starts here
+        node_store(job, LAYOUT, options)  # the store actor starts here
 
         @ray.remote(num_cpus=0, max_concurrency=3)
         class Rollout:
             def put(self, sample_ids: list[str]) -> tuple[list, list[str], int]:
-                store = node_store(job, LAYOUT, **options)  # this process's one handle
+                store = node_store(job, LAYOUT, options)  # this process's one handle
                 refs, errors, spilled = [], [], 0
                 for sid in sample_ids:
                     routes, tokens, prompt_len = content(sid)
@@ -351,7 +351,7 @@ def _ray_main(job: str, spill_root: str, rounds: int, per_call: int) -> dict:
             read.update(ids)
             wrong += bad
             errors += train_errors
-        store = node_store(job, LAYOUT, **options)  # the driver's handle
+        store = node_store(job, LAYOUT, options)  # the driver's handle
         try:
             store.verify()
             verified = "ok"

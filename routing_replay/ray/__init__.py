@@ -2,6 +2,7 @@
 
 Read in this order:
 
+- `options`: `StoreOptions`, how a node's store is made;
 - `actor`: the node store actor (creates, serves and removes a node's store), its names;
 - `client`: `node_store(job, layout)` and this process's cache of attached stores;
 - `dataset`: `fetch_batch`, `read_dataset`, `release_refs`, `split_stale`, the collate fn;
@@ -19,11 +20,13 @@ from routing_replay.ray.dataset import (
     routes_collate_fn,
     split_stale,
 )
+from routing_replay.ray.options import StoreOptions
 from routing_replay.ray.rollout import Rollout, RolloutWorker, rollout_worker
 
 __all__ = [
     "Rollout",
     "RolloutWorker",
+    "StoreOptions",
     "fetch_batch",
     "node_store",
     "read_dataset",

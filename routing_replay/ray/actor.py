@@ -37,8 +37,9 @@ import pyarrow as pa
 from routing_replay.compat.ray import job_table
 from routing_replay.errors import InvalidArgumentError, RoutingReplayError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
+from routing_replay.ray.metrics import EXPORT_EVERY_S, StoreMetrics
+from routing_replay.ray.options import StoreOptions, store_options
 from routing_replay.store import (
-    DEFAULT_PAGE_TOKENS,
     RoutingRef,
     RoutingStore,
     WireBatch,
@@ -49,8 +50,6 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 NAMESPACE = "routing_replay"
-DEFAULT_CAPACITY_TOKENS = 1 << 20
-DEFAULT_JOB_WATCH_S = 5.0
 START_ATTEMPTS = 3
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
 JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -108,17 +107,7 @@ def current_node_id() -> str:
 class NodeStoreActor:
     """Owns one node's RoutingStore for one job: creates it, serves reads and releases, unlinks."""
 
-    def __init__(
-        self,
-        job: str,
-        layout_json: str,
-        capacity_tokens: int,
-        page_tokens: int = DEFAULT_PAGE_TOKENS,
-        max_samples: int | None = None,
-        job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
-        spill_dir: str | None = None,
-        spill_budget: int | None = None,
-    ) -> None:
+    def __init__(self, job: str, layout_json: str, options: StoreOptions) -> None:
 
         self.job = _check_job(job)
         self.node_id = current_node_id()
@@ -128,17 +117,24 @@ class NodeStoreActor:
         self.store = RoutingStore.create(
             name,
             RoutingLayout.from_json(layout_json),
-            capacity_tokens,
-            page_tokens=page_tokens,
-            max_samples=max_samples,
             node_id=self.node_id,
-            spill_dir=spill_dir,
-            spill_budget=spill_budget,
+            **options.create_kwargs(),
         )
         self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
         self._lock = threading.Lock()
-        if job_watch_s:
-            threading.Thread(target=self._watch_job, args=(job_watch_s,), daemon=True).start()
+        self.metrics = StoreMetrics(job, self.node_id)
+        exporter = threading.Thread(target=self._export_metrics, daemon=True)
+        exporter.start()
+        if options.job_watch_s:
+            args = (options.job_watch_s,)
+            threading.Thread(target=self._watch_job, args=args, daemon=True).start()
+
+    def _export_metrics(self) -> None:
+        """Bring the Ray metrics up to date every EXPORT_EVERY_S while the store lives."""
+        while "store" in self.__dict__:
+            with contextlib.suppress(Exception):  # shut down meanwhile, or busy past the wait
+                self.metrics.export(self.stats())
+            time.sleep(EXPORT_EVERY_S)
 
     def _watch_job(self, interval: float) -> None:
         """Unlink and exit once the Ray job that started this actor is dead."""
@@ -275,16 +271,10 @@ def store_actor(
     *,
     node_id: str | None = None,
     ray_job: str | None = None,
-    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
-    page_tokens: int = DEFAULT_PAGE_TOKENS,
-    max_samples: int | None = None,
-    job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
-    spill_dir: str | None = None,
-    spill_budget: int | None = None,
+    options: StoreOptions | None = None,
 ) -> ActorHandle:
     """The store actor of `job` on `node_id` (default: this node) of Ray job `ray_job`
-    (default: this process's); starts it given a layout (and the store's options:
-    `RoutingStore.create`'s, `spill_dir` a path on that node)."""
+    (default: this process's); starts it given a layout, with `options` (`StoreOptions`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -311,16 +301,7 @@ def store_actor(
             max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(
-            job,
-            layout.to_json(),
-            capacity_tokens,
-            page_tokens,
-            max_samples,
-            job_watch_s,
-            spill_dir,
-            spill_budget,
-        )
+        .remote(job, layout.to_json(), store_options(options))
     )
 
 

@@ -14,13 +14,9 @@ import time
 
 from routing_replay.errors import LayoutMismatchError, StoreBusyError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
-from routing_replay.ray.actor import (
-    DEFAULT_CAPACITY_TOKENS,
-    DEFAULT_JOB_WATCH_S,
-    START_ATTEMPTS,
-    store_actor,
-)
-from routing_replay.store import DEFAULT_PAGE_TOKENS, RoutingStore
+from routing_replay.ray.actor import START_ATTEMPTS, store_actor
+from routing_replay.ray.options import StoreOptions, store_options
+from routing_replay.store import RoutingStore
 
 _attached: dict[str, RoutingStore] = {}  # this process's mappings, by store name
 _closing: list[RoutingStore] = []  # dead stores whose close must wait for a view to go
@@ -28,40 +24,23 @@ _attached_lock = threading.Lock()
 
 
 def node_store(
-    job: str,
-    layout: RoutingLayout,
-    *,
-    capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
-    page_tokens: int = DEFAULT_PAGE_TOKENS,
-    max_samples: int | None = None,
-    job_watch_s: float | None = DEFAULT_JOB_WATCH_S,
-    spill_dir: str | None = None,
-    spill_budget: int | None = None,
+    job: str, layout: RoutingLayout, options: StoreOptions | None = None
 ) -> RoutingStore:
     """This node's RoutingStore for `job` (attached), starting the node's store actor if needed.
 
     Call it in any Ray task, actor or driver, once per step rather than once per process: it
     asks the actor which segment is current, so a writer never keeps putting into the
-    segment of a store actor that died. Capacity and spill arguments (`RoutingStore.create`'s;
-    `spill_dir` a local disk of each node) apply when the actor starts;
-    so does `job_watch_s`: how often the actor checks that the Ray job that started it is
-    alive (it unlinks and exits when not); None keeps it until `shutdown_node_stores`.
+    segment of a store actor that died. `options` (`StoreOptions`: capacity, pages, slots,
+    spill, job watch) apply when the node's actor starts.
     """
     import ray
 
-    options = {
-        "capacity_tokens": capacity_tokens,
-        "page_tokens": page_tokens,
-        "max_samples": max_samples,
-        "job_watch_s": job_watch_s,
-        "spill_dir": spill_dir,
-        "spill_budget": spill_budget,
-    }
+    options = store_options(options)
     for attempt in range(START_ATTEMPTS):
         # A store actor killed a moment ago may still hold its name: get_if_exists then
         # hands back the dying actor. Ask again, briefly, before giving up.
         try:
-            info = ray.get(store_actor(job, layout, **options).info.remote())
+            info = ray.get(store_actor(job, layout, options=options).info.remote())
             break
         except ray.exceptions.RayActorError as e:
             if attempt == START_ATTEMPTS - 1 or "creation task" in str(e):  # __init__ raised

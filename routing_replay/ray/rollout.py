@@ -21,9 +21,10 @@ import torch
 
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.capture import capture
-from routing_replay.ray.actor import DEFAULT_CAPACITY_TOKENS, current_node_id
+from routing_replay.ray.actor import current_node_id
 from routing_replay.ray.client import node_store
-from routing_replay.store import DEFAULT_PAGE_TOKENS, PutRequest, RoutingRef
+from routing_replay.ray.options import StoreOptions
+from routing_replay.store import PutRequest, RoutingRef
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -48,10 +49,7 @@ class RolloutWorker:
         job: str,
         model_fn: Callable[[], torch.nn.Module],
         *,
-        capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
-        page_tokens: int = DEFAULT_PAGE_TOKENS,
-        spill_dir: str | None = None,
-        spill_budget: int | None = None,
+        store_options: StoreOptions | None = None,
         torch_threads: int | None = 1,
     ) -> None:
         if torch_threads:
@@ -60,12 +58,7 @@ class RolloutWorker:
         self.model = model_fn()
         self.layout = RoutingLayout.from_hf_config(self.model.config)
         self.node_id = current_node_id()
-        self._store_options = {
-            "capacity_tokens": capacity_tokens,
-            "page_tokens": page_tokens,
-            "spill_dir": spill_dir,
-            "spill_budget": spill_budget,
-        }
+        self.store_options = store_options
 
     def info(self) -> dict[str, Any]:
         """Node id and routing layout of this worker."""
@@ -94,7 +87,7 @@ class RolloutWorker:
         must be unique across the workers of a step (pass `first_prompt_index`), as every
         worker of a node shares that node's store.
         """
-        store = node_store(self.job, self.layout, **self._store_options)
+        store = node_store(self.job, self.layout, self.store_options)
         version = step if policy_version is None else policy_version
         pad = self.model.config.pad_token_id
         rows = [list(p) for p in prompts for _ in range(n)]

@@ -43,6 +43,10 @@ class StoreStats:
     samples_spilled: int = 0  # samples whose routes are in spill files (among `samples`)
     spilled_bytes: int = 0  # the size of those files
     spill_budget: int = 0  # the most they may take; 0: the store does not spill
+    puts: int = 0  # puts (put or put_many calls) of every process since the store was made
+    put_seconds: float = 0.0  # their time, from the call to its commit
+    reads: int = 0  # reads (get, read, the wire form) of every process
+    read_seconds: float = 0.0  # their time, from locating the samples to checking the copy
 
 
 class StoreCore:
@@ -91,6 +95,7 @@ class StoreCore:
             spilled_bytes = t.counter("spilled_bytes", 1 << 62)
             in_files = spilled_bytes // self.layout.bytes_per_token
             tokens = t.counter("tokens", referenced * t.page_tokens + in_files)
+            timings = [int(t.hdr[f]) for f in ("puts", "put_ns", "reads", "read_ns")]
         page_bytes = self.page_tokens * self.layout.bytes_per_token
         return StoreStats(
             capacity_tokens=self.capacity_tokens,
@@ -107,4 +112,8 @@ class StoreCore:
             samples_spilled=spilled,
             spilled_bytes=spilled_bytes,
             spill_budget=self.spill.budget,
+            puts=timings[0],
+            put_seconds=timings[1] / 1e9,
+            reads=timings[2],
+            read_seconds=timings[3] / 1e9,
         )

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 7  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
-# 6: spill to disk; 7: a release of several samples commits at one point
+VERSION = 8  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
+# 6: spill to disk; 7: a release of several samples commits at one point; 8: put/read timings
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -82,6 +82,12 @@ HEADER_DTYPE = np.dtype(
         # A hint, set without the dirty flag: spill files no sample names may be left (a
         # releaser or spiller died before removing them); the next spill's `clean` looks.
         ("spill_garbage", "<u4"),
+        # Statistics for operators, set under the lock without the dirty flag (nothing is
+        # derived from them): puts and reads of every process, and their time in ns.
+        ("puts", "<u8"),
+        ("put_ns", "<u8"),
+        ("reads", "<u8"),
+        ("read_ns", "<u8"),
         ("node_id", "S128"),
         ("layout", "S2048"),
         ("spill_dir", f"S{MAX_SPILL_DIR_BYTES}"),  # this store's own directory of spill files

@@ -226,6 +226,7 @@ class PutTransaction:
                 f"store {core.name!r} was removed (swept) or re-created since this process "
                 "attached it: attach again (or call node_store again) and put there"
             )
+        self.started = time.monotonic_ns()
         deadline = time.monotonic() + self.timeout
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
         resv, wait, token = Reservation(), 0.001, object()
@@ -365,6 +366,7 @@ class PutTransaction:
             )
         core.pages.publish(resv)
         samples.commit(first + len(self.samples))  # the commit point of the whole put
+        t.timed("put", time.monotonic_ns() - self.started)
         return refs
 
     def _full_error(self, needed_pages: int, slots: bool) -> StoreFullError:

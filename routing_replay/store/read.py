@@ -20,6 +20,7 @@ stored tokens it needs, gathered once each (`wire`: pages samples share travel o
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,6 +60,7 @@ class ReadPlan:
 
     def __init__(self, core: StoreCore, sample_ids: Iterable[str | RoutingRef]) -> None:
         self.core = core
+        self.started = time.monotonic_ns()
         refs = as_list(sample_ids)
         check_store(refs, core.name, core.store_uid)
         raw_ids = [sample_id_bytes(r) for r in refs]
@@ -159,6 +161,7 @@ class ReadPlan:
         one = len(self.chains) == 1
         pages = self.chains[0] if one else np.concatenate(self.chains)
         with core.lock.held("read.check", core.deadline()):
+            t.timed("read", time.monotonic_ns() - self.started)
             gens_now = t.p_gen[pages]
             # A released slot's serial is 0: one compare says "still the same put".
             serials_now = t.s_serial[self.slots].tolist()

@@ -173,6 +173,11 @@ class Tables:
             )
         self.hdr[field] = value
 
+    def timed(self, kind: str, ns: int) -> None:
+        """Count one put or read (`kind`) of `ns` nanoseconds (under the lock); wraps at 2**64."""
+        self.hdr[kind + "s"] = (int(self.hdr[kind + "s"]) + 1) % (1 << 64)
+        self.hdr[kind + "_ns"] = (int(self.hdr[kind + "_ns"]) + max(ns, 0)) % (1 << 64)
+
     @property
     def dirty(self) -> bool:
         """Whether a locker died (or raised) half-way through changing the tables."""
