@@ -5,17 +5,17 @@ nothing behind."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import resource
-import sys
 import threading
 import uuid
 
 import numpy as np
 import pytest
+from line_stops import interrupted_at
 
-import routing_replay
 from routing_replay import RoutingLayout, RoutingRef, RoutingStore, load_routes, save_routes
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.segment import segment_path
@@ -207,29 +207,10 @@ def test_a_save_stopped_at_any_line_leaves_no_temporary_file(stores, tmp_path, s
     src = stores()
     refs = put_samples(src, "s", 3, 9)
     path = str(tmp_path / "r.arrow")
-    package = os.path.dirname(routing_replay.__file__)
 
     def traced(stop: int) -> int:
-        seen = 0
-
-        def tracer(frame, event, arg):
-            nonlocal seen
-            if not frame.f_code.co_filename.startswith(package):
-                return None
-            if event == "line":
-                seen += 1
-                if seen == stop:
-                    raise KeyboardInterrupt
-            return tracer
-
-        sys.settrace(tracer)
-        try:
-            save_routes(path, refs, read=src.read, chunk_tokens=10)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-        return seen
+        save = functools.partial(save_routes, path, refs, read=src.read, chunk_tokens=10)
+        return interrupted_at(stop, save)[0]
 
     events = traced(0)
     assert events > 100

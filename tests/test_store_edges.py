@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 import pytest
+from line_stops import interrupted_at
 
-import routing_replay
 from routing_replay import RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
     CorruptStoreError,
@@ -675,30 +675,12 @@ def test_a_create_stopped_at_any_line_leaves_nothing(name, tmp_path):
     no spill directory, no descriptor stays, and the name can be created again (before: 26
     stops left the segment with its owner lease held, so neither sweep nor create could use
     the name until the process exited)."""
-    package = os.path.dirname(routing_replay.__file__)
 
     def create_stopped_at(stop: int) -> tuple[int, RoutingStore | None]:
-        seen = 0
-
-        def tracer(frame, event, arg):
-            nonlocal seen
-            if not frame.f_code.co_filename.startswith(package):
-                return None
-            if event == "line":
-                seen += 1
-                if seen == stop:
-                    raise KeyboardInterrupt
-            return tracer
-
-        store = None
-        sys.settrace(tracer)
-        try:
-            store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-        return seen, store
+        return interrupted_at(
+            stop,
+            lambda: RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path),
+        )
 
     before = open_fds(name, str(tmp_path))
     assert before == {}

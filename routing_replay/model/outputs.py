@@ -54,19 +54,28 @@ class Triple:
         return (scores_TE, weights_TK, ids_TK, *output[3:])
 
 
-class Scatter:
+class TopkOfLogits:
+    """A form whose ids are not in the output: the top-k of the logits at `output[LOGITS]`
+    (the router's own op), which the score function also takes."""
+
+    LOGITS = 0
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        return torch.topk(output[self.LOGITS], module.top_k, dim=1).indices
+
+    def rows(self, output: tuple) -> Tensor:
+        return output[self.LOGITS]
+
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        return output[self.LOGITS], self.ids(module, output)
+
+
+class Scatter(TopkOfLogits):
     """Llama 4's `(scores_TE, logits_TE)`: the ids are the top-k of the logits (the router's
     own op); forced, `scores_TE` holds the score function's weights at the forced ids and 0
     elsewhere, in the router's dtype."""
 
-    def ids(self, module: nn.Module, output: tuple) -> Tensor:
-        return torch.topk(output[1], module.top_k, dim=1).indices
-
-    def rows(self, output: tuple) -> Tensor:
-        return output[1]
-
-    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
-        return output[1], self.ids(module, output)
+    LOGITS = 1
 
     def force(
         self,
@@ -198,7 +207,7 @@ class SharedGammas(Triple):
         return (scores_TE, weights_TK, ids_TK, gammas_TS, *output[4:])
 
 
-class Sorted:
+class Sorted(TopkOfLogits):
     """JetMoE's `(index_sorted_experts, batch_index, batch_gates, expert_size, logits_TE)`: the
     T x K token-expert pairs sorted by expert (their flat index, their token, their gate), the
     pairs per expert (a list of ints), and the float logits. The ids are the top-k of the
@@ -206,14 +215,7 @@ class Sorted:
     router's own on missing rows) with the router's ops: gates by the score function in the
     router's dtype, counts per expert, the same sort of the flat ids."""
 
-    def ids(self, module: nn.Module, output: tuple) -> Tensor:
-        return torch.topk(output[4], module.top_k, dim=1).indices
-
-    def rows(self, output: tuple) -> Tensor:
-        return output[4]
-
-    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
-        return output[4], self.ids(module, output)
+    LOGITS = 4
 
     def force(
         self,

@@ -1,0 +1,38 @@
+"""Stopping a call at the Nth line of routing_replay code it runs, in this process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import routing_replay
+
+PACKAGE = os.path.dirname(routing_replay.__file__)
+
+
+def interrupted_at(stop: int, call: Callable[[], Any]) -> tuple[int, Any]:
+    """Run `call`, raising KeyboardInterrupt at its `stop`-th line event in package code (0:
+    never). Returns the line events seen and what `call` returned (None if stopped)."""
+    seen = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal seen
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "line":
+            seen += 1
+            if seen == stop:
+                raise KeyboardInterrupt
+        return tracer
+
+    result = None
+    sys.settrace(tracer)
+    try:
+        result = call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return seen, result
