@@ -732,6 +732,7 @@ print(repr((errors, left, os.path.exists("/dev/shm/rr_" + name), os.listdir(spil
 """
 
 
+@pytest.mark.slow
 def test_a_create_out_of_file_descriptors_says_so_and_leaves_nothing(name, tmp_path):
     """Out of descriptors at each point of a spilling create: a StoreUnavailableError, no
     descriptor, segment or directory left, then a create with one more succeeds (before: a
