@@ -198,7 +198,7 @@ def test_a_ref_made_by_hand_saves_an_archive_that_loads(stores, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "stride", [pytest.param(13, id="every-13th"), pytest.param(1, marks=pytest.mark.slow, id="all")]
+    "stride", [pytest.param(7, id="every-7th"), pytest.param(1, marks=pytest.mark.slow, id="all")]
 )
 def test_a_save_stopped_at_any_line_leaves_no_temporary_file(stores, tmp_path, stride):
     """KeyboardInterrupt at each line of routing_replay code a save runs: no `.partial-*` file
