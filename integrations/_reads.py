@@ -16,7 +16,7 @@ import torch
 
 from routing_replay import RoutesTensor, RoutingRef, TokenShard
 from routing_replay.errors import InvalidRoutesError
-from routing_replay.schema import NUM_TOKENS
+from routing_replay.schema import NUM_TOKENS, SAMPLE_ID
 
 Fetch = Callable[..., pa.RecordBatch]  # fetch(refs) or fetch(refs, ranges=...)
 
@@ -29,13 +29,14 @@ def fetch_checked(
     if fetch is None:
         from routing_replay.ray import fetch_batch as fetch
     table = fetch(list(refs), **kwargs)
-    got = table.column("sample_id").to_pylist()
+    got = table.column(SAMPLE_ID).to_pylist()
     want = [r.sample_id for r in refs]
     if got != want:
         raise InvalidRoutesError(f"fetch returned samples {got}, asked for {want} in that order")
-    counts = table.column(NUM_TOKENS).to_pylist()
-    if kwargs.get("ranges") is None and counts != [r.num_tokens for r in refs]:
-        raise InvalidRoutesError(f"fetched token counts {counts} differ from the refs'")
+    if kwargs.get("ranges") is None:  # whole samples: each its ref's token count
+        counts = table.column(NUM_TOKENS).to_pylist()
+        if counts != [r.num_tokens for r in refs]:
+            raise InvalidRoutesError(f"fetched token counts {counts} differ from the refs'")
     return table
 
 

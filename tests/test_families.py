@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_families import tiny_family_model
+from tiny_families import random_routes, tiny_family_model
 
 from routing_replay import capture, replay
 from routing_replay.model import outputs
@@ -109,15 +109,6 @@ def inputs(model, seed: int) -> dict:
 def output(model, kwargs: dict) -> torch.Tensor:
     out = model(**kwargs)
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
-
-
-def random_routes(layout, seed: int, missing: float) -> torch.Tensor:
-    """[B, S, L, K] distinct ids per row, a fraction of rows missing (-1)."""
-    rng = np.random.default_rng(seed)
-    keys = rng.random((B * S, layout.num_moe_layers, layout.num_experts))
-    ids = np.argsort(keys, axis=-1)[..., : layout.top_k]
-    ids[rng.random((B * S, layout.num_moe_layers)) < missing] = MISSING
-    return torch.from_numpy(ids.reshape(B, S, layout.num_moe_layers, layout.top_k))
 
 
 class MethodSpy:

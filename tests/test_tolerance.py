@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from moe_models import tiny_model
+from tiny_families import random_routes
 
 from routing_replay import capture, replay
 from routing_replay.errors import InvalidArgumentError
@@ -19,14 +20,6 @@ FAMILIES = ["qwen3_moe", "deepseek_v3"]
 
 def batch(seed: int) -> torch.Tensor:
     return torch.randint(3, 90, (B, S), generator=torch.Generator().manual_seed(seed))
-
-
-def random_routes(layout, seed: int, missing: float) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    keys = rng.random((B * S, layout.num_moe_layers, layout.num_experts))
-    ids = np.argsort(keys, axis=-1)[..., : layout.top_k]
-    ids[rng.random((B * S, layout.num_moe_layers)) < missing] = MISSING
-    return torch.from_numpy(ids.reshape(B, S, layout.num_moe_layers, layout.top_k))
 
 
 def spy(model):

@@ -15,12 +15,14 @@ import dataclasses
 import importlib
 import inspect
 
+import numpy as np
 import torch
 import transformers
 from transformers import CONFIG_MAPPING, PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from routing_replay.model.adapters import known_routers
+from routing_replay.validate import MISSING
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2
 
@@ -263,3 +265,13 @@ def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
                 tensor[-1] += 0.2  # from -1 (never picked) to picked now and then
     return model.to(dtype).eval()
+
+
+def random_routes(layout, seed: int, missing: float, batch: int = 2, seq: int = 8):
+    """`[batch, seq, L, K]` routes: a uniformly random top-k set of distinct ids per row, and
+    a fraction `missing` of the rows -1."""
+    rng = np.random.default_rng(seed)
+    keys = rng.random((batch * seq, layout.num_moe_layers, layout.num_experts))
+    ids = np.argsort(keys, axis=-1)[..., : layout.top_k]
+    ids[rng.random((batch * seq, layout.num_moe_layers)) < missing] = MISSING
+    return torch.from_numpy(ids.reshape(batch, seq, layout.num_moe_layers, layout.top_k))

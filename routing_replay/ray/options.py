@@ -9,6 +9,7 @@ from typing import Any
 
 from routing_replay.errors import InvalidArgumentError
 from routing_replay.store import DEFAULT_PAGE_TOKENS
+from routing_replay.store.routing_store import check_sizes
 
 DEFAULT_CAPACITY_TOKENS = 1 << 20
 DEFAULT_JOB_WATCH_S = 5.0
@@ -34,16 +35,8 @@ class StoreOptions:
     job_watch_s: float | None = DEFAULT_JOB_WATCH_S
 
     def __post_init__(self) -> None:
-        for field, value, low in (
-            ("capacity_tokens", self.capacity_tokens, 1),
-            ("page_tokens", self.page_tokens, 1),
-            ("max_samples", self.max_samples, 1),
-            ("spill_budget", self.spill_budget, 0),
-        ):
-            if value is not None and (type(value) is bool or not isinstance(value, int)):
-                raise InvalidArgumentError(f"{field} must be an int, got {value!r}")
-            if value is not None and value < low:
-                raise InvalidArgumentError(f"{field} must be >= {low}, got {value!r}")
+        # Refused here, where the caller is, rather than in the actor that creates the store.
+        check_sizes(self.capacity_tokens, self.page_tokens, self.max_samples, self.spill_budget)
         if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
             raise InvalidArgumentError(f"spill_dir must be a path, got {self.spill_dir!r}")
         watch = self.job_watch_s

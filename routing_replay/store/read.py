@@ -160,18 +160,19 @@ class ReadPlan:
         core, t = self.core, self.core.tables
         one = len(self.chains) == 1
         pages = self.chains[0] if one else np.concatenate(self.chains)
-        with core.lock.held("read.check", core.deadline()):
-            t.timed("read", time.monotonic_ns() - self.started)
-            gens_now = t.p_gen[pages]
-            # A released slot's serial is 0: one compare says "still the same put".
-            serials_now = t.s_serial[self.slots].tolist()
         gens = self.gens[0] if one else np.concatenate(self.gens)
-        if serials_now != self.serials:
+        with core.lock.held("read.check", core.deadline()):
+            # A released slot's serial is 0: one compare says "still the same put".
+            released = t.s_serial[self.slots].tolist() != self.serials
+            moved = bool((t.p_gen[pages] != gens).any())
+            if not (released or moved):  # a read that returns: counted once, retries not
+                t.timed("read", time.monotonic_ns() - self.started)
+        if released:
             raise ConcurrentReleaseError(
                 f"a sample among {self.ids[:5]} was released (and its pages or id reused) while "
                 "being read: release samples only after every reader is done with them"
             )
-        if (gens_now != gens).any():  # same puts, other pages: one was spilled meanwhile
+        if moved:  # same puts, other pages: one was spilled meanwhile
             raise SpilledMeanwhile
 
     def routes(self, part: Part) -> np.ndarray:

@@ -73,6 +73,29 @@ from routing_replay.store.tables import initialise
 from routing_replay.store.verify import verify
 
 
+def check_sizes(
+    capacity_tokens: Any,
+    page_tokens: Any,
+    max_samples: Any = None,
+    spill_budget: Any = None,
+    max_writers: Any = DEFAULT_MAX_WRITERS,
+) -> None:
+    """Refuse sizes no store can have (what `create` takes; None: the default)."""
+    for what, value, hi in (
+        ("capacity_tokens", capacity_tokens, MAX_TABLE * MAX_PAGE_TOKENS),
+        ("page_tokens", page_tokens, MAX_PAGE_TOKENS),
+        ("max_samples", max_samples, MAX_TABLE),
+        ("spill_budget", spill_budget, 1 << 62),
+        ("max_writers", max_writers, 1 << 20),
+    ):
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Integral)
+            or not 0 < value <= hi
+        ):
+            raise InvalidArgumentError(f"{what} must be an int in [1, {hi}], got {value!r}")
+
+
 def default_node_id() -> str:
     """This machine's id: host name plus boot id (Ray code passes Ray's node id instead)."""
     try:
@@ -141,17 +164,7 @@ class RoutingStore:
         map their files. The store's files live in a directory of their own, removed with it.
         """
         timeout_seconds(put_timeout, "put_timeout")
-        for what, value, hi in (
-            ("capacity_tokens", capacity_tokens, MAX_TABLE * MAX_PAGE_TOKENS),
-            ("page_tokens", page_tokens, MAX_PAGE_TOKENS),
-            ("max_writers", max_writers, 1 << 20),
-        ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Integral)
-                or not 0 < value <= hi
-            ):
-                raise InvalidArgumentError(f"{what} must be an int in [1, {hi}], got {value!r}")
+        check_sizes(capacity_tokens, page_tokens, max_samples, spill_budget, max_writers)
         num_pages = -(-int(capacity_tokens) // page_tokens)
         uid = int.from_bytes(os.urandom(8), "little") | 1
         spill_root, budget = "", 0

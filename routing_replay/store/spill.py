@@ -591,13 +591,8 @@ def spill_root_of(spill_dir: object) -> str:
 
 def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | None) -> int:
     """The budget of a new store's spill files (default: half the free space of `spill_dir`'s
-    file system), after checking that the disk can hold one page's file at all."""
-    if budget is not None and (
-        isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
-    ):
-        raise InvalidArgumentError(
-            f"spill_budget must be a positive number of bytes, got {budget!r}"
-        )
+    file system), after checking that the disk can hold one page's file at all (`budget`
+    itself was checked with the store's other sizes)."""
     if len(store_spill_dir(spill_dir, name, 0).encode()) > MAX_SPILL_DIR_BYTES - 24:
         raise InvalidArgumentError(f"spill_dir {spill_dir!r} is too long: use a shorter path")
     try:
