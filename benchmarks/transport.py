@@ -404,6 +404,7 @@ def reader_recv(st: dict, sock: socket.socket | None, payload: Any) -> Any:
 
         (refs,) = payload
         arrays = ray.get(refs)
+        st["crossed"] = sum(a.nbytes for a in arrays) if way == "ray-i32-x" else 0
         total = sum(len(a) for a in arrays)
         out = reused_output(st, total * L * K * 4).view(np.int32).reshape(total, L, K)
         np.concatenate(arrays, out=out)
@@ -431,10 +432,9 @@ def reader_recv(st: dict, sock: socket.socket | None, payload: Any) -> Any:
         from routing_replay.ray import fetch_batch
 
         st["refs"] = payload
-        # Same node: read into the reused output. Across nodes the batch arrives through
-        # the object store and `to_torch` views it there: no copy to save.
+        # Into the reused output, as the same-node reader and Ray's int32 reader do.
         total = sum(r.num_tokens for r in payload)
-        out = reused_output(st, total * layout.bytes_per_token) if way == "store-ray" else None
+        out = reused_output(st, total * layout.bytes_per_token)
         st["batch"] = fetch_batch(payload, out=out)
         return to_torch(st["batch"])
     raise ValueError(way)
@@ -459,6 +459,9 @@ def reader_cleanup(st: dict) -> dict:
 
         s = ray.get(stats)
         info = {"bytes_used": s["bytes_used"], "segment_bytes": s["segment_bytes"]}
+        if st["way"] == "store-x":  # what the store actor served this step, as it counts
+            info["crossed"] = s["bytes_served"] - st.get("served", 0)
+            st["served"] = s["bytes_served"]
         release_refs(refs)
     return info
 
@@ -476,6 +479,7 @@ def read_and_check(st: dict, sock: Any, payload: Any, rep: int, base: dict) -> d
         out["crc"], out["routes"] = tensor_crc(t, st["opts"]["keep"])
     del t
     out["store"] = reader_cleanup(st)
+    out["crossed"] = out["store"].pop("crossed", st.pop("crossed", 0))
     return out
 
 
@@ -785,13 +789,10 @@ def measure(
 
             shutdown_node_stores(opts["job"])
     int32_bytes = T * layout.values_per_token * 4
-    shm, obj = 0, 0
+    shm = 0
     if way.startswith("store"):
         shm = reader["store"].get("segment_bytes", 0)
-    if way in ("ray-i32", "ray-i32-x"):
-        obj = int32_bytes * (2 if way == "ray-i32-x" else 1)
-    if way == "store-x":
-        obj = 2 * T * layout.bytes_per_token  # the table on the store's node, and pulled
+    crossed = reader.get("crossed", 0)  # measured: the store actor's bytes_served, or Ray's
     return {
         "way": way,
         "label": WAYS[way][1],
@@ -808,7 +809,7 @@ def measure(
         "writer_mem": writer_mem,
         "shm_segment_bytes": shm,
         "shm_used_bytes": reader.get("store", {}).get("bytes_used", 0),
-        "object_store_bytes": obj,
+        "bytes_crossing": crossed,
         "crc": reader["crc"],
         "routes": reader.get("routes"),
     }
@@ -1002,7 +1003,7 @@ def table(results: dict) -> str:
         )
         lines.append(
             f"{'way':<46}{'seconds':>9}{'ns/tok':>9}{'1st':>9}{'GB/s i32':>9}{'x store':>9}"
-            f"{'rd MB':>8}{'rd/ret':>7}{'wr MB':>8}{'shm MB':>8}{'obj MB':>8}  ok"
+            f"{'rd MB':>8}{'rd/ret':>7}{'wr MB':>8}{'shm MB':>8}{'x-node MB':>8}  ok"
         )
         for _way, r in w["rows"].items():
             wr = r["writer_mem"]["peak_delta"] / MB if r["writer_mem"] else float("nan")
@@ -1013,7 +1014,7 @@ def table(results: dict) -> str:
                 f"{r['GBps_int32']:9.2f}"
                 f"{xs}{r['reader_mem']['peak_delta'] / MB:8.0f}"
                 f"{r['reader_private_over_returned']:7.2f}{wr:8.0f}"
-                f"{r['shm_used_bytes'] / MB:8.0f}{r['object_store_bytes'] / MB:8.0f}  "
+                f"{r['shm_used_bytes'] / MB:8.0f}{r['bytes_crossing'] / MB:8.0f}  "
                 f"{'yes' if r['identical'] else 'NO'}"
             )
     if results["scaling"]:
@@ -1042,7 +1043,7 @@ def markdown(results: dict) -> str:
         out.append(
             "| way | seconds | ns/token | first step ns/token | GB/s (int32-eq.) | "
             "x this project | x copyto narrow | reader peak MB (x returned, private) | "
-            "writer peak MB | /dev/shm MB | object store MB |"
+            "writer peak MB | /dev/shm MB | MB crossing nodes (measured) |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in w["rows"].values():
@@ -1056,7 +1057,7 @@ def markdown(results: dict) -> str:
                 f"{first_step_ns(r):,.0f} | {r['GBps_int32']:.2f} | {x} | "
                 f"{r['x_copyto_narrow']:.1f} | {r['reader_mem']['peak_delta'] / MB:.0f} "
                 f"({r['reader_private_over_returned']:.2f}) | {wr} | "
-                f"{r['shm_used_bytes'] / MB:.0f} | {r['object_store_bytes'] / MB:.0f} |"
+                f"{r['shm_used_bytes'] / MB:.0f} | {r['bytes_crossing'] / MB:.0f} |"
             )
     if results["scaling"]:
         out.append("\n| routed tokens | way | seconds | ns/token |")

@@ -179,6 +179,9 @@ def test_a_path_in_a_missing_directory_or_naming_one_is_refused_before_any_read(
         save_routes(tmp_path / "nope" / "routes.arrow", refs, read=read)
     with pytest.raises(InvalidArgumentError, match="is a directory"):
         save_routes(tmp_path, refs, read=read)
+    for chunk in ("5", None, 0, True):  # before: a raw TypeError for "5" and None
+        with pytest.raises(InvalidArgumentError, match="chunk_tokens must be an int >= 1"):
+            save_routes(tmp_path / "routes.arrow", refs, read=read, chunk_tokens=chunk)
     assert os.listdir(tmp_path) == []
 
 

@@ -169,9 +169,9 @@ def test_the_wire_form_rebuilds_the_same_rows_and_ships_shared_pages_once(group,
     # Whole samples: the shared prompt's 2 full pages (16 tokens) travel once, not 4 times.
     wire = store.read_wire(refs)
     routed = sum(len(r) for r, _ in samples.values())
-    assert len(wire.routes) == routed - 3 * 16
-    assert len(wire.tokens) == routed - 3 * 16  # token ids alike
-    assert wire.routes.shape[1] == LAYOUT.values_per_token
+    assert wire.num_stored == routed - 3 * 16
+    assert sum(map(len, wire.tokens)) == routed - 3 * 16  # token ids alike
+    assert {r.shape[1] for r in wire.routes} == {LAYOUT.values_per_token}
     per_token = LAYOUT.bytes_per_token + 4  # narrow ids + an int32 token id
     assert wire.nbytes == (routed - 3 * 16) * per_token + wire.request.copies.nbytes
 
@@ -183,7 +183,7 @@ def test_the_wire_form_of_ranges_ships_only_their_tokens(group):
     # Shared prompt page 0 (tokens 0-7): g0 and g1 need 0-4, sent once (5); shared page 1
     # (8-15): g0 10-13 and g2 12-15 overlap, their union 10-15 (6); g2's own 16-21 (6);
     # "bare" its 4-8 (5). Nothing else.
-    assert len(wire.routes) == 5 + 6 + 6 + 5
+    assert wire.num_stored == 5 + 6 + 6 + 5
     assert wire.batch().equals(store.read(refs, ranges=ranges))
 
 

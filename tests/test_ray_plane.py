@@ -429,9 +429,10 @@ def test_ranges_read_only_their_tokens_on_either_node(cluster):
     actors = store_actors(job).values()
     (actor,) = [a for a in actors if ray.get(a.stats.remote())["store"] == refs[2].store]
     before = ray.get(actor.stats.remote())["bytes_served"]
-    wire = ray.get(actor.read.remote(refs[2:], "all", ranges[2:]))
+    wire = ray.get(ray.get(actor.read.remote(refs[2:], "all", ranges[2:])))
     sent = sum(b - a for pairs in ranges[2:] for a, b in pairs)
-    assert wire.routes.nbytes == sent * LAYOUT.bytes_per_token  # only the ranges' tokens
+    assert wire.num_stored == sent  # only the ranges' tokens
+    assert sum(r.nbytes for r in wire.routes) == sent * LAYOUT.bytes_per_token
     assert ray.get(actor.stats.remote())["bytes_served"] - before == wire.nbytes
     with pytest.raises(InvalidArgumentError, match="3 entries for 4 refs"):
         ray.get(reader.fetch.remote(refs, ranges=ranges[:3]))
@@ -595,7 +596,7 @@ class BigWriter(Writer):
     """Asks for a store larger than /dev/shm."""
 
     def segment(self) -> str:
-        return node_store(self.job, LAYOUT, options=StoreOptions(capacity_tokens=10**13)).name
+        return node_store(self.job, LAYOUT, options=StoreOptions(capacity_tokens=10**11)).name
 
 
 def test_store_actor_that_cannot_start_raises_clearly_and_can_retry(cluster):

@@ -178,8 +178,10 @@ def test_damaged_files_raise(name, tmp_path):
         with pytest.raises(CorruptStoreError, match=r"bytes, \d+ expected"):
             store.get(ref)
         os.unlink(path)
+        reads = store.stats().reads
         with pytest.raises(CorruptStoreError, match="is missing"):
             store.get(ref)
+        assert store.stats().reads == reads  # a failed read is not counted (before: it was)
 
 
 # -- a spiller killed at every step --------------------------------------------------------

@@ -647,6 +647,19 @@ def test_timeouts_are_checked_and_inf_waits_without_end(name):
     assert not os.path.exists(segment_path(name))
 
 
+def test_sizes_given_as_numpy_integers_make_the_store_they_name(name, tmp_path):
+    # Before: a raw OverflowError (uint64, int8), "could not allocate -0.0 MiB" (int16).
+    for capacity, page in ((np.int16(64), np.int16(16)), (np.uint64(64), np.uint64(16))):
+        with RoutingStore.create(name, TINY, capacity, page_tokens=page) as s:
+            assert (s.capacity_tokens, s.page_tokens) == (64, 16)
+            routes = TINY.random_routes(np.random.default_rng(6), 20)
+            s.put("a", routes)
+            assert np.array_equal(s.get("a"), routes)
+    with pytest.raises(InvalidArgumentError, match="spill_budget=4096 without a spill_dir"):
+        RoutingStore.create(name, TINY, 64, spill_budget=4096)  # before: silently ignored
+    assert not os.path.exists(segment_path(name))
+
+
 def test_ids_that_are_not_utf8_and_reads_of_no_list_are_refused(name):
     with RoutingStore.create(name, TINY, 4 * P, page_tokens=P) as s:
         with pytest.raises(InvalidArgumentError, match="must be printable"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from routing_replay import RoutingLayout
@@ -28,3 +29,16 @@ def test_the_options_are_what_create_takes_and_are_checked():
             StoreOptions(**bad)
     with pytest.raises(InvalidArgumentError, match=r"must be a routing_replay\.ray\.StoreOptions"):
         node_store("job", LAYOUT, {"capacity_tokens": 4096})  # refused before Ray is asked
+
+
+def test_sizes_are_checked_whole_where_the_caller_is_and_kept_as_python_ints():
+    # Before: accepted here, refused by the actor at create (a Ray traceback), or wrapped.
+    with pytest.raises(InvalidArgumentError, match=r"needs 8589934592 pages of 128 tokens"):
+        StoreOptions(capacity_tokens=1 << 40)
+    with pytest.raises(InvalidArgumentError, match="spill_budget=4096 without a spill_dir"):
+        StoreOptions(spill_budget=4096)  # before: silently ignored
+    with pytest.raises(InvalidArgumentError, match="spill_dir must be an absolute path"):
+        StoreOptions(spill_dir="spill")  # before: the actor's working directory
+    options = StoreOptions(capacity_tokens=np.int16(1000), page_tokens=np.uint64(64))
+    assert options.create_kwargs()["page_tokens"] == 64
+    assert [type(options.capacity_tokens), type(options.page_tokens)] == [int, int]

@@ -329,7 +329,8 @@ def _ray_main(job: str, spill_root: str, rounds: int, per_call: int) -> dict:
                 ids = [r.sample_id for r in refs]
                 errors, wrong = [], []
                 try:
-                    wrong = wrong_rows(ray.get(actor.read.remote(refs)).batch(), ids)
+                    wire = ray.get(ray.get(actor.read.remote(refs)))
+                    wrong = wrong_rows(wire.batch(), ids)
                 except Exception as e:
                     errors.append(f"read {ids}: {type(e).__name__}: {str(e)[:300]}")
                 try:

@@ -47,6 +47,7 @@ from routing_replay.store import (
 )
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
 NAMESPACE = "routing_replay"
@@ -176,16 +177,25 @@ class NodeStoreActor:
 
     def read(
         self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None
-    ) -> WireBatch:
-        """Samples (or their `ranges`) in their wire form: each stored token the rows need
-        once (a GRPO group's shared prompt pages travel once), rebuilt into Arrow rows where
-        they arrive (`WireBatch.batch`). Reads never release: the caller releases once its
-        whole batch was read (`release`)."""
+    ) -> ObjectRef:
+        """Samples (or their `ranges`) in their wire form (`WireBatch`): each stored token
+        the rows need once (a GRPO group's shared prompt pages travel once), copied by
+        `ray.put` straight from the segment into the object that ships; returns that
+        object's ref, for the reader to get. Reads never release: the caller releases once
+        its whole batch was read (`release`)."""
+        import ray
+
         store = self._live()
         _check_refs_in(refs, store.name, self.node_id)
-        wire = store.read_wire(refs, part=part, ranges=ranges)  # type: ignore[arg-type]
-        self._count(len(refs), wire.nbytes)
-        return wire
+        shipped: list[int] = []
+
+        def ship(wire: WireBatch) -> ObjectRef:
+            shipped.append(wire.nbytes)
+            return ray.put(wire)
+
+        ref = store.read_wire(refs, part=part, ranges=ranges, ship=ship)  # type: ignore[arg-type]
+        self._count(len(refs), shipped[-1])
+        return ref
 
     def read_block(
         self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None

@@ -50,7 +50,7 @@ from routing_replay.schema import (
     list_values,
     routes_schema,
 )
-from routing_replay.store import Part, RoutingRef
+from routing_replay.store import Part, RoutingRef, WireBatch
 from routing_replay.store.refs import ranges_per_ref
 
 if TYPE_CHECKING:
@@ -95,9 +95,19 @@ def _get(object_refs: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
             if isinstance(cause, RoutingReplayError):
                 raise cause from None
             raise
-        except ray.exceptions.RayActorError as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise lost_error(group, f"its store actor died: {type(e).__name__}") from None
     return out
+
+
+def _get_wires(calls: list[Any], groups: list[list[RoutingRef]]) -> list[WireBatch]:
+    """The wire batches the store actors' `read` calls shipped, pulled here in parallel."""
+    import ray
+
+    shipped = _get(calls, groups)
+    if shipped:
+        ray.wait(shipped, num_returns=len(shipped), fetch_local=True)
+    return _get(shipped, groups)
 
 
 def _read_local(
@@ -194,7 +204,8 @@ def fetch_batch(
                 group = [refs[i] for i in indices]
                 parts[store] = _read_local(group, part, direct, ranges_of(indices))
     finally:
-        wires = _get(pending, remote_groups)  # collected (or raised) even if a local read failed
+        # Collected (or raised) even if a local read failed.
+        wires = _get_wires(pending, remote_groups)
     for store, wire in zip(remote, wires, strict=True):
         parts[store] = wire.batch(direct)  # the rows rebuilt here, in this process's memory
     ordered = [parts[s] for s in groups]
@@ -239,7 +250,10 @@ def read_dataset(
     than the driver, samples on the caller's node are read straight from shm and `ray.put`
     here. Rows are grouped by store (order within a store kept): align on `sample_id`.
     With `release=True` the samples are released from their stores once every one of them
-    was read (the dataset holds copies); a failed read leaves all of them stored. `ranges`
+    was read (the dataset holds copies); a failed read leaves all of them stored. The copies
+    are Ray objects owned by the calling process (Ray's ownership): if it may die before the
+    dataset is consumed elsewhere, read with `release=False` and `release_refs` once
+    consumed, or the samples are lost with it. `ranges`
     (one entry per ref, as in `fetch_batch`): only those tokens of each sample (e.g. cut
     to the trainer's maximum length) are read into the dataset.
     """

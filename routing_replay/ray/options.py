@@ -36,9 +36,22 @@ class StoreOptions:
 
     def __post_init__(self) -> None:
         # Refused here, where the caller is, rather than in the actor that creates the store.
-        check_sizes(self.capacity_tokens, self.page_tokens, self.max_samples, self.spill_budget)
-        if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
-            raise InvalidArgumentError(f"spill_dir must be a path, got {self.spill_dir!r}")
+        spill_dir = self.spill_dir
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(f"spill_dir must be a path, got {spill_dir!r}")
+        if spill_dir is not None and not os.path.isabs(spill_dir):
+            raise InvalidArgumentError(
+                f"spill_dir must be an absolute path (each node's store actor creates it on "
+                f"that node, in no working directory of yours), got {spill_dir!r}"
+            )
+        sizes = (self.capacity_tokens, self.page_tokens, self.max_samples, self.spill_budget)
+        capacity, page, samples, budget, _ = check_sizes(*sizes, spill_dir=spill_dir)
+        for name, value in zip(
+            ("capacity_tokens", "page_tokens", "max_samples", "spill_budget"),
+            (capacity, page, samples, budget),
+            strict=True,
+        ):
+            object.__setattr__(self, name, value)  # Python ints, as the actor's create needs
         watch = self.job_watch_s
         if watch is not None and (
             type(watch) is bool

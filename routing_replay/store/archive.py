@@ -24,6 +24,7 @@ against the saved serial and token digest (a ref of another put of that id is re
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import secrets
 import struct
@@ -168,8 +169,13 @@ def save_routes(
         raise InvalidArgumentError("save_routes needs a non-empty list of RoutingRefs")
     if len({r.sample_id for r in refs}) != len(refs):
         raise InvalidArgumentError("save_routes names a sample more than once")
-    if chunk_tokens < 1:
-        raise InvalidArgumentError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if (
+        isinstance(chunk_tokens, bool)
+        or not isinstance(chunk_tokens, numbers.Integral)
+        or chunk_tokens < 1
+    ):
+        raise InvalidArgumentError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    chunk_tokens = int(chunk_tokens)
     path = os.fspath(path)
     if os.path.isdir(path):
         raise InvalidArgumentError(

@@ -58,9 +58,11 @@ if TYPE_CHECKING:
 class ReadPlan:
     """Where a read's samples are: slots, serials, chains and generations, found under the lock."""
 
-    def __init__(self, core: StoreCore, sample_ids: Iterable[str | RoutingRef]) -> None:
+    def __init__(
+        self, core: StoreCore, sample_ids: Iterable[str | RoutingRef], started: int | None = None
+    ) -> None:
         self.core = core
-        self.started = time.monotonic_ns()
+        self.started = time.monotonic_ns() if started is None else started  # a retry's first
         refs = as_list(sample_ids)
         check_store(refs, core.name, core.store_uid)
         raw_ids = [sample_id_bytes(r) for r in refs]
@@ -107,13 +109,13 @@ class ReadPlan:
         try:
             return SpillFile(self.core, path, self.serials[i], self.digests[i], self.num_tokens[i])
         except FileNotFoundError:
-            self.check_unchanged()
+            self.check_unchanged(failed=True)
             raise CorruptStoreError(
                 f"spill file {path} of sample {self.ids[i]!r} is missing: something removed "
                 "files from the store's spill directory. Release the sample and regenerate it"
             ) from None
         except OSError as e:  # EMFILE, EIO, ELOOP (a link in its place), ...: not readable now
-            self.check_unchanged()
+            self.check_unchanged(failed=True)
             raise StoreUnavailableError(
                 f"spill file {path} of sample {self.ids[i]!r} cannot be read: {e.strerror or e} "
                 f"(errno {e.errno}). The store is whole; fix the cause (too many open files: "
@@ -153,8 +155,9 @@ class ReadPlan:
                 dst += len(span)
         return np.array(out, dtype=np.int64).reshape(-1, 4)
 
-    def check_unchanged(self) -> None:
-        """Raise if a located sample was released (or its pages reused) since it was located."""
+    def check_unchanged(self, failed: bool = False) -> None:
+        """Raise if a located sample was released (or its pages reused) since it was located;
+        else count the read (not when it `failed` for another reason)."""
         if not self.chains:
             return
         core, t = self.core, self.core.tables
@@ -165,7 +168,7 @@ class ReadPlan:
             # A released slot's serial is 0: one compare says "still the same put".
             released = t.s_serial[self.slots].tolist() != self.serials
             moved = bool((t.p_gen[pages] != gens).any())
-            if not (released or moved):  # a read that returns: counted once, retries not
+            if not (released or moved or failed):  # a read that returns: counted once
                 t.timed("read", time.monotonic_ns() - self.started)
         if released:
             raise ConcurrentReleaseError(
@@ -249,21 +252,35 @@ class ReadPlan:
         self.check_unchanged()
         return batch
 
-    def wire(self, part: Part, ranges: Sequence[Any] | None = None) -> WireBatch:
+    def wire(
+        self,
+        part: Part,
+        ranges: Sequence[Any] | None = None,
+        ship: Callable[[WireBatch], Any] | None = None,
+    ) -> Any:
         """The read as it crosses the network: every stored token the rows need once (pages
-        that samples share, a GRPO group's prompt, travel once), and how to rebuild them."""
+        that samples share, a GRPO group's prompt, travel once), and how to rebuild them.
+        `ship` gets it as views of the stored rows while they are still valid and must copy
+        them (Ray's `ray.put` does, straight into the buffer that ships); its return is
+        returned. Default: the views gathered into one array each."""
         request = self._request(part, ranges)
         src = request.copies[:, 2]
         first, last = _union(src, src + request.copies[:, 3])
         spans = list(zip(first.tolist(), last.tolist(), strict=True))
-        routes = _gather(self._stored_routes(), spans)
-        tokens = _gather(self._stored_tokens(), spans if request.has_tokens.any() else [])
-        self.check_unchanged()
+        routes, tokens = self._stored_routes(), self._stored_tokens()
         at = np.concatenate([[0], np.cumsum(last - first)])
         k = np.searchsorted(first, src, side="right") - 1
         copies = request.copies.copy()
-        copies[:, 2] = at[k] + src - first[k]  # the same tokens, at their place in `routes`
-        return WireBatch(request._replace(copies=copies), routes, tokens)
+        copies[:, 2] = at[k] + src - first[k]  # the same tokens, at their place in the runs
+        views = WireBatch(
+            request._replace(copies=copies),
+            [routes[a:b] for a, b in spans],
+            [tokens[a:b] for a, b in spans] if request.has_tokens.any() else [],
+        )
+        shipped = (ship or WireBatch.gathered)(views)
+        del views, routes, tokens  # no view of the segment outlives the read
+        self.check_unchanged()
+        return shipped
 
 
 class SpilledMeanwhile(Exception):
@@ -275,13 +292,13 @@ def read_settled(
 ) -> Any:
     """`read(ReadPlan(...))`, again while a sample was spilled under it: each sample spills
     at most once, so this ends."""
-    refs = as_list(sample_ids)
+    refs, started = as_list(sample_ids), time.monotonic_ns()
     for _ in range(len(refs) + 1):
         try:
-            return read(ReadPlan(core, refs))
+            return read(ReadPlan(core, refs, started))
         except SpilledMeanwhile:
             continue
-    return read(ReadPlan(core, refs))
+    return read(ReadPlan(core, refs, started))
 
 
 class Rows:
@@ -314,16 +331,6 @@ def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray
     starts, ends = starts[order], ends[order]
     new = np.r_[True, starts[1:] > np.maximum.accumulate(ends)[:-1]]
     return starts[new], np.maximum.reduceat(ends, np.flatnonzero(new))
-
-
-def _gather(rows: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """`rows[a:b]` of every span, back to back (one copy)."""
-    out = np.empty((sum(b - a for a, b in spans), rows.shape[1]), dtype=rows.dtype)
-    at = 0
-    for a, b in spans:
-        out[at : at + b - a] = rows[a:b]
-        at += b - a
-    return out
 
 
 def run_copies(src: np.ndarray, dst: np.ndarray, copies: np.ndarray) -> None:
@@ -365,17 +372,41 @@ class Request(NamedTuple):
 
 
 class WireBatch(NamedTuple):
-    """A read shipped to another node: the stored tokens it needs, each once, and the copies
-    that rebuild its rows there (`batch()`). What crosses is `nbytes`."""
+    """A read shipped to another node: the stored tokens it needs, each once, in runs, and
+    the copies that rebuild its rows there (`batch()`). What crosses is `nbytes`."""
 
-    request: Request
-    routes: np.ndarray  # [U, L * K] stored ids of the U distinct tokens read
-    tokens: np.ndarray  # [U, 1] their token ids ([0, 1] when no sample has any)
+    request: Request  # copies' sources index the runs back to back
+    routes: list[np.ndarray]  # runs of [n, L * K] stored ids of the distinct tokens read
+    tokens: list[np.ndarray]  # the same runs' token ids [n, 1] (none when no sample has any)
+
+    @property
+    def num_stored(self) -> int:
+        """Distinct stored tokens shipped."""
+        return sum(len(r) for r in self.routes)
 
     @property
     def nbytes(self) -> int:
-        return self.routes.nbytes + self.tokens.nbytes + self.request.copies.nbytes
+        arrays = [*self.routes, *self.tokens, self.request.copies]
+        return sum(a.nbytes for a in arrays)
+
+    def gathered(self) -> WireBatch:
+        """The runs copied into one array each (no view of the source left)."""
+        return WireBatch(self.request, *(_joined(runs) for runs in (self.routes, self.tokens)))
 
     def batch(self, out: Any = None) -> pa.RecordBatch:
         """The rows as one Arrow batch in this process's memory (or `out`), one copy."""
-        return self.request.build(self.routes, self.tokens, out)
+        return self.request.build(_runs(self.routes), _runs(self.tokens), out)
+
+
+def _joined(runs: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.concatenate(runs)] if len(runs) > 1 else [np.array(r) for r in runs]
+
+
+def _runs(runs: list[np.ndarray]) -> np.ndarray | Rows:
+    """Runs back to back as one index space (a copy never spans two runs)."""
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        return np.empty((0, 1), dtype=TOKEN_DTYPE)
+    starts = np.cumsum([0, *(len(r) for r in runs[:-1])]).tolist()
+    return Rows(runs[0], [(at, r, None) for at, r in zip(starts[1:], runs[1:], strict=True)])

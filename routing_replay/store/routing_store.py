@@ -13,7 +13,7 @@ import numbers
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,8 +79,11 @@ def check_sizes(
     max_samples: Any = None,
     spill_budget: Any = None,
     max_writers: Any = DEFAULT_MAX_WRITERS,
-) -> None:
-    """Refuse sizes no store can have (what `create` takes; None: the default)."""
+    spill_dir: Any = None,
+) -> tuple[int, int, int | None, int | None, int]:
+    """Refuse sizes no store can have (what `create` takes; None: the default); returns them
+    as Python ints (numpy integers would wrap in the header's arithmetic)."""
+    sizes = []
     for what, value, hi in (
         ("capacity_tokens", capacity_tokens, MAX_TABLE * MAX_PAGE_TOKENS),
         ("page_tokens", page_tokens, MAX_PAGE_TOKENS),
@@ -94,6 +97,20 @@ def check_sizes(
             or not 0 < value <= hi
         ):
             raise InvalidArgumentError(f"{what} must be an int in [1, {hi}], got {value!r}")
+        sizes.append(None if value is None else int(value))
+    capacity, page, samples, budget, writers = sizes
+    num_pages = -(-capacity // page)
+    if num_pages > MAX_TABLE:
+        raise InvalidArgumentError(
+            f"capacity_tokens={capacity} needs {num_pages} pages of {page} tokens; a store "
+            f"holds at most {MAX_TABLE}: lower capacity_tokens, or raise page_tokens"
+        )
+    if budget is not None and spill_dir is None:
+        raise InvalidArgumentError(
+            f"spill_budget={budget} without a spill_dir: give the spill directory too, or "
+            "leave spill_budget out"
+        )
+    return capacity, page, samples, budget, writers  # type: ignore[return-value]
 
 
 def default_node_id() -> str:
@@ -164,8 +181,10 @@ class RoutingStore:
         map their files. The store's files live in a directory of their own, removed with it.
         """
         timeout_seconds(put_timeout, "put_timeout")
-        check_sizes(capacity_tokens, page_tokens, max_samples, spill_budget, max_writers)
-        num_pages = -(-int(capacity_tokens) // page_tokens)
+        capacity_tokens, page_tokens, max_samples, spill_budget, max_writers = check_sizes(
+            capacity_tokens, page_tokens, max_samples, spill_budget, max_writers, spill_dir
+        )
+        num_pages = -(-capacity_tokens // page_tokens)
         uid = int.from_bytes(os.urandom(8), "little") | 1
         spill_root, budget = "", 0
         if spill_dir is not None:
@@ -174,13 +193,7 @@ class RoutingStore:
             budget = budget_for(spill_root, name, page_file, spill_budget)
             sweep_spill_dirs(spill_root, dead_owners=False)  # left by a wiped /dev/shm
         slots = num_pages + 64 + spill_slots(layout, page_tokens, num_pages, budget)
-        max_samples = int(max_samples or min(slots, MAX_TABLE))
-        if num_pages > MAX_TABLE or not 0 < max_samples <= MAX_TABLE:
-            raise InvalidArgumentError(
-                f"capacity_tokens={capacity_tokens} needs {num_pages} pages of {page_tokens} "
-                f"tokens and max_samples={max_samples}; a store holds at most {MAX_TABLE} of "
-                "each: lower capacity_tokens (or max_samples), or raise page_tokens"
-            )
+        max_samples = max_samples or min(slots, MAX_TABLE)
         layout_json = layout.to_json().encode()
         node = (node_id or default_node_id()).encode()
         if len(layout_json) > HEADER_DTYPE["layout"].itemsize or len(node) > 128:
@@ -191,7 +204,7 @@ class RoutingStore:
             "max_samples": max_samples,
             "page_buckets": pow2_at_least(num_pages),
             "sample_buckets": pow2_at_least(max_samples),
-            "max_writers": int(max_writers),
+            "max_writers": max_writers,
         }
         offsets = regions(layout.bytes_per_token, **sizes)
         fields = {
@@ -476,11 +489,14 @@ class RoutingStore:
         part: Part = "all",
         *,
         ranges: Sequence[Any] | None = None,
-    ) -> WireBatch:
+        ship: Callable[[WireBatch], Any] | None = None,
+    ) -> Any:
         """`read` in the form to send to another node: the stored tokens its rows need, each
         once (samples that share pages share them), and the copies that rebuild the rows
-        there; `.batch()` is then what `read` returns here, `.nbytes` what travels."""
-        return read_settled(self._core, sample_ids, lambda plan: plan.wire(part, ranges))
+        there; `.batch()` is then what `read` returns here, `.nbytes` what travels. With
+        `ship` (e.g. `ray.put`), that function copies the stored runs where they travel
+        from, while the read is valid, and its result is returned."""
+        return read_settled(self._core, sample_ids, lambda plan: plan.wire(part, ranges, ship))
 
     @store_call
     def __contains__(self, sample_id: object) -> bool:
