@@ -152,6 +152,17 @@ class Reader:
             batch
         ).data_ptr() == out.data_ptr()
 
+    def fetch_whole(self, refs: list, ranges=None) -> tuple[dict, bool]:
+        """fetch_batch into reused memory: every column as Python lists and numpy, and
+        whether the routes are a view of that memory."""
+        out = torch.empty(sum(r.num_tokens for r in refs) * 1024, dtype=torch.uint8)
+        batch = fetch_batch(refs, out=out, ranges=ranges)
+        columns = {n: batch.column(n).to_pylist() for n in ("sample_id", "num_tokens")}
+        columns["prompt_len"] = batch.column("prompt_len").to_pylist()
+        columns["token_ids"] = batch.column("token_ids").to_pylist()
+        columns["routes"] = [r.numpy().copy() for r in _split(batch)]
+        return columns, to_torch(batch).data_ptr() == out.data_ptr()
+
     def dataset(
         self,
         refs: list,
@@ -437,6 +448,55 @@ def test_ranges_read_only_their_tokens_on_either_node(cluster):
     with pytest.raises(InvalidArgumentError, match="3 entries for 4 refs"):
         ray.get(reader.fetch.remote(refs, ranges=ranges[:3]))
     assert ray.get(reader.release.remote(refs)) == 4
+    shutdown_node_stores(job)
+
+
+def test_refs_of_two_stores_in_any_order_are_placed_row_by_row(cluster):
+    # Several stores: every row is copied once, straight to its place in `out` (before: each
+    # store's rows built apart, concatenated, then copied into `out`). Interleaved refs,
+    # samples with and without token ids, ranges with an empty row.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    on_head = ray.remote(Writer).options(**on(head)).remote(job)
+    on_other = ray.remote(Writer).options(**on(other)).remote(job)
+    plain_h = ray.get(on_head.put.remote([1, 2], "h"))  # prompt_len=2, no token ids
+    group_o = ray.get(on_other.put_group.remote("g", 40, [10, 25]))
+    plain_o = ray.get(on_other.put.remote([3], "o"))
+    group_h = ray.get(on_head.put_group.remote("k", 40, [7]))
+    prompt = sample_routes(100, 40)
+    want = {
+        "h1": (sample_routes(1), None),
+        "h2": (sample_routes(2), None),
+        "o3": (sample_routes(3), None),
+        **{
+            f"{p}{j}": (
+                np.concatenate([prompt, sample_routes(200 + j, n)]),
+                [*range(40), *(1000 * (j + 1) + np.arange(n)).tolist()],
+            )
+            for p, ns in (("g", (10, 25)), ("k", (7,)))
+            for j, n in enumerate(ns)
+        },
+    }
+    refs = [group_o[0], plain_h[0], plain_o[0], group_h[0], group_o[1], plain_h[1]]
+    ranges = [(3, 45), (5, 5), [(0, 2), (4, 9)], (0, 47), [(1, 40), (50, 65)], (0, 3)]
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    for rng in (None, ranges):
+        got, in_out = ray.get(reader.fetch_whole.remote(refs, rng))
+        assert in_out
+        assert got["sample_id"] == [r.sample_id for r in refs]
+        for i, ref in enumerate(refs):
+            routes, tokens = want[ref.sample_id]
+            pairs = [(0, ref.num_tokens)] if rng is None else rng[i]
+            pairs = [pairs] if isinstance(pairs[0], int) else pairs
+            np.testing.assert_array_equal(
+                got["routes"][i], np.concatenate([routes[a:b] for a, b in pairs])
+            )
+            assert got["num_tokens"][i] == sum(b - a for a, b in pairs)
+            want_tokens = None if tokens is None else [t for a, b in pairs for t in tokens[a:b]]
+            assert got["token_ids"][i] == want_tokens, ref.sample_id
+            prompt_len = ref.prompt_len
+            assert got["prompt_len"][i] == sum(max(0, min(b, prompt_len) - a) for a, b in pairs)
+    assert ray.get(reader.release.remote(refs)) == 6
     shutdown_node_stores(job)
 
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 NAMESPACE = "routing_replay"
 START_ATTEMPTS = 3
+CONCURRENT_CALLS = 16  # threads serving reads at once: every rank of a trainer node, and more
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
 JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
@@ -308,7 +309,7 @@ def store_actor(
             get_if_exists=True,
             lifetime="detached",
             num_cpus=0,
-            max_concurrency=4,
+            max_concurrency=CONCURRENT_CALLS,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
         .remote(job, layout.to_json(), store_options(options))

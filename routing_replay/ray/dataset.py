@@ -38,13 +38,13 @@ from routing_replay.errors import (
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.ray.actor import current_node_id, job_of, lost_error, store_actor
+from routing_replay.ray.assemble import assemble
 from routing_replay.ray.client import attached
 from routing_replay.reader import cu_seqlens, to_torch
 from routing_replay.schema import (
     LAYOUT_METADATA_KEY,
     SAMPLE_ID,
     TOKEN_IDS,
-    copy_into,
     int32_values,
     layout_of,
     list_values,
@@ -196,7 +196,7 @@ def fetch_batch(
         _actor_for(g).read.remote(g, part=part, ranges=ranges_of(groups[s]))
         for s, g in zip(remote, remote_groups, strict=True)
     ]
-    parts: dict[str, pa.RecordBatch] = {}
+    parts: dict[str, pa.RecordBatch | WireBatch] = {}
     direct = out if len(groups) == 1 else None  # one store: its rows go straight into `out`
     try:
         for store, indices in groups.items():
@@ -206,31 +206,16 @@ def fetch_batch(
     finally:
         # Collected (or raised) even if a local read failed.
         wires = _get_wires(pending, remote_groups)
-    for store, wire in zip(remote, wires, strict=True):
-        parts[store] = wire.batch(direct)  # the rows rebuilt here, in this process's memory
-    ordered = [parts[s] for s in groups]
-    order = np.concatenate([np.asarray(groups[s]) for s in groups])
-    if len(ordered) == 1:
-        batch = ordered[0]
+    parts.update(zip(remote, wires, strict=True))
+    if len(groups) > 1:  # each row copied once, straight to its place (in `out` if given)
+        batch = assemble(len(refs), [(groups[s], parts[s]) for s in groups], out)
     else:
-        _check_one_layout(ordered)
-        table = pa.Table.from_batches(ordered)
-        if not np.array_equal(order, np.arange(len(refs))):
-            table = table.take(pa.array(np.argsort(order)))
-        batch = table.combine_chunks().to_batches()[0]
-    if out is not None and direct is None:
-        batch = copy_into(batch, out)
+        (batch,) = parts.values()
+        if isinstance(batch, WireBatch):
+            batch = batch.batch(out)  # the rows rebuilt here, in this process's memory
     if release:
         _release_read(refs, "fetch_batch")  # every sample was read: now, and only now, they go
     return batch
-
-
-def _check_one_layout(batches: list[pa.RecordBatch]) -> None:
-    layouts = {b.schema.metadata[LAYOUT_METADATA_KEY] for b in batches}
-    if len(layouts) > 1:
-        raise LayoutMismatchError(
-            "refs come from stores of different routing layouts (models): read them apart"
-        )
 
 
 def read_dataset(

@@ -356,19 +356,38 @@ class Request(NamedTuple):
         nbytes = int(lengths.sum()) * layout.bytes_per_token
         buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
         values = np.frombuffer(buf, dtype=layout.dtype).reshape(-1, layout.values_per_token)
-        run_copies(routes, values, self.copies)
         token_buf = pa.allocate_buffer(int(lengths[has].sum()) * TOKEN_DTYPE.itemsize)
-        if has.any():
-            # Token ids are kept for the rows that have them only: shift the others out.
-            skipped = np.where(has, 0, lengths)
-            shift = np.cumsum(skipped) - skipped
-            with_ids = self.copies[has[self.copies[:, 0]]].copy()
-            with_ids[:, 1] -= shift[with_ids[:, 0]]
-            dst = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
-            run_copies(tokens, dst, with_ids)
+        token_ids = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
+        # Token ids are kept for the rows that have them only: the others take no room.
+        self.place(routes, tokens, values, starts(lengths), token_ids, starts(lengths * has))
         return routes_batch(
             layout, self.sample_ids, lengths, self.prompt_lens, buf, (has, token_buf)
         )
+
+    def place(
+        self,
+        routes: np.ndarray,
+        tokens: np.ndarray,
+        values: np.ndarray,
+        row_at: np.ndarray,
+        token_ids: np.ndarray,
+        token_at: np.ndarray,
+    ) -> None:
+        """Copy each row `r` to `values[row_at[r]:]`, and its token ids (rows that have them)
+        to `token_ids[token_at[r]:]`: rows placed anywhere in a larger batch, in one pass."""
+        copies, rows = self.copies.copy(), self.copies[:, 0]
+        within = copies[:, 1] - starts(self.num_tokens)[rows]  # the copy's place in its row
+        copies[:, 1] = row_at[rows] + within
+        run_copies(routes, values, copies)
+        has = self.has_tokens[rows]
+        if has.any():
+            copies[:, 1] = token_at[rows] + within
+            run_copies(tokens, token_ids, copies[has])
+
+
+def starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of rows of `lengths` starts when they lie back to back."""
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
 
 
 class WireBatch(NamedTuple):
@@ -396,6 +415,14 @@ class WireBatch(NamedTuple):
     def batch(self, out: Any = None) -> pa.RecordBatch:
         """The rows as one Arrow batch in this process's memory (or `out`), one copy."""
         return self.request.build(_runs(self.routes), _runs(self.tokens), out)
+
+    def place(
+        self, values: np.ndarray, row_at: np.ndarray, token_ids: np.ndarray, token_at: np.ndarray
+    ) -> None:
+        """The rows copied into a larger batch's `values` and `token_ids` (`Request.place`)."""
+        self.request.place(
+            _runs(self.routes), _runs(self.tokens), values, row_at, token_ids, token_at
+        )
 
 
 def _joined(runs: list[np.ndarray]) -> list[np.ndarray]:
