@@ -1,0 +1,92 @@
+"""The two-node read in phases: the store actor's call, the pull of what it shipped, the
+rebuild into the reader's reused memory.
+
+    python benchmarks/remote_profile.py deepseek-v3 grpo     # or qwen3-30b-a3b, long
+
+A writer actor on the second of two simulated nodes puts the batch (as benchmarks/
+transport.py builds it) into its node store; the driver, on the head, reads it through the
+store actor, step by step, and prints each phase. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+
+import numpy as np
+from harness import SimCluster, layout_of_model
+
+MB = 2**20
+
+
+class Writer:
+    def __init__(self, job: str, model: str, kind: str) -> None:
+        import transport as T
+
+        from routing_replay.ray import StoreOptions, node_store
+
+        layout = layout_of_model(model)
+        grpo = kind == "grpo"
+        self.spec = T.grpo_spec(model, 64, 8, 2048, 1024) if grpo else T.long_spec(model, 16, 32768)
+        self.store = node_store(job, layout, StoreOptions(capacity_tokens=T.capacity(self.spec)))
+        cache: dict = {}
+        n = len(self.spec["samples"])
+        self.routes = [T.sample_routes(self.spec, i, layout, cache) for i in range(n)]
+        self.tokens = [T.sample_tokens(self.spec, i) for i in range(n)]
+
+    def put(self, step: int) -> list:
+        return [
+            self.store.put(f"s{step}-{i}", r, prompt_len=self.spec["samples"][i][1], token_ids=t)
+            for i, (r, t) in enumerate(zip(self.routes, self.tokens, strict=True))
+        ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", choices=["qwen3-30b-a3b", "deepseek-v3"])
+    ap.add_argument("kind", choices=["grpo", "long"])
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    import ray
+
+    from routing_replay.ray import release_refs, shutdown_node_stores, store_actor
+
+    layout = layout_of_model(args.model)
+    cluster = SimCluster(2, 4 << 30, __name__)
+    job = f"prof{uuid.uuid4().hex[:6]}"
+    try:
+        writer = cluster.actor(Writer, cluster.nodes[1], job, args.model, args.kind)
+        out, totals = None, []
+        for step in range(args.steps):
+            refs = ray.get(writer.put.remote(step))
+            tokens = sum(r.num_tokens for r in refs)
+            if out is None:  # a trainer's reused output (step 0 pays its page faults)
+                out = np.empty(tokens * layout.bytes_per_token, dtype=np.uint8)
+            actor = store_actor(job, node_id=cluster.nodes[1])
+            t0 = time.perf_counter()
+            shipped = ray.get(actor.read.remote(refs))  # the store actor's call
+            t1 = time.perf_counter()
+            ray.wait([shipped], fetch_local=True)  # the pull to this node
+            t2 = time.perf_counter()
+            wire = ray.get(shipped)
+            wire.batch(out)  # the rebuild
+            t3 = time.perf_counter()
+            totals.append(t3 - t0)
+            print(
+                f"step {step}: actor {t1 - t0:.3f} s, pull {t2 - t1:.3f} s, rebuild "
+                f"{t3 - t2:.3f} s; {wire.nbytes / MB:.0f} MB in {len(wire.routes)} runs, "
+                f"{tokens:,} tokens",
+                flush=True,
+            )
+            del wire, shipped
+            release_refs(refs)
+        print(f"steady median {statistics.median(totals[1:]):.3f} s")
+    finally:
+        shutdown_node_stores(job)
+        cluster.close()
+
+
+if __name__ == "__main__":
+    main()
