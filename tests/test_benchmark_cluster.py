@@ -25,7 +25,8 @@ QWEN = RoutingLayout(num_layers=48, top_k=8, num_experts=128)
 
 def test_quick_cluster_every_rank_reads_its_share_exactly(tmp_path):
     out = tmp_path / "cluster.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "cluster.py"), "--quick", "--out", str(out)]
+    script = str(ROOT / "benchmarks" / "cluster.py")
+    cmd = [sys.executable, script, "--quick", "--repeats", "1", "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     res = json.loads(out.read_text())
