@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,7 +266,10 @@ class RoutingLayout:
           experts take the ids after the routed ones), and Zaya's skip expert: its router picks
           among `num_experts + 1` ids, id `num_experts` meaning "no expert" (the router then
           hands the experts id 0 with weight 0); routes record that choice, so the layout has
-          `num_experts + 1` experts. Values given per layer (a list, or
+          `num_experts + 1` experts; Doge's `floor(sqrt(num_experts)) ** 2`: its block
+          picks product-key experts `ix * num_keys + iy` of `num_keys = floor(sqrt(num_experts))`
+          keys a half, so no id reaches past that (the same count for a square `num_experts`,
+          as Doge's configs have). Values given per layer (a list, or
           transformers' `per_layer_config`) must agree over the MoE layers.
         * MoE layers, by the first rule that applies: `mlp_layer_types` entries in
           `MOE_MLP_TYPES`; Llama 4's `moe_layers`; Nemotron-H's 'moe' blocks in
@@ -322,6 +326,8 @@ class RoutingLayout:
         experts += _get(config, "zero_expert_num") or 0  # LongCat-Flash
         if _get(config, "model_type") == "zaya":
             experts += 1  # its skip expert, id E
+        if _get(config, "model_type") == "doge":  # product keys: ids below num_keys ** 2
+            experts = math.floor(math.sqrt(experts)) ** 2
         total = n
         if mtp:
             count, mtp_moe = _mtp(config, name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_families import random_routes, tiny_family_model
+from tiny_families import random_routes, router_weight, tiny_family_model
 
 from routing_replay import capture, replay
 from routing_replay.model import outputs
@@ -68,6 +68,7 @@ FAMILIES = {
     "phimoe": "PhimoeTopKRouter",
     "llama4_text": "Llama4Router",
     "dbrx": "DbrxFFN",
+    "doge": "DogeCDMoE",
     "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextTopKRouter",
     "qwen3_omni_moe_talker_text": "Qwen3OmniMoeTalkerTextTopKRouter",
     "qwen3_vl_moe_text": "Qwen3VLMoeTextTopKRouter",
@@ -78,7 +79,16 @@ FAMILIES = {
     "zaya": "ZayaRouter",
 }
 # The fast tier: a few families of the new score functions and output forms; all in the slow.
-FAST = {"gemma4_text", "inkling_text", "jetmoe", "llama4_text", "mistral4", "phimoe", "zaya"}
+FAST = {
+    "doge",
+    "gemma4_text",
+    "inkling_text",
+    "jetmoe",
+    "llama4_text",
+    "mistral4",
+    "phimoe",
+    "zaya",
+}
 # Checkpointing and compile (slow): one family of each score function or output form new here.
 COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
 # Looped layers (each pass its own layout layer): checkpointing and compile see every pass.
@@ -94,6 +104,12 @@ ZERO_EXPERTS = {"longcat_flash"}
 SKIP_EXPERT = {"zaya"}
 # Shared experts' gammas normalised with the chosen experts' weights: forced ids change both.
 SHARED_GAMMAS = {"inkling_text"}
+# Product-key experts picked inline by the MoE block (Doge): no experts module, the ids reach
+# its embedding lookups and its output is recomputed at them.
+PRODUCT_KEYS = {"doge"}
+# Compiled with its attention left eager: Doge's attention alone fails torch.compile's backward
+# (a view of a gradient whose strides do not allow it; dense Doge too), its MoE block compiles.
+EAGER_ATTENTION = {"doge"}
 # No gradient checkpointing (its PreTrainedModel says so): compiled only.
 NO_CHECKPOINTING = {"jetmoe"}
 
@@ -166,6 +182,9 @@ class ExpertsSpy:
         self.outs: list[list[torch.Tensor]] = []
         self.args: list[list[tuple]] = []
         self.gammas: list[list[torch.Tensor]] = []  # what Inkling's shared experts get
+        # Doge's embedding lookups in its block's call so far: under replay, the native forward's
+        # then the forced ids' (the block's output is recomputed); the last is what it returns.
+        self.lookups: list[list[torch.Tensor]] = []
         self.handles = []
         for j, (router, layers) in enumerate(self.moe.by_module()):
             order = list(layers)
@@ -177,13 +196,18 @@ class ExpertsSpy:
             self.outs.append([])
             self.args.append([])
             self.gammas.append([])
+            self.lookups.append([])
             if isinstance(router.output, outputs.SharedGammas):
                 self.handles.append(
                     parent.shared_experts.register_forward_pre_hook(
                         self._gammas(j), with_kwargs=True
                     )
                 )
-            if not isinstance(router.output, outputs.Sorted):  # JetMoE: no experts call
+            if isinstance(router.output, outputs.ProductKeys):  # Doge: its embedding lookups
+                self.handles.append(
+                    router.module.down_embed.register_forward_pre_hook(self._lookups(j))
+                )
+            elif not isinstance(router.output, outputs.Sorted):  # JetMoE: no experts call
                 self.handles.append(
                     parent.experts.register_forward_pre_hook(self._experts(j), with_kwargs=True)
                 )
@@ -213,6 +237,12 @@ class ExpertsSpy:
 
         return hook
 
+    def _lookups(self, j):
+        def hook(module, args):  # Doge's routed experts: (ids, no weights)
+            self.lookups[j].append(args[0].detach().clone())
+
+        return hook
+
     def _gammas(self, j):
         def hook(module, args, kwargs):
             self.gammas[j].append(kwargs["gammas"].detach().clone())
@@ -225,6 +255,9 @@ class ExpertsSpy:
             if isinstance(self.moe.by_module()[j][0].output, outputs.Sorted):
                 self.calls[j].append(unsorted(module, out))
                 out = (out[4], None, None)  # what the block is scored from
+            if self.lookups[j]:  # Doge: the ids behind the output the block returns
+                self.calls[j].append((self.lookups[j][-1], None))
+                self.lookups[j].clear()
             self.outs[j].append(tuple(_detached(o) for o in out[:3]))
             args = tuple(a.detach().clone() for a in args)
             self.args[j].append((args, {k: _detached(v) for k, v in kwargs.items()}))
@@ -281,6 +314,10 @@ def test_forced_ids_reach_the_experts(family):
         args, kwargs = spy.args[j][0]
         with torch.no_grad():  # the router's own output, bypassing every hook
             native = getattr(type(module), router.method)(module, *args, **kwargs)
+        if family in PRODUCT_KEYS:
+            ((ids, _),) = spy.calls[j]
+            check_product_keys(module, args[0], out, ids, forced_TK, missing_T)
+            continue
         if isinstance(router.output, outputs.Scatter):  # Llama 4: the block scales by scores_TE
             scores_TE, logits_TE = out[:2]
             chosen_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
@@ -321,6 +358,79 @@ def test_forced_ids_reach_the_experts(family):
         assert torch.equal(ids[missing_T], native_ids[missing_T])
         assert torch.equal(weights[missing_T], native_w[missing_T])
     assert skips > 0 or family not in SKIP_EXPERT
+
+
+def product_keys_native(module, hidden_BSH):
+    """Doge's MoE block's own forward (no hook of ours) and the ids it looked up."""
+    seen = []
+    handle = module.down_embed.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    try:
+        with torch.no_grad():
+            out = type(module).forward(module, hidden_BSH)
+    finally:
+        handle.remove()
+    (ids_NK,) = seen
+    return out, ids_NK
+
+
+def product_keys_experts(module, hidden_BSH, logits_2NK, ids_NK):
+    """Doge's routed experts' sum at `ids_NK`, written out in float64: expert e's score is
+    x[e // num_keys] + y[e % num_keys] (the logits' two halves), the weights their softmax
+    over the chosen (over their sum by `norm_topk_prob`), each expert's output
+    act(down_embed[e] . h) * weight * up_embed[e]."""
+    keys = module.num_keys
+    x_NK, y_NK = logits_2NK.double()
+    scores_NK = x_NK.gather(1, ids_NK // keys) + y_NK.gather(1, ids_NK % keys)
+    weights_NK = torch.softmax(scores_NK, dim=-1)
+    if module.norm_topk_prob:
+        weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+    hidden_NH = hidden_BSH.reshape(ids_NK.shape[0], -1).double()
+    down_NKH = module.down_embed.weight.double()[ids_NK]
+    up_NKH = module.up_embed.weight.double()[ids_NK]
+    act_NK = module.act_fn(torch.einsum("nkh,nh->nk", down_NKH, hidden_NH)) * weights_NK
+    return torch.einsum("nk,nkh->nh", act_NK, up_NKH)
+
+
+def check_product_keys(module, hidden_BSH, out, ids_NK, forced_TK, missing_T):
+    """Doge: the forced ids are what its embeddings look up, and the block's output is its
+    shared expert plus the routed experts at them (`product_keys_experts`); missing rows get
+    the block's own ids and output, bit for bit."""
+    got_BSH, logits_2NK = out
+    native, native_ids = product_keys_native(module, hidden_BSH)
+    assert torch.equal(logits_2NK, native[1])
+    assert torch.equal(ids_NK[~missing_T], forced_TK[~missing_T])
+    assert torch.equal(ids_NK[missing_T], native_ids[missing_T])
+    with torch.no_grad():
+        shared_BSH = module.down_proj(
+            module.act_fn(module.gate_proj(hidden_BSH)) * module.up_proj(hidden_BSH)
+        )
+    routed_NH = (got_BSH - shared_BSH).reshape(ids_NK.shape[0], -1)
+    want_NH = product_keys_experts(module, hidden_BSH, logits_2NK, forced_TK.clamp(min=0))
+    assert routed_NH[~missing_T].abs().max() > 1e-3  # the routed experts add something
+    torch.testing.assert_close(
+        routed_NH[~missing_T], want_NH[~missing_T].float(), rtol=1e-4, atol=1e-6
+    )
+    got_NH, native_NH = got_BSH.flatten(0, 1), native[0].flatten(0, 1)
+    assert torch.equal(got_NH[missing_T], native_NH[missing_T])
+    assert not torch.equal(got_NH[~missing_T], native_NH[~missing_T])
+
+
+def test_doge_capture_records_the_ids_its_block_looked_up():
+    """Doge picks its experts inside its MoE block (no router module): capture records the ids
+    its embeddings looked up, and those replayed give the native output bit for bit."""
+    model = tiny_family_model("doge")
+    spy = ExpertsSpy(model)
+    try:
+        with capture(model) as cap, torch.no_grad():
+            native = output(model, inputs(model, seed=1))
+    finally:
+        spy.remove()
+    routes = torch.from_numpy(np.stack(cap.routes()))
+    looked_up = torch.stack([ids for ((ids, _),) in spy.calls], dim=1)
+    assert torch.equal(routes.long(), looked_up.reshape(routes.shape))
+    assert len(torch.unique(looked_up)) > 8  # spread over the 16 experts
+    with replay(model, routes, layout=cap.layout), torch.no_grad():
+        assert torch.equal(output(model, inputs(model, seed=1)), native)
 
 
 def forced_by_the_router(module, args, forced_TK):
@@ -518,7 +628,7 @@ def test_router_weights_get_gradients(family):
     with replay(model, routes, layout=layout):
         output(model, inputs(model, seed=5)).float().square().mean().backward()
     for router in find_routers(model).routers:
-        weight = next(p for p in router.module.parameters() if p.dim() == 2)
+        weight = router_weight(router.module)
         assert weight.grad is not None and weight.grad.abs().sum() > 0, router.name
         if family in SHARED_GAMMAS:  # the shared experts' rows, through the forced gammas
             assert weight.grad[router.module.num_experts :].abs().sum() > 0, router.name
@@ -569,6 +679,9 @@ def test_checkpointing_and_compile_see_the_forced_ids(family):
             assert len(calls) == 2  # the forward and its recompute
             for got_TK in calls:
                 assert torch.equal(got_TK[forced_T], want_TK[forced_T])
+    if family in EAGER_ATTENTION:
+        for layer in model.model.layers:
+            layer.self_attn.forward = torch.compiler.disable(layer.self_attn.forward)
     compiled = torch.compile(lambda **kw: output(model, kw), backend="aot_eager")
     loss_c, spy_c = run(compiled)
     if family != "phimoe":  # its draws differ compiled

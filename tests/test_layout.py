@@ -24,7 +24,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from routing_replay import RoutingLayout
+from routing_replay import RoutingLayout, capture, replay
 from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
 
 
@@ -219,6 +219,26 @@ def test_doge_routes_only_with_is_moe():
     assert [layer for layer, _ in routers(model, "DogeCDMoE")] == list(layout.moe_layers)
     dense = build("DogeModel", tiny("DogeConfig", num_hidden_layers=2))
     assert routers(dense, "DogeCDMoE") == []
+
+
+def test_doge_layout_counts_the_experts_its_product_keys_reach():
+    """Doge's MoE block picks expert ix * num_keys + iy with num_keys = floor(sqrt(num_experts))
+    keys a half: with 8 experts, 2 keys, so ids 0..3 only. The layout counts those 4, so routes
+    naming 4..7 (no forward picks them, and they have no score) are refused at replay."""
+    config = tiny("DogeConfig", num_hidden_layers=2, is_moe=True, num_experts=8)
+    layout = RoutingLayout.from_hf_config(config)
+    assert layout == RoutingLayout(2, 2, 4)
+    model = build("DogeForCausalLM", config)
+    input_ids = torch.arange(3, 35).reshape(2, 16)
+    with capture(model) as cap, torch.no_grad():
+        model(input_ids=input_ids)
+    assert cap.layout == layout
+    routes = torch.from_numpy(np.stack(cap.routes()))
+    assert set(routes.flatten().tolist()) == {0, 1, 2, 3}
+    routes[0, 0, 0, 0] = 5  # an embedding row the block never looks up
+    bad = r"expert id 5 .* \[0, 4\)"
+    with pytest.raises(InvalidRoutesError, match=bad), replay(model, routes, layout=layout):
+        model(input_ids=input_ids)
 
 
 def test_inkling2_loop_without_looping_routes_once_per_layer():

@@ -155,6 +155,8 @@ EXTRA: dict[str, dict] = {
         "loop_layer_index_end": 3,
         "n_layers_per_attn_res_block": 1,
     },
+    # Doge: MoE (a dense MLP by default), 16 experts: 4 product keys a half.
+    "doge": {"is_moe": True, "num_experts": 16},
     # Zaya routes to one expert (its config refuses more).
     "zaya": {"num_experts_per_tok": 1},
     # LongCat: 2 zero-computation experts (ids 8 and 9, whose output is the input).
@@ -173,6 +175,15 @@ SPREAD_ALL = {"ZayaRouter"}
 # Families whose classes leave their experts' weights uninitialised (torch.empty) when built
 # from a config alone.
 UNINITIALISED = {"qwen3_omni_moe_talker_text"}
+
+
+def router_weight(module) -> torch.nn.Parameter:
+    """The weight a router's logits come from: its first matrix, or Doge's MoE block's
+    `router_gate` (its first matrix is its shared expert's)."""
+    gate = getattr(module, "router_gate", None)
+    if gate is not None:
+        return gate.weight
+    return next(p for p in module.parameters() if p.dim() == 2)
 
 
 def tiny_config(model_type: str):
@@ -254,7 +265,7 @@ def tiny_family_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch
                 for weight in (p for p in module.parameters() if p.dim() == 2):
                     weight.copy_(torch.randn(weight.shape, generator=gen) * 0.5)
             elif type(module).__name__ in known:
-                weight = next(p for p in module.parameters() if p.dim() == 2)
+                weight = router_weight(module)
                 weight.copy_(torch.randn(weight.shape, generator=gen) * 0.5)
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("e_score_correction_bias", "expert_bias")):

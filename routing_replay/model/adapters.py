@@ -73,6 +73,7 @@ _SCORES: dict[str, ScoreFunction] = {
         scores.topk_then_softmax,
     ),
     "OpenAIPrivacyFilterTopKRouter": scores.topk_then_softmax_over_k,
+    "DogeCDMoE": scores.topk_then_softmax_flag_renorm,
     "Cohere2MoeTopKRouter": scores.topk_then_score,
     **dict.fromkeys(
         (
@@ -133,6 +134,7 @@ _OUTPUTS: dict[str, Any] = {
     "ZayaRouter": outputs.SKIP_EXPERT,
     "InklingTopkRouter": outputs.SHARED_GAMMAS,
     "JetMoeTopKGating": outputs.SORTED,
+    "DogeCDMoE": outputs.PRODUCT_KEYS,
 }
 # Router classes a decoder layer has several of, each its own routed layer of the layout:
 # decoder layer i's router under `layers.<i>.<part>` is layer `i * len(parts) + index(part)`
@@ -161,11 +163,7 @@ REFUSED: dict[str, str] = {
     "patches inside the vision tower, not the language model's tokens, which are what engines "
     "record (and a RoutingLayout holds one expert count, theirs differ per layer); replay the "
     "language model (its Dots3NoteTextTopkRouter routers replay)",
-    # Not yet: each needs more than a score function (issue 32 lists them).
-    "DogeCDMoE": _NOT_YET + "Doge picks product-key experts inline in its MoE block's forward, "
-    "with no router module and no method returning the choice; an exact replay is possible "
-    "(a forced id e weighs softmax over the chosen logits_x[e // num_keys] + "
-    "logits_y[e % num_keys]) but needs the block's whole forward redone at the forced ids",
+    # Not yet: it needs more than a score function (issue 32 lists it).
     "DiffusionGemmaTextRouter": _NOT_YET + "its encoder routes the prompt tokens (input_ids) "
     "and its decoder, once per denoising step, the canvas tokens (decoder_input_ids, another "
     "length): no token goes through both stacks, so routes shaped input_ids.shape + (L, K) "

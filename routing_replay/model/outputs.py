@@ -8,9 +8,10 @@ multiplies every expert's output by. `Pair`: DBRX's `(weights_TK, ids_TK)` from 
 its MoE block given the logits. `SkipExpert`: Zaya's triple, whose router rewrites its skip
 expert (id E, no compute) to id 0 with weight 0 before the experts see it. `SharedGammas`:
 Inkling's triple plus the shared experts' gammas, normalised with the chosen weights.
-`Sorted`: JetMoE's 5-tuple, the token-expert pairs sorted by expert. A forced output keeps
-the rows whose routes are missing (`missing_T1`, or None when none is) as the router made
-them.
+`Sorted`: JetMoE's 5-tuple, the token-expert pairs sorted by expert. `ProductKeys`: Doge's
+MoE block, which picks its product-key experts inline and returns `(hidden, router_logits)`:
+forced, the block's output is recomputed at the forced ids. A forced output keeps the rows
+whose routes are missing (`missing_T1`, or None when none is) as the router made them.
 """
 
 from __future__ import annotations
@@ -238,6 +239,70 @@ class Sorted(TopkOfLogits):
         return (index_sorted_N, batch_index_N, batch_gates_N, expert_size, logits_TE, *output[5:])
 
 
+class ProductKeys:
+    """Doge's MoE block (`DogeCDMoE`): its forward returns `(hidden_BSH, router_logits_2NK)`
+    and picks its experts in between, with no router module: the logits' two halves score
+    `num_keys` keys each (x and y, each `[N, num_keys]`), expert `e = ix * num_keys + iy`
+    scores `x[ix] + y[iy]`, and the top-k of those sums are the ids. The ids are that choice
+    redone from the logits with the block's own ops; the scores the score function takes are
+    those sums for every expert, `[N, num_keys ** 2]`. Forced, the block's output is
+    recomputed from its input with its own ops at the forced ids (its own on missing rows):
+    the routed experts' embeddings looked up at them, weighted by the score function, plus
+    its shared expert (so the block runs twice under replay: natively, then at the forced
+    ids; the native output is dropped)."""
+
+    def ids(self, module: nn.Module, output: tuple) -> Tensor:
+        keys, logits_2NK = module.num_keys, output[1]
+        with torch.no_grad():  # the block's ops, on its logits
+            (x_NK, y_NK), (ix_NK, iy_NK) = logits_2NK.topk(keys, dim=-1)
+            sums_NKK = x_NK.unsqueeze(-1) + y_NK.unsqueeze(-2)
+            ids_NKK = ix_NK.unsqueeze(-1) * keys + iy_NK.unsqueeze(-2)
+            slots_NK = sums_NKK.flatten(-2).topk(module.top_k, dim=-1).indices
+            return ids_NKK.flatten(-2).gather(-1, slots_NK)
+
+    def rows(self, output: tuple) -> Tensor:
+        return output[1][0]
+
+    def scores(self, output: tuple) -> Tensor:
+        """Every expert's score, `[N, num_keys ** 2]`: expert e's is x[e // num_keys] +
+        y[e % num_keys], the same sum the block takes top-k of."""
+        x_NK, y_NK = output[1]
+        return (x_NK.unsqueeze(-1) + y_NK.unsqueeze(-2)).flatten(-2)
+
+    def native(self, module: nn.Module, output: tuple, args: tuple) -> tuple[Tensor, Tensor]:
+        return self.scores(output), self.ids(module, output)
+
+    def force(
+        self,
+        module: nn.Module,
+        output: tuple,
+        score: ScoreFunction,
+        ids_TK: Tensor,
+        missing_T1: Tensor | None,
+        args: tuple = (),
+    ) -> tuple:
+        if not args:
+            raise TypeError(
+                f"{type(module).__name__} was called without its input as a positional argument: "
+                "replay recomputes its output from it at the forced ids"
+            )
+        if missing_T1 is not None:  # the block's own ids there: its own weights follow
+            ids_TK = torch.where(missing_T1, self.ids(module, output), ids_TK)
+        weights_TK = score(module, self.scores(output), ids_TK)
+        hidden_BSH = args[0]
+        bsz, seq_len, _ = hidden_BSH.shape
+        rows = bsz * seq_len
+        down_TKH = module.down_embed(ids_TK)  # the block's ops from here on
+        up_TKH = module.up_embed(ids_TK)
+        experts_TK = torch.matmul(down_TKH, hidden_BSH.view(rows, -1, 1)).view(rows, -1)
+        experts_TK = module.act_fn(experts_TK) * weights_TK
+        experts_BSH = torch.matmul(experts_TK.view(rows, 1, -1), up_TKH).view(bsz, seq_len, -1)
+        shared_BSH = module.down_proj(
+            module.act_fn(module.gate_proj(hidden_BSH)) * module.up_proj(hidden_BSH)
+        )
+        return (shared_BSH + experts_BSH, *output[1:])
+
+
 def _merged(
     ids_TK: Tensor, weights_TK: Tensor, native_ids_TK: Tensor, native_w_TK: Tensor, missing_T1: Any
 ) -> tuple[Tensor, Tensor]:
@@ -256,3 +321,4 @@ SCATTER: Any = Scatter()
 SKIP_EXPERT: Any = SkipExpert()
 SHARED_GAMMAS: Any = SharedGammas()
 SORTED: Any = Sorted()
+PRODUCT_KEYS: Any = ProductKeys()

@@ -93,6 +93,15 @@ def topk_then_softmax_over_k(router: nn.Module, logits_TE: Tensor, ids_TK: Tenso
     return topk_then_softmax(router, logits_TE, ids_TK) / router.top_k
 
 
+def topk_then_softmax_flag_renorm(router: nn.Module, scores_TE: Tensor, ids_TK: Tensor) -> Tensor:
+    """Doge: softmax (no dtype given, as its block calls it) over the chosen scores, here its
+    product-key sums (`outputs.ProductKeys`), over their sum by `norm_topk_prob`."""
+    weights_TK = F.softmax(scores_TE.gather(1, ids_TK), dim=-1)
+    if router.norm_topk_prob:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK
+
+
 def topk_then_score(router: nn.Module, logits_TE: Tensor, ids_TK: Tensor) -> Tensor:
     """Cohere2-MoE: float softmax, or sigmoid (renormalised if asked), of the chosen logits."""
     top_TK = logits_TE.gather(1, ids_TK)
