@@ -19,9 +19,7 @@ benchmarks/results/archive.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -29,11 +27,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from harness import MB, RESULTS, layout_of_model, machine, write_json
 
-from routing_replay import RoutingLayout, RoutingStore, load_routes, save_routes
-
-RESULTS = Path(__file__).parent / "results"
-MB = 2**20
+from routing_replay import RoutingStore, load_routes, save_routes
 
 
 def rss_anon() -> int:
@@ -81,7 +77,7 @@ def fsynced_tofile(array: np.ndarray, path: str) -> None:
 
 
 def run(samples: int, tokens: int, repeat: int, directory: str) -> dict:
-    layout = RoutingLayout(48, 8, 128)  # Qwen3-30B-A3B: 384 B a token
+    layout = layout_of_model("qwen3-30b-a3b")  # 384 B a token
     rng = np.random.default_rng(0)
     total = samples * tokens
     name = f"bench-archive-{uuid.uuid4().hex[:8]}"
@@ -167,16 +163,6 @@ def run(samples: int, tokens: int, repeat: int, directory: str) -> dict:
     }
 
 
-def machine() -> dict:
-    import pyarrow
-
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "versions": {"numpy": np.__version__, "pyarrow": pyarrow.__version__},
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -206,7 +192,7 @@ def main() -> None:
         if args.quick
         else RESULTS / "archive.json"
     )
-    out.write_text(json.dumps(r, indent=2) + "\n")
+    write_json(out, r, indent=2)
     print(f"wrote {out}")
 
 

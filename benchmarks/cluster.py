@@ -37,6 +37,7 @@ from harness import (
     markdown_table,
     mem_end,
     mem_start,
+    to_int32,
     write_json,
 )
 
@@ -73,12 +74,6 @@ def tokens_of(w: dict, group: int, seed: int) -> np.ndarray:
     prompt = np.random.default_rng([group, 3]).integers(0, 150_000, w["prompt"], dtype=np.int32)
     own = np.random.default_rng([seed, 4]).integers(0, 150_000, w["completion"], dtype=np.int32)
     return np.concatenate([prompt, own])
-
-
-def as_int32(narrow: np.ndarray, layout: Any) -> np.ndarray:
-    out = narrow.astype(np.int32)
-    out[narrow == layout.missing] = -1
-    return out
 
 
 # -- the actors -----------------------------------------------------------------------------
@@ -120,7 +115,7 @@ class Writer:
     def put_int32(self) -> list:
         import ray
 
-        return [ray.put(as_int32(r, self.layout)) for r in self.routes]
+        return [ray.put(to_int32(r, self.layout)) for r in self.routes]
 
 
 class Rank:
@@ -174,7 +169,7 @@ def expected_crcs(w: dict, rollout: int, ranks: int, layout: Any) -> list[int]:
     every = [s for node in range(rollout) for s in samples_of(w, node)]
     crcs = []
     for rank in range(ranks):
-        parts = [as_int32(routes_of(w, g, s, layout), layout) for _, g, s in every[rank::ranks]]
+        parts = [to_int32(routes_of(w, g, s, layout), layout) for _, g, s in every[rank::ranks]]
         crcs.append(zlib.crc32(np.concatenate(parts).astype(np.int16)))
     return crcs
 

@@ -21,7 +21,6 @@ temp dir). Exit status 1 if a part failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -33,12 +32,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import ROOT, layout_of_model, write_json
 
 from routing_replay import RoutingLayout, RoutingStore, capture, replay, to_torch
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.testing import make_prompts, tiny_moe
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def cuda_tests() -> dict:
@@ -92,7 +90,7 @@ def agreement(device: str, prompts: int, new_tokens: int) -> dict:
 
 def pinned_read(tokens: int) -> dict:
     """Read Qwen3-30B-A3B-shaped routes into pinned memory, copy them to the GPU."""
-    layout = RoutingLayout(48, 8, 128)
+    layout = layout_of_model("qwen3-30b-a3b")
     rng = np.random.default_rng(0)
     name = f"gpu-check-{uuid.uuid4().hex[:8]}"
     with RoutingStore.create(name, layout, capacity_tokens=tokens + 1024) as store:
@@ -202,7 +200,7 @@ def main() -> int:
         print(f"| {part:{width}} | {mark:4} | {text} |")
     result["rows"] = [{"part": p, "result": t, "ok": o} for p, t, o in rows]
     path = Path(args.out) / "gpu_check.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result, indent=2)
     print(f"wrote {path}")
     return 1 if any(ok is False for _, _, ok in rows) else 0
 

@@ -1,5 +1,6 @@
-"""What every benchmark shares: paths, model shapes, memory probes, a simulated Ray cluster,
-the machine's description and the results file. Each benchmark says only what it measures."""
+"""What every benchmark shares: paths, model shapes, generated workloads, memory probes, a
+simulated Ray cluster, the machine's description, the results file, tables and plots. Each
+benchmark says only what it measures."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -36,6 +39,55 @@ def layout_of_model(model: str) -> Any:
 
     m = MODELS[model]
     return RoutingLayout(m["num_layers"], m["top_k"], m["num_experts"], moe_layers=m["moe_layers"])
+
+
+# -- generated workloads ------------------------------------------------------------------
+# A spec is a dict whose "samples" are (tokens T, prompt tokens P, group seed, sample seed):
+# the samples of a group share their prompt's tokens and routes (GRPO).
+
+
+def total_tokens(spec: dict) -> int:
+    return sum(s[0] for s in spec["samples"])
+
+
+def capacity(spec: dict, page_tokens: int = 128) -> int:
+    """Store tokens for the whole batch unshared: every sample rounded up to whole pages."""
+    return sum(-(-s[0] // page_tokens) * page_tokens for s in spec["samples"]) + page_tokens
+
+
+def sample_routes(spec: dict, i: int, layout: Any, cache: dict | None = None) -> np.ndarray:
+    """Sample i's routes `[T, L, K]` in the narrow dtype, its group's prompt routes first; the
+    last row missing (the last sampled token is never forwarded). `cache`: the last prompt."""
+    T, P, group, seed = spec["samples"][i]
+    L, K = layout.num_moe_layers, layout.top_k
+    cache = {} if cache is None else cache
+    out = np.empty((T, L, K), dtype=layout.dtype)
+    if P:
+        key = ("prompt", group, P)
+        if key not in cache:
+            cache.clear()
+            rng = np.random.default_rng([group, 1])
+            cache[key] = layout.random_routes(rng, P, layout.dtype)
+        out[:P] = cache[key]
+    rng = np.random.default_rng([seed, 2])
+    out[P:] = layout.random_routes(rng, T - P, layout.dtype)
+    out[-1] = layout.missing
+    return out
+
+
+def sample_tokens(spec: dict, i: int) -> np.ndarray:
+    """Sample i's token ids (int32); a group's samples share the prompt's."""
+    T, P, group, seed = spec["samples"][i]
+    prompt = np.random.default_rng([group, 3]).integers(0, 150_000, P, dtype=np.int32)
+    rest = np.random.default_rng([seed, 4]).integers(0, 150_000, T - P, dtype=np.int32)
+    return np.concatenate([prompt, rest])
+
+
+def to_int32(narrow: np.ndarray, layout: Any) -> np.ndarray:
+    """Narrow stored ids as int32, the missing marker as -1 (the form engines hand out)."""
+    out = narrow.astype(np.int32)
+    out[narrow == layout.missing] = -1
+    return out
 
 
 # -- memory ----------------------------------------------------------------------------
@@ -75,7 +127,15 @@ class SimCluster:
     """`nodes` simulated Ray nodes on this machine (the head first), a driver attached, the
     calling benchmark's module shipped by value to its actors."""
 
-    def __init__(self, nodes: int, object_store_bytes: int, module: str) -> None:
+    def __init__(
+        self,
+        nodes: int,
+        object_store_bytes: int,
+        module: str | tuple[str, ...],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`module`: the benchmark's module, or the modules its actors use; `env`: the
+        actors' environment variables (default ENV)."""
         import ray
         from ray.cluster_utils import Cluster
 
@@ -90,10 +150,11 @@ class SimCluster:
             address=self.cluster.address,
             include_dashboard=False,
             log_to_driver=os.environ.get("RR_LOG") == "1",
-            runtime_env={"env_vars": {**ENV, "PYTHONPATH": path}},
+            runtime_env={"env_vars": {**(ENV if env is None else env), "PYTHONPATH": path}},
         )
-        if module != "__main__":  # imported (a test): ship the benchmark's code by value
-            ray.cloudpickle.register_pickle_by_value(sys.modules[module])
+        for name in (module,) if isinstance(module, str) else module:
+            if name != "__main__":  # imported (a test): ship the benchmark's code by value
+                ray.cloudpickle.register_pickle_by_value(sys.modules[name])
         head = ray.get_runtime_context().get_node_id()
         others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
         self.nodes = [head, *sorted(others)]
@@ -141,11 +202,11 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, results: dict[str, Any]) -> None:
+def write_json(path: Path, results: dict[str, Any], indent: int = 1) -> None:
     """The results file, whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(results, indent=indent, default=str) + "\n")
     os.replace(tmp, path)
 
 
@@ -154,3 +215,20 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing into files (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(fig: Any, path: Path) -> None:
+    """Lay the figure out, write it (120 dpi, as the docs show them) and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harness import RESULTS, write_json
 from tiny_moe import MODELS, MORE_MODELS, VOCAB, build
 
 from routing_replay import RoutingLayout, capture, replay, with_layout
@@ -48,8 +48,6 @@ from routing_replay.model.replay import Replay
 from routing_replay.testing import seeded_moe, tiny_moe_config
 
 forcing_module = sys.modules["routing_replay.model.forcing"]
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def timed(fn) -> float:
@@ -348,10 +346,9 @@ def main() -> None:
         "models": results,
         "replay_device_memory": memory,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "overhead" if names == list(MODELS) else "overhead-" + "-".join(names)
     path = RESULTS / (stem + ("-quick.json" if args.quick else ".json"))
-    path.write_text(json.dumps(report, indent=2))
+    write_json(path, report, indent=2)
     print(f"wrote {path}")
 
 

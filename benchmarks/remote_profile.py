@@ -16,9 +16,7 @@ import time
 import uuid
 
 import numpy as np
-from harness import SimCluster, layout_of_model
-
-MB = 2**20
+from harness import MB, SimCluster, capacity, layout_of_model, sample_routes, sample_tokens
 
 
 class Writer:
@@ -30,11 +28,11 @@ class Writer:
         layout = layout_of_model(model)
         grpo = kind == "grpo"
         self.spec = T.grpo_spec(model, 64, 8, 2048, 1024) if grpo else T.long_spec(model, 16, 32768)
-        self.store = node_store(job, layout, StoreOptions(capacity_tokens=T.capacity(self.spec)))
+        self.store = node_store(job, layout, StoreOptions(capacity_tokens=capacity(self.spec)))
         cache: dict = {}
         n = len(self.spec["samples"])
-        self.routes = [T.sample_routes(self.spec, i, layout, cache) for i in range(n)]
-        self.tokens = [T.sample_tokens(self.spec, i) for i in range(n)]
+        self.routes = [sample_routes(self.spec, i, layout, cache) for i in range(n)]
+        self.tokens = [sample_tokens(self.spec, i) for i in range(n)]
 
     def put(self, step: int) -> list:
         return [

@@ -20,10 +20,8 @@ Writes benchmarks/results/spill.json.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,13 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from archive import drop_cache
+from harness import MB, RESULTS, layout_of_model, machine, write_json
 
-from routing_replay import PutRequest, RoutingLayout, RoutingStore, to_torch
+from routing_replay import PutRequest, RoutingStore, to_torch
 
-RESULTS = Path(__file__).parent / "results"
-LAYOUT = RoutingLayout(num_layers=48, top_k=8, num_experts=128)  # Qwen3-30B-A3B
+LAYOUT = layout_of_model("qwen3-30b-a3b")
 FORK = mp.get_context("fork")
-MB = 2**20
 
 
 def routes(rng: np.random.Generator, tokens: int) -> np.ndarray:
@@ -232,14 +229,6 @@ def rollout(groups: int, prompt: int, completion: int, spill: str | None, step_s
     }
 
 
-def machine() -> dict:
-    return {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -249,11 +238,12 @@ def main() -> None:
         (1024, 6, 256, 256, 0.05) if args.quick else (8192, 16, 2048, 2048, 0.15)
     )
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        r = {"machine": machine(), "reads": reads(tokens, directory)}
+        r = {"machine": {}, "reads": reads(tokens, directory)}
         r["rollout"] = {
             "spilling": rollout(groups, prompt, completion, directory, step_s),
             "no_spill": rollout(groups, prompt, completion, None, step_s),
         }
+    r["machine"] = machine()  # after the forks: it imports torch and Ray
     rd, ro = r["reads"], r["rollout"]
     mb, n = rd["sample_mb"], rd["spilled"]
     print(f"reads of one {rd['sample_tokens']}-token sample ({mb:.1f} MB), {n} of 48 spilled:")
@@ -277,7 +267,7 @@ def main() -> None:
             f"{k:12}" + "".join(f"{c:>12.2f}" for c in cells) + f"{v['checked']:>12}{v['bad']:>12}"
         )
     out = Path(tempfile.gettempdir()) / "spill.quick.json" if args.quick else RESULTS / "spill.json"
-    out.write_text(json.dumps(r, indent=2) + "\n")
+    write_json(out, r, indent=2)
     print(f"wrote {out}")
 
 

@@ -13,19 +13,15 @@ figures are ratios to the smallest store, measured in the same process.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from harness import RESULTS, layout_of_model, machine, write_json
 
 from routing_replay import RoutingLayout, RoutingStore, to_torch
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def best_of(fn, repeat: int) -> float:
@@ -37,7 +33,7 @@ def best_of(fn, repeat: int) -> float:
 
 
 def run(samples: int, tokens: int, repeat: int) -> dict:
-    layout = RoutingLayout(48, 8, 128)  # Qwen3-30B-A3B
+    layout = layout_of_model("qwen3-30b-a3b")
     rng = np.random.default_rng(0)
     routes = np.stack([layout.random_routes(rng, tokens, np.uint8) for _ in range(samples)])
     routes[:, -1] = layout.missing  # last token: never forwarded
@@ -192,7 +188,7 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
         "ratio_to_copyto": {k: v / copy_s for k, v in rows.items()},
         "GBps_int32_equivalent": {k: total_bytes * 4 / v / 1e9 for k, v in rows.items()},
         "target_put_plus_read_within": 4.0,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": machine(),
     }
 
 
@@ -293,8 +289,7 @@ def main() -> None:
             f"{int(n):>10}{r['put_us']:>10.1f}{r['release_us']:>12.1f}{r['get_us']:>10.1f}"
             f"{ratio:>16.2f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, indent=2)
     print(f"wrote {args.out}")
 
 
