@@ -46,7 +46,7 @@ def table(results: dict) -> str:
                 f"{r['GBps_int32']:9.2f}"
                 f"{xs}{r['reader_mem']['peak_delta'] / MB:8.0f}"
                 f"{r['reader_private_over_returned']:7.2f}{wr:8.0f}"
-                f"{r['shm_used_bytes'] / MB:8.0f}{r['bytes_crossing'] / MB:8.0f}  "
+                f"{r['shm_used_bytes'] / MB:8.0f}{crossing(r):>8}  "
                 f"{'yes' if r['identical'] else 'NO'}"
             )
     if results["scaling"]:
@@ -89,7 +89,7 @@ def markdown(results: dict) -> str:
                 f"{first_step_ns(r):,.0f} | {r['GBps_int32']:.2f} | {x} | "
                 f"{r['x_copyto_narrow']:.1f} | {r['reader_mem']['peak_delta'] / MB:.0f} "
                 f"({r['reader_private_over_returned']:.2f}) | {wr} | "
-                f"{r['shm_used_bytes'] / MB:.0f} | {r['bytes_crossing'] / MB:.0f} |"
+                f"{r['shm_used_bytes'] / MB:.0f} | {crossing(r)} |"
             )
     if results["scaling"]:
         out.append("\n| routed tokens | way | seconds | ns/token |")
@@ -152,3 +152,8 @@ def strip(results: dict) -> dict:
     }
     out["scaling"] = [{k: v for k, v in r.items() if k not in drop} for r in results["scaling"]]
     return out
+
+
+def crossing(row: dict) -> str:
+    """MB measured crossing nodes; "-" in results from before it was measured."""
+    return "-" if "bytes_crossing" not in row else f"{row['bytes_crossing'] / MB:.0f}"
