@@ -96,11 +96,15 @@ def output_buffer(out: Any, nbytes: int) -> pa.Buffer:
     """The first `nbytes` of caller-provided memory as a writable Arrow buffer (no copy)."""
     try:
         arr = np.asarray(out)
-    except (TypeError, ValueError, RuntimeError) as e:  # a GPU or meta tensor, an object
+        viewed = arr is out or arr.base is not None  # not a copy numpy made (a list, bytes)
+    except (TypeError, ValueError, RuntimeError) as e:  # a GPU or meta tensor
+        arr, viewed = None, f" ({e})"
+    if arr is None or viewed is not True or arr.dtype.hasobject:
+        why = viewed if isinstance(viewed, str) else ""
         raise InvalidArgumentError(
             f"out must be host memory numpy can view (a CPU tensor, an array, a bytearray), "
-            f"got {type(out).__name__} ({e}): read into host memory, then copy to the device"
-        ) from None
+            f"got {type(out).__name__}{why}: read into host memory, then copy to the device"
+        )
     if not (arr.flags.c_contiguous and arr.flags.writeable) or arr.nbytes < nbytes:
         raise InvalidArgumentError(
             f"out must be writable, C-contiguous memory of at least {nbytes} bytes (the "

@@ -199,3 +199,8 @@ def test_ranges_from_a_generator_and_out_in_device_memory(group):
         store.read(refs[:2], ranges=3)
     with pytest.raises(InvalidArgumentError, match="out must be host memory numpy can view"):
         store.read(refs[:1], out=torch.empty(1 << 14, dtype=torch.uint8, device="meta"))
+    # Before: a raw TypeError (object arrays); the rows built in a copy numpy made and the
+    # caller's `out` left as it was (a list, bytes, str).
+    for out in (np.empty(1 << 14, dtype=object), [0] * (1 << 14), b"x" * (1 << 14), "x" * 99):
+        with pytest.raises(InvalidArgumentError, match=r"out must be host memory numpy can view"):
+            store.read(refs[:1], out=out)

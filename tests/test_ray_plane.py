@@ -364,6 +364,21 @@ def test_node_store_idempotent_per_node(cluster):
     assert store_actors(job) == {}
 
 
+def test_a_killed_store_actors_segment_goes_at_shutdown(cluster):
+    # Before: a store actor killed (or out of memory) left its segment in /dev/shm after
+    # shutdown_node_stores, until a later store of the job started on that node.
+    _, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    name = ray.get(ray.remote(Writer).options(**on(other)).remote(job).segment.remote())
+    ray.kill(store_actor(job, node_id=other), no_restart=True)
+    deadline = time.monotonic() + 30
+    while store_actors(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.path.exists(segment_path(name))
+    assert shutdown_node_stores(job) == 0  # no live actor, and yet:
+    assert not os.path.exists(segment_path(name))
+
+
 def test_store_actor_killed_and_restarted(cluster):
     head, other = cluster
     job = f"t{uuid.uuid4().hex[:6]}"
@@ -479,8 +494,10 @@ def test_refs_of_two_stores_in_any_order_are_placed_row_by_row(cluster):
     }
     refs = [group_o[0], plain_h[0], plain_o[0], group_h[0], group_o[1], plain_h[1]]
     ranges = [(3, 45), (5, 5), [(0, 2), (4, 9)], (0, 47), [(1, 40), (50, 65)], (0, 3)]
+    # Rows with token ids emptied, here and there: [] ids, not null (before: null here).
+    emptied = [(3, 3), *ranges[1:3], (2, 2), *ranges[4:]]
     reader = ray.remote(Reader).options(**on(head)).remote()
-    for rng in (None, ranges):
+    for rng in (None, ranges, emptied):
         got, in_out = ray.get(reader.fetch_whole.remote(refs, rng))
         assert in_out
         assert got["sample_id"] == [r.sample_id for r in refs]

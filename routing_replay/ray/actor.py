@@ -353,4 +353,23 @@ def shutdown_node_stores(job: str, timeout: float = 30.0) -> int:
         with contextlib.suppress(ray.exceptions.RayError, RoutingReplayError):
             ray.get(ref, timeout=timeout)
         ray.kill(actors[name])
+    _sweep_every_node(job, timeout)
     return len(actors)
+
+
+def _sweep_every_node(job: str, timeout: float) -> None:
+    """Unlink the job's segments whose store actor died unannounced (killed, out of memory)
+    on every live node: no later actor of the job starts there to sweep them."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    sweep = ray.remote(num_cpus=0, max_retries=0)(sweep_dead_segments)
+    ray_job = current_ray_job()
+    calls = [
+        sweep.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote(job, ray_job, node["NodeID"])
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+    ray.wait(calls, num_returns=len(calls), timeout=timeout)  # a node that cannot: next time

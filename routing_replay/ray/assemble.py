@@ -77,12 +77,12 @@ def _rows(rows: pa.RecordBatch | WireBatch) -> tuple[list[str], np.ndarray, list
 
 
 def _has_tokens(batch: pa.RecordBatch) -> np.ndarray:
-    """Whether each row has token ids (a row that has them has at least one)."""
+    """Whether each row has token ids (its list is valid; an emptied row's is empty, not null)."""
     tokens = batch.column(TOKEN_IDS)
-    offsets = np.frombuffer(
-        tokens.buffers()[1], np.int32, count=len(tokens) + 1, offset=tokens.offset * 4
-    )
-    return np.diff(offsets) > 0
+    if tokens.null_count == 0:
+        return np.ones(len(tokens), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(tokens.buffers()[0], np.uint8), bitorder="little")
+    return bits[tokens.offset : tokens.offset + len(tokens)].astype(bool)
 
 
 def _place_batch(

@@ -191,9 +191,9 @@ class Segment:
         if size > free:
             raise StoreUnavailableError(
                 f"{SHM_DIR} has {free / 2**20:.1f} MiB free but store {name!r} needs "
-                f"{size / 2**20:.1f} MiB: lower capacity_tokens, release other stores, or give "
-                "the container more shared memory (docker run --shm-size=16g; Ray's object "
-                "store lives there too)"
+                f"{size / 2**20:.1f} MiB: lower capacity_tokens (or max_samples), release other "
+                "stores, or give the container more shared memory (docker run --shm-size=16g; "
+                "Ray's object store lives there too)"
             )
         fd = lock_fd = -1
         mm = None
@@ -216,8 +216,8 @@ class Segment:
             if isinstance(e, OSError) and not isinstance(e, StoreUnavailableError):
                 raise StoreUnavailableError(
                     f"could not allocate {size / 2**20:.1f} MiB in {SHM_DIR} for store "
-                    f"{name!r} ({e.strerror}): lower capacity_tokens or give the container "
-                    "more shared memory (docker run --shm-size=...)"
+                    f"{name!r} ({e.strerror}): lower capacity_tokens (or max_samples) or give the "
+                    "container more shared memory (docker run --shm-size=...)"
                 ) from e
             raise
 
