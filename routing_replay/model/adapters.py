@@ -1,4 +1,5 @@
 """Routers of transformers MoE models: which classes replay knows, and where a model has them.
+(Over 400 lines by design: one table, a row per router class, and its lookups.)
 
 Every transformers 5.x MoE router returns `(router_logits, top_k_weights, top_k_index)` and its
 MoE block hands the last two to the experts module. Replay recomputes `top_k_weights` from the

@@ -2,8 +2,9 @@
 
 - `fetch_batch(refs)`: inside a trainer worker, one `pa.RecordBatch` in the refs' order.
   Samples on this worker's node are read straight from shared memory; each other node's
-  samples come from that node's store actor in one call, as an Arrow table through Ray's
-  object store (one network crossing).
+  samples come from that node's store actor in one call, in their wire form (each stored
+  token once) through Ray's object store (one network crossing); each row is then copied
+  once, straight to its place (`assemble`).
 - `read_dataset(refs)`: a `ray.data.Dataset` of the same schema, built from the Arrow
   tables the store actors return (`ray.data.from_arrow_refs`): a plain datasource cannot
   pin its read tasks to the node that holds the data.

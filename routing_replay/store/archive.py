@@ -1,4 +1,6 @@
 """Routes that outlive the store: save refs' samples to an Arrow IPC file, load them back.
+(One module over 400 lines by design: one file format, its writer and its checking reader
+side by side.)
 
 A route archive (version 2) is one Arrow IPC *file* (footer and all: a truncated file does
 not open): the routes schema (`routing_replay.schema`) plus each sample's policy-version

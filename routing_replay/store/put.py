@@ -1,4 +1,5 @@
 """The put protocol: one `PutTransaction` stores one sample, or many, whole or not at all.
+(Over 400 lines by design: one transaction, its steps in the order they run.)
 
 A put, top to bottom:
 

@@ -1,4 +1,5 @@
 """The read protocol: a `ReadPlan` locates samples under the lock, copies without it, checks.
+(Over 400 lines by design: one protocol and the forms its copies take, here and on the wire.)
 
 1. lock: find each sample's slot (refs must name the put they were made by), its chain of
    pages, their generations, its fields; unlock;
@@ -14,7 +15,8 @@ the read fail, never return another sample's routes.
 
 A read is planned as copies (row, where in the rows, which stored token, how many): run
 here against the segment (`batch`), or, for a reader on another node, run against the
-stored tokens it needs, gathered once each (`wire`: pages samples share travel once).
+stored tokens it needs, each once, as `ship` (`ray.put`) copies them out of the segment
+(`wire`: pages samples share travel once).
 """
 
 from __future__ import annotations

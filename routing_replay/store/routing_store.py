@@ -1,4 +1,6 @@
 """`RoutingStore`: the per-node shared-memory store of routes, a small facade over its parts.
+(Over 400 lines by design: the public handle, every method with its documentation, in one
+place; the logic is in the modules below.)
 
 Life cycle (create, attach, close, unlink) lives here; the protocols live in their own
 modules and work on the handle's `StoreCore`: `put` (`PutTransaction`: one or many samples,

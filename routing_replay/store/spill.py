@@ -1,4 +1,6 @@
 """Spill: samples moved out of shared memory into files on local disk when the store is full.
+(One module over 400 lines by design: one protocol, pick, write, commit, clean, whose
+order repair relies on, read top to bottom in one place.)
 
 A store created with `spill_dir` spills instead of stalling: a put that finds too few free
 pages moves published samples, unread ones first, oldest put first, into one file each in
