@@ -29,6 +29,14 @@ PUBLIC = {
     "routing_replay.integrations._rows",
     "routing_replay.integrations._compat_vllm",
     "routing_replay.integrations._compat_trl",
+    # the parts of integrations.vllm and integrations.trl, re-exported there
+    "routing_replay.integrations._vllm_hosts",
+    "routing_replay.integrations._vllm_puts",
+    "routing_replay.integrations._vllm_versions",
+    "routing_replay.integrations._vllm_worker",
+    "routing_replay.integrations._trl_checkpoints",
+    "routing_replay.integrations._trl_rollout",
+    "routing_replay.integrations._trl_rows",
     "routing_replay.integrations.vllm",  # the vLLM server and middleware build on it
     "routing_replay.integrations.replay_metrics",  # every trainer integration logs with it
 }
