@@ -370,9 +370,11 @@ def test_a_killed_store_actors_segment_goes_at_shutdown(cluster):
     _, other = cluster
     job = f"t{uuid.uuid4().hex[:6]}"
     name = ray.get(ray.remote(Writer).options(**on(other)).remote(job).segment.remote())
-    ray.kill(store_actor(job, node_id=other), no_restart=True)
-    deadline = time.monotonic() + 30
-    while store_actors(job) and time.monotonic() < deadline:
+    actor = store_actor(job, node_id=other)
+    pid = ray.get(actor.info.remote())["pid"]
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30  # gone, as an actor killed long ago is (its lease too)
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert os.path.exists(segment_path(name))
     assert shutdown_node_stores(job) == 0  # no live actor, and yet:
