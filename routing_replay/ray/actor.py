@@ -25,6 +25,7 @@ Ray is imported inside the functions: `import routing_replay` works without Ray.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 NAMESPACE = "routing_replay"
+_LOG = logging.getLogger(__name__)
 START_ATTEMPTS = 3
 CONCURRENT_CALLS = 16  # threads serving reads at once: every rank of a trainer node, and more
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
@@ -133,9 +135,16 @@ class NodeStoreActor:
 
     def _export_metrics(self) -> None:
         """Bring the Ray metrics up to date every EXPORT_EVERY_S while the store lives."""
+        logged: set[str] = set()
         while "store" in self.__dict__:
-            with contextlib.suppress(Exception):  # shut down meanwhile, or busy past the wait
+            try:
                 self.metrics.export(self.stats())
+            except StoreUnavailableError:  # shut down meanwhile
+                pass
+            except Exception as e:  # busy past the wait, a metrics backend error: say it once
+                if type(e).__name__ not in logged:
+                    logged.add(type(e).__name__)
+                    _LOG.warning("store actor %s: metrics not exported: %r", self.job, e)
             time.sleep(EXPORT_EVERY_S)
 
     def _watch_job(self, interval: float) -> None:
