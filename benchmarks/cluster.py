@@ -87,12 +87,10 @@ class Writer:
 
         self.layout = layout_of_model(MODEL)
         self.w, self.samples = w, samples_of(w, node)
-        tokens = len(self.samples) * (w["prompt"] + w["completion"])
         pages = -(-(w["prompt"] + w["completion"]) // 128) * len(self.samples)
         self.store = node_store(job, self.layout, StoreOptions(capacity_tokens=pages * 128))
         self.routes = [routes_of(w, g, s, self.layout) for _, g, s in self.samples]
         self.tokens = [tokens_of(w, g, s) for _, g, s in self.samples]
-        self.total = tokens
 
     def put(self, rep: int) -> list:
         from routing_replay import PutRequest

@@ -149,7 +149,7 @@ class SimCluster:
         ray.init(
             address=self.cluster.address,
             include_dashboard=False,
-            log_to_driver=os.environ.get("RR_LOG") == "1",
+            log_to_driver=False,
             runtime_env={"env_vars": {**(ENV if env is None else env), "PYTHONPATH": path}},
         )
         for name in (module,) if isinstance(module, str) else module:

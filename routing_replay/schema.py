@@ -181,26 +181,3 @@ def routes_values(chunk: pa.ListArray) -> pa.Array:
     tokens = list_values(chunk)
     width = tokens.type.list_size
     return tokens.values.slice(tokens.offset * width, len(tokens) * width)
-
-
-def copy_into(batch: pa.RecordBatch, out: Any) -> pa.RecordBatch:
-    """A routes batch rebuilt over caller-provided memory `out` (its ids copied there)."""
-    layout = layout_of(batch)
-    ids = routes_values(batch.column(ROUTED_EXPERTS))
-    buf = output_buffer(out, len(ids) * layout.dtype.itemsize)
-    src = np.frombuffer(
-        ids.buffers()[1], layout.dtype, len(ids), ids.offset * layout.dtype.itemsize
-    )
-    np.copyto(np.frombuffer(buf, layout.dtype), src)
-    out_batch = routes_batch(
-        layout,
-        batch.column(SAMPLE_ID).to_pylist(),
-        int32_values(batch.column(NUM_TOKENS)),
-        batch.column(PROMPT_LEN).to_pylist(),
-        buf,
-    )
-    return out_batch.set_column(
-        out_batch.schema.get_field_index(TOKEN_IDS),
-        out_batch.schema.field(TOKEN_IDS),
-        batch.column(TOKEN_IDS),
-    )

@@ -9,22 +9,19 @@ import numpy as np
 import pyarrow as pa
 
 from routing_replay.errors import LayoutMismatchError
+from routing_replay.reader import stored_ids
 from routing_replay.schema import (
     NUM_TOKENS,
     PROMPT_LEN,
-    ROUTED_EXPERTS,
     SAMPLE_ID,
     TOKEN_IDS,
     int32_values,
     layout_of,
     list_values,
-    output_buffer,
     routes_batch,
-    routes_values,
 )
 from routing_replay.store import WireBatch
-from routing_replay.store.format import TOKEN_DTYPE
-from routing_replay.store.read import starts
+from routing_replay.store.read import batch_memory, starts
 
 Part = tuple[list[int], "pa.RecordBatch | WireBatch"]  # (the refs' indices, their rows)
 
@@ -48,11 +45,7 @@ def assemble(count: int, parts: list[Part], out: Any = None) -> pa.RecordBatch:
             ids[i], prompts[i] = sample_id, prompt
         lengths[indices], has[indices] = part_lengths, part_has
     row_at, token_at = starts(lengths), starts(lengths * has)
-    nbytes = int(lengths.sum()) * layout.bytes_per_token
-    buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
-    values = np.frombuffer(buf, dtype=layout.dtype).reshape(-1, layout.values_per_token)
-    token_buf = pa.allocate_buffer(int(lengths[has].sum()) * TOKEN_DTYPE.itemsize)
-    token_ids = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
+    buf, values, token_buf, token_ids = batch_memory(layout, lengths, has, out)
     for indices, rows in parts:
         at, tok_at = row_at[indices], token_at[indices]
         if isinstance(rows, WireBatch):
@@ -94,10 +87,7 @@ def _place_batch(
     token_at: np.ndarray,
 ) -> None:
     """A batch read here, each row copied to `values[row_at[r]:]` (token ids likewise)."""
-    ids = routes_values(batch.column(ROUTED_EXPERTS))
-    src = np.frombuffer(
-        ids.buffers()[1], layout.dtype, len(ids), ids.offset * layout.dtype.itemsize
-    ).reshape(-1, layout.values_per_token)
+    src = stored_ids(batch, layout)
     lengths = int32_values(batch.column(NUM_TOKENS)).astype(np.int64)
     token_src, has = int32_values(list_values(batch.column(TOKEN_IDS))), _has_tokens(batch)
     for r, (a, n) in enumerate(zip(starts(lengths).tolist(), lengths.tolist(), strict=True)):

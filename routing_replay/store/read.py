@@ -355,12 +355,7 @@ class Request(NamedTuple):
         """The Arrow batch, copied out of `routes` `[*, L * K]` and `tokens` `[*, 1]` (the
         copies' sources), into `out` if given."""
         layout, lengths, has = self.layout, self.num_tokens, self.has_tokens
-        nbytes = int(lengths.sum()) * layout.bytes_per_token
-        buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
-        values = np.frombuffer(buf, dtype=layout.dtype).reshape(-1, layout.values_per_token)
-        token_buf = pa.allocate_buffer(int(lengths[has].sum()) * TOKEN_DTYPE.itemsize)
-        token_ids = np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
-        # Token ids are kept for the rows that have them only: the others take no room.
+        buf, values, token_buf, token_ids = batch_memory(layout, lengths, has, out)
         self.place(routes, tokens, values, starts(lengths), token_ids, starts(lengths * has))
         return routes_batch(
             layout, self.sample_ids, lengths, self.prompt_lens, buf, (has, token_buf)
@@ -385,6 +380,19 @@ class Request(NamedTuple):
         if has.any():
             copies[:, 1] = token_at[rows] + within
             run_copies(tokens, token_ids, copies[has])
+
+
+def batch_memory(
+    layout: RoutingLayout, lengths: np.ndarray, has: np.ndarray, out: Any = None
+) -> tuple[pa.Buffer, np.ndarray, pa.Buffer, np.ndarray]:
+    """Memory for rows of `lengths` tokens (in `out` if given) and for the token ids of the
+    rows that `has` them (the others take no room): buffers and their numpy views
+    `[*, L * K]` and `[*, 1]`."""
+    nbytes = int(lengths.sum()) * layout.bytes_per_token
+    buf = pa.allocate_buffer(nbytes) if out is None else output_buffer(out, nbytes)
+    values = np.frombuffer(buf, dtype=layout.dtype).reshape(-1, layout.values_per_token)
+    token_buf = pa.allocate_buffer(int(lengths[has].sum()) * TOKEN_DTYPE.itemsize)
+    return buf, values, token_buf, np.frombuffer(token_buf, dtype=TOKEN_DTYPE).reshape(-1, 1)
 
 
 def starts(lengths: np.ndarray) -> np.ndarray:
