@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -378,6 +379,18 @@ def test_a_killed_store_actors_segment_goes_at_shutdown(cluster):
         time.sleep(0.1)
     assert os.path.exists(segment_path(name))
     assert shutdown_node_stores(job) == 0  # no live actor, and yet:
+    assert not os.path.exists(segment_path(name))
+
+
+def test_a_hung_store_actors_segment_goes_at_shutdown(cluster):
+    # Before: an actor that did not answer shutdown in time was killed, and the sweep ran
+    # while its process (and its owner lease) was still going: the segment stayed.
+    _, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    name = ray.get(ray.remote(Writer).options(**on(other)).remote(job).segment.remote())
+    pid = ray.get(store_actor(job, node_id=other).info.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)  # hung (a node under pressure)
+    assert shutdown_node_stores(job, timeout=2) == 1
     assert not os.path.exists(segment_path(name))
 
 

@@ -44,6 +44,7 @@ from routing_replay.store import (
     RoutingRef,
     RoutingStore,
     WireBatch,
+    list_stores,
     sweep_stores,
 )
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 NAMESPACE = "routing_replay"
 _LOG = logging.getLogger(__name__)
 START_ATTEMPTS = 3
+KILL_GRACE_S = 10.0  # Ray force-kills a worker that did not exit a few seconds after ray.kill
 CONCURRENT_CALLS = 16  # threads serving reads at once: every rank of a trainer node, and more
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
 JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -358,27 +360,40 @@ def shutdown_node_stores(job: str, timeout: float = 30.0) -> int:
 
     actors = store_actors(job)
     pending = {name: a.shutdown.remote() for name, a in actors.items()}
+    killed = set()  # nodes (id[:12]) whose actor did not unlink its segment itself
     for name, ref in pending.items():
-        with contextlib.suppress(ray.exceptions.RayError, RoutingReplayError):
+        try:
             ray.get(ref, timeout=timeout)
+        except (ray.exceptions.RayError, RoutingReplayError):
+            killed.add(name.rsplit(".", 1)[-1])
         ray.kill(actors[name])
-    _sweep_every_node(job, timeout)
+    _sweep_every_node(job, killed, timeout)
     return len(actors)
 
 
-def _sweep_every_node(job: str, timeout: float) -> None:
-    """Unlink the job's segments whose store actor died unannounced (killed, out of memory)
-    on every live node: no later actor of the job starts there to sweep them."""
+def _sweep_node(job: str, ray_job: str, node_id: str, wait_s: float) -> list[str]:
+    """`sweep_dead_segments`, again for up to `wait_s` while a segment of the job is left
+    there (its actor was just killed: its process, and so its owner lease, still going)."""
+    deadline = time.monotonic() + wait_s
+    swept = sweep_dead_segments(job, ray_job, node_id)
+    while list_stores(_store_prefix(job, ray_job, node_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        swept += sweep_dead_segments(job, ray_job, node_id)
+    return swept
+
+
+def _sweep_every_node(job: str, killed: set[str], timeout: float) -> None:
+    """Unlink the job's segments whose store actor died unannounced (killed, out of memory,
+    or just now for not answering) on every live node: no later actor of the job starts
+    there to sweep them."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    sweep = ray.remote(num_cpus=0, max_retries=0)(sweep_dead_segments)
+    sweep = ray.remote(num_cpus=0, max_retries=0)(_sweep_node)
     ray_job = current_ray_job()
-    calls = [
-        sweep.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        ).remote(job, ray_job, node["NodeID"])
-        for node in ray.nodes()
-        if node["Alive"]
-    ]
-    ray.wait(calls, num_returns=len(calls), timeout=timeout)  # a node that cannot: next time
+    calls = []
+    for node in (n["NodeID"] for n in ray.nodes() if n["Alive"]):
+        wait_s = timeout + KILL_GRACE_S if node[:NODE_PREFIX] in killed else 0.0
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+        calls.append(sweep.options(scheduling_strategy=strategy).remote(job, ray_job, node, wait_s))
+    ray.wait(calls, num_returns=len(calls), timeout=timeout + KILL_GRACE_S + 5)  # or next time
