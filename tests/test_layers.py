@@ -34,6 +34,7 @@ PUBLIC = {
     "routing_replay.integrations._vllm_puts",
     "routing_replay.integrations._vllm_versions",
     "routing_replay.integrations._vllm_worker",
+    "routing_replay.integrations._middleware_http",  # vllm_middleware's, re-exported there
     "routing_replay.integrations._trl_checkpoints",
     "routing_replay.integrations._trl_rollout",
     "routing_replay.integrations._trl_rows",
