@@ -122,25 +122,44 @@ def writer_send(st: dict, rep: int, sock: socket.socket | None) -> Any:
         st["refs"] = [ray.put(a) for a in src]
         return [st["refs"]]
     elif way.startswith("store"):
+        from routing_replay import PutRequest
+
         store, tokens, refs = st["store"], st["tokens"], []
         st["busy"] = 0.0  # seconds inside put: where the writer's time goes
-        for i, a in enumerate(src):
+        for group in prompt_groups(spec):  # an engine's request: a prompt's n samples
             t = time.perf_counter()
-            ref = store.put(
-                f"r{rep}-s{i}",
-                a,
-                prompt_len=spec["samples"][i][1],
-                token_ids=None if tokens is None else tokens[i],
-            )
+            puts = [
+                PutRequest(
+                    f"r{rep}-s{i}",
+                    src[i],
+                    prompt_len=spec["samples"][i][1],
+                    token_ids=None if tokens is None else tokens[i],
+                )
+                for i in group
+            ]
+            done = store.put_many(puts)
             st["busy"] += time.perf_counter() - t
             if sock is None:
-                refs.append(ref)
+                refs += done
             else:  # each ref goes as soon as its sample is in: the reader reads meanwhile
-                send_msg(sock, pickle.dumps(ref))
+                for ref in done:
+                    send_msg(sock, pickle.dumps(ref))
         return refs if sock is None else None
     else:
         raise ValueError(way)
     return None
+
+
+def prompt_groups(spec: dict) -> list[list[int]]:
+    """Runs of consecutive samples of one prompt: what one engine request returns (GRPO's n
+    completions), put together as the integrations put them (`put_many`)."""
+    groups: list[list[int]] = []
+    for i, (_, _, group, _) in enumerate(spec["samples"]):
+        if groups and spec["samples"][groups[-1][-1]][2] == group:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def writer_cleanup(st: dict) -> None:

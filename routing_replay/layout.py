@@ -183,6 +183,8 @@ class RoutingLayout:
             # max; read as signed it is -1, like every other input.
             if self.signed_dtype.itemsize != arr.itemsize:
                 return False
+            if _dtype_max(self.signed_dtype) >= self.num_experts and (arr.max() < self.num_experts):
+                return True  # no marker and every id an expert: one pass, not two
             arr = arr.view(self.signed_dtype)
         lo = arr.min()
         if not (lo >= MISSING or arr.dtype.kind == "u"):

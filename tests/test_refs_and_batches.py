@@ -144,6 +144,31 @@ def test_put_many_shares_a_prompt_within_the_put_as_puts_one_by_one_do(store, na
     store.verify()
 
 
+def test_put_many_shares_each_page_with_the_earliest_sample_equal_up_to_it(store):
+    # Five samples with the same 4 pages of tokens (+ a partial page of their own): routes
+    # equal to sample 0's, or to sample 1's, which leaves 0's at page 2 (same tokens), or
+    # to neither from page 3 on. Each page is stored once per distinct chain up to it.
+    tokens = np.arange(4 * P, dtype=np.int32) + 3
+    first, other = routes(1, 4 * P), routes(2, 4 * P)
+    forked = np.concatenate([first[: 2 * P], other[2 * P :]])  # 0's until page 2
+    late = np.concatenate([first[: 3 * P], other[3 * P :]])  # 0's until page 3
+    heads = [first, forked, forked, first, late]
+    batch = [
+        PutRequest(
+            f"s{k}",
+            np.concatenate([head, routes(10 + k, 3)]),
+            token_ids=np.concatenate([tokens, [7, 8, k]]),
+        )
+        for k, head in enumerate(heads)
+    ]
+    refs = store.put_many(batch)
+    # s0: 4 + 1; s1: 2 of its own + 1; s2: s1's chain + 1; s3: s0's + 1; s4: 1 + 1.
+    assert store.stats().pages_used == 5 + 3 + 1 + 1 + 2
+    for ref, req in zip(refs, batch, strict=True):
+        np.testing.assert_array_equal(store.get(ref), req.routes)
+    store.verify()
+
+
 def test_put_many_into_room_for_two_of_three_stores_none(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=8 * P, page_tokens=P) as store:
         store.put("other", routes(1, P))  # 1 page; 7 left, the request needs 2 + 3 * 2 = 8

@@ -98,14 +98,6 @@ class _Sample:
     def num_tokens(self) -> int:
         return len(self.rows)
 
-    def page(self, i: int) -> int:
-        """Chain entry `i` once laid out: a published page, or a local one (-2 - index)."""
-        return (
-            self.shared[i]
-            if i < len(self.shared)
-            else _local(self.local_base + i - len(self.shared))
-        )
-
 
 def sample_id_str(sample: _Sample) -> str:
     """A sample's id as text, for messages."""
@@ -193,29 +185,43 @@ class PutTransaction:
         and routes are equal up to and including that page (itself if none): `_twin[k][i]`.
 
         Content only, compared once, outside any lock; `_lay_out` shares a page of the
-        earlier sample only where the two chains also agree on the page before it.
+        earlier sample only where the two chains also agree on the page before it. Once a
+        page has a twin, the pages after it that the twin holds itself under the same keys
+        (GRPO: the rest of a shared prompt) are compared in one run, page by page only if
+        the run differs.
         """
-        P = self.core.page_tokens
         self._twin: list[list[int]] = []
         heads: dict[tuple[int, int], list[int]] = {}  # (twin of page i-1, key i) -> samples
         for k, s in enumerate(self.samples):
             twins: list[int] = []
-            for i, key in enumerate(s.keys):
-                group = heads.setdefault((twins[-1] if twins else -1, key), [])
-                span = slice(i * P, (i + 1) * P)
-                match = next(
-                    (
-                        j
-                        for j in group
-                        if same_bytes(self.samples[j].tokens[span], s.tokens[span])
-                        and same_bytes(self.samples[j].keyed[span], s.keyed[span])
-                    ),
-                    k,
-                )
+            while len(twins) < len(s.keys):
+                i = len(twins)
+                group = heads.setdefault((twins[-1] if twins else -1, s.keys[i]), [])
+                match = next((j for j in group if self._same_pages(j, k, i, i + 1)), k)
+                twins.append(match)
                 if match == k:
                     group.append(k)
-                twins.append(match)
+                    continue
+                # A later page that `match` holds itself under the same key heads its group
+                # (no earlier sample has `match` as a twin), so page by page would compare
+                # `match` first there too: one comparison of the run decides those pages.
+                other, held = self.samples[match].keys, self._twin[match]
+                end = i + 1
+                while end < min(len(s.keys), len(other)) and (
+                    other[end] == s.keys[end] and held[end] == match
+                ):
+                    end += 1
+                if end > i + 1 and self._same_pages(match, k, i + 1, end):
+                    twins += [match] * (end - i - 1)
             self._twin.append(twins)
+
+    def _same_pages(self, j: int, k: int, first: int, end: int) -> bool:
+        """Whether samples j and k hold equal tokens and routes on full pages first..end-1."""
+        P = self.core.page_tokens
+        a, b, span = self.samples[j], self.samples[k], slice(first * P, end * P)
+        return same_bytes(a.tokens[span], b.tokens[span]) and same_bytes(
+            a.keyed[span], b.keyed[span]
+        )
 
     # -- 2-6. the protocol -----------------------------------------------------------
 
@@ -293,19 +299,20 @@ class PutTransaction:
         """Each sample's final plan and chain (under the reserve lock); returns how many pages
         to reserve. Chains hold published pages, then pages of an earlier sample of this put
         (same content, same page before), then the sample's own new pages."""
-        core, count = self.core, 0
+        core, count, chains = self.core, 0, []  # chains: each laid-out sample's `page(i)`s
         for k, s in enumerate(self.samples):
             if s.equal < len(s.plan):  # same tokens, other routes: an equal twin?
                 s.plan = core.prefix.twins(s.plan.prefix(s.equal), s.keys, s.keyed, s.tokens)
             shared = list(s.plan.pages)
             for i in range(len(shared), len(s.keys) if k else 0):
-                earlier = self.samples[self._twin[k][i]]
-                if earlier is s or earlier.page(i) >= NO_PAGE:  # none, or a published page
+                twin = self._twin[k][i]
+                if twin == k or chains[twin][i] >= NO_PAGE:  # none, or a published page
                     break
-                if i and earlier.page(i - 1) != shared[i - 1]:  # another page before it
+                if i and chains[twin][i - 1] != shared[i - 1]:  # another page before it
                     break
-                shared.append(earlier.page(i))
+                shared.append(chains[twin][i])
             s.shared, s.local_base = shared, count
+            chains.append(shared + [_local(count + n) for n in range(s.num_pages - len(shared))])
             count += s.num_pages - len(shared)
         return count
 
