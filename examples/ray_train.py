@@ -21,13 +21,15 @@ reading only its own data-parallel shard of the routes, in one of two ways:
 Each worker measures, at the experts (a forward pre-hook on every MoE layer's `experts`
 module: the ids the experts were called with), how often its float32 routing agrees with
 the rollout's without replay and with it, runs forward and backward under `replay`, steps
-SGD, and calls `ray.train.report` with its metrics (rank 0's carry every rank's, gathered
-with `all_gather_object`) and a `ray.train.Checkpoint` (rank 0 writes the full model
-state dict, every rank the list of samples it trained on; Ray Train merges the files).
-The report carries replay's own metrics (`Replay.metrics()` of every step's block, combined
-over steps and workers: `replay/rows_replayed`, `replay/rows_missing` summed,
-`replay/native_agreement`, `replay/replace_rate` weighted by rows replayed); each worker's
-per step are in its `replay_steps`. `--replay-tolerance r` replays with `tolerance=r`.
+SGD, and reports each step to Ray Train: `ray.train.report({"step", "loss", **replay's
+metrics})` on every worker, which Ray Train hands to the run's `UserCallback`s, its
+loggers: `StepLog` combines the workers' step (`replay/rows_replayed`, `replay/rows_missing`
+summed, `replay/native_agreement`, `replay/replace_rate` weighted by rows replayed) and
+appends it to a JSON-lines file, where a W&B or MLflow callback would log it. The last
+report carries a `ray.train.Checkpoint` (rank 0 writes the full model state dict, every
+rank the list of samples it trained on; Ray Train merges the files) and the run's metrics
+(rank 0's carry every rank's, gathered with `all_gather_object`; replay's combined over
+steps and workers). `--replay-tolerance r` replays with `tolerance=r`.
 Exit status 0 only if every sample was trained by exactly one worker, replay reproduced
 every recorded route at the experts (without a tolerance), losses are finite and every
 sample was released.
@@ -49,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.train
 import torch
 
 from routing_replay import RoutingLayout, replay, to_torch, with_layout
@@ -134,7 +137,7 @@ class ExpertsSpy:
 
 def wrap(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: `fully_shard` per decoder layer, then the root, on Ray's gloo group."""
-    import ray.train
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -209,7 +212,7 @@ def model_layout(model: torch.nn.Module) -> RoutingLayout:
 
 def train_loop_per_worker(config: dict) -> list[dict]:
     """One GRPO pass over this worker's shard under replay; reports metrics and a checkpoint."""
-    import ray.train
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -244,6 +247,8 @@ def train_loop_per_worker(config: dict) -> list[dict]:
         replayed.append(spy.routes(mask))
         opt.step()
         losses.append(float(loss))
+        # Every worker reports every step: Ray Train hands the reports to StepLog.
+        ray.train.report({"step": len(losses), "loss": losses[-1], **replay_steps[-1]})
     rec = np.concatenate(recorded)
     with_replay = routing_agreement(rec, np.concatenate(replayed), layout)
     mine = {
@@ -290,11 +295,38 @@ def train_loop_per_worker(config: dict) -> list[dict]:
 # -- the driver ---------------------------------------------------------------------------------
 
 
+class StepLog(ray.train.UserCallback):
+    """A logger of Ray Train's per-step reports: every worker's step combined (rows summed,
+    rates weighted by rows replayed) as one JSON line. Runs in the run's controller, on the
+    head node: on a cluster, write where the driver (or a logger service) can read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def after_report(self, run_context: Any, metrics: list[dict], checkpoint: Any) -> None:
+        if not metrics or "step" not in metrics[0]:
+            return  # the final report: the checkpoint and the run's totals
+        row = {
+            "step": metrics[0]["step"],
+            "loss": float(np.mean([m["loss"] for m in metrics])),
+            **combine(metrics),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_step_log(path: str) -> list[dict]:
+    """The rows `StepLog` wrote, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def fit(read: str, config: dict, storage: str, ds: Any = None) -> dict[str, Any]:
     """Run one TorchTrainer over the rollout with read path `read`; returns what it reported."""
-    import ray.train
+
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    step_log = os.path.join(storage, f"steps-{read}.jsonl")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**config, "read": read},
@@ -302,7 +334,9 @@ def fit(read: str, config: dict, storage: str, ds: Any = None) -> dict[str, Any]
         scaling_config=ray.train.ScalingConfig(
             num_workers=WORLD, use_gpu=False, resources_per_worker={"CPU": 1}
         ),
-        run_config=ray.train.RunConfig(name=f"routes-{read}", storage_path=storage),
+        run_config=ray.train.RunConfig(
+            name=f"routes-{read}", storage_path=storage, callbacks=[StepLog(step_log)]
+        ),
         datasets=None if ds is None else {"train": ds},
     )
     t0 = time.perf_counter()
@@ -314,6 +348,7 @@ def fit(read: str, config: dict, storage: str, ds: Any = None) -> dict[str, Any]
         **result.metrics,
         "checkpoint": result.checkpoint.path,
         "checkpoint_files": sorted(os.listdir(result.checkpoint.path)),
+        "steps": read_step_log(step_log),  # what StepLog logged, one row per step
         "fit_s": fit_s,
     }
 
@@ -425,6 +460,13 @@ def summary(m: dict[str, Any]) -> str:
                 + f", with replay {w['agreement_with_replay']:.4f} ({w['decisions']} decisions)"
                 + "; losses "
                 + " ".join(f"{x:.4f}" for x in w["losses"])
+            )
+        for row in p["steps"]:
+            lines.append(
+                f"    step {row['step']} (Ray Train's reports, StepLog): loss {row['loss']:.4f}, "
+                f"{row['replay/rows_replayed']} rows replayed, native agreement "
+                f"{row['replay/native_agreement']:.4f}, replace rate "
+                f"{row['replay/replace_rate']:.4f}"
             )
         lines.append(
             f"    replay (tolerance {m['replay_tolerance']}): {p['replay/rows_replayed']} rows "

@@ -5,8 +5,9 @@ routes, by refs (`fetch_batch(refs[rank::world], ranges=)`) and through a Ray Da
 (`get_dataset_shard` + `routes_collate_fn`), replay and step. For both read paths: every
 sample was trained by exactly one worker, replay reproduced every recorded route at the
 experts on each worker, the losses are finite, the checkpoint that `ray.train.report`
-persisted holds the model (loadable, trained) and each rank's samples, and the node stores
-end empty. The pytest process never starts Ray itself.
+persisted holds the model (loadable, trained) and each rank's samples, Ray Train's logger
+callback got every step's replay metrics, and the node stores end empty. The pytest process
+never starts Ray itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.ray
@@ -72,7 +74,17 @@ def _check_path(m: dict, read: str, seed: int = 0) -> None:
         assert sum(x["replay/rows_replayed"] for x in steps) == w["decisions"]
         assert all(x["replay/replace_rate"] == 0.0 for x in steps)
         assert all(0.0 < x["replay/native_agreement"] < 1.0 for x in steps)  # bf16 rollout
-    # The report (Result.metrics) carries them combined over every worker's steps.
+    # Ray Train's per-step reports, as its logger (the run's UserCallback) got them: each
+    # step of every worker, combined.
+    assert [row["step"] for row in p["steps"]] == list(range(1, len(workers[0]["losses"]) + 1))
+    for i, row in enumerate(p["steps"]):
+        at = [w["replay_steps"][i] for w in workers]
+        assert row["replay/rows_replayed"] == sum(x["replay/rows_replayed"] for x in at)
+        assert row["replay/rows_missing"] == sum(x["replay/rows_missing"] for x in at)
+        agreed = sum(x["replay/native_agreement"] * x["replay/rows_replayed"] for x in at)
+        assert row["replay/native_agreement"] == pytest.approx(agreed / row["replay/rows_replayed"])
+        assert row["loss"] == pytest.approx(np.mean([w["losses"][i] for w in workers]))
+    # The last report (Result.metrics) carries them combined over every worker's steps.
     assert p["replay/rows_replayed"] == sum(w["decisions"] for w in workers)
     steps = [x for w in workers for x in w["replay_steps"]]
     assert p["replay/rows_missing"] == sum(x["replay/rows_missing"] for x in steps)
