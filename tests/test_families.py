@@ -293,6 +293,26 @@ def test_own_choice_replayed_gives_the_native_output(family):
     assert torch.equal(native, replayed)
 
 
+def test_own_choice_with_full_tolerance_replaces_nothing(family):
+    # tolerance=1.0 keeps a recorded expert the router scores at least as high as its own
+    # weakest pick: the model's own choice is kept whole, and the output stays native.
+    model = tiny_family_model(family)
+    kwargs = inputs(model, seed=1)
+    with capture(model) as cap, torch.no_grad():
+        native = output(model, kwargs)
+    routes = torch.from_numpy(np.stack(cap.routes()))
+    with replay(model, routes, layout=cap.layout, tolerance=1.0) as block, torch.no_grad():
+        replayed = output(model, kwargs)
+    assert torch.equal(native, replayed)
+    rows = int(np.prod(routes.shape[:-1]))  # every (token, MoE layer) row, none missing
+    assert block.metrics() == {
+        "replay/rows_replayed": rows,
+        "replay/rows_missing": 0,
+        "replay/native_agreement": 1.0,
+        "replay/replace_rate": 0.0,
+    }
+
+
 def test_forced_ids_reach_the_experts(family):
     model = tiny_family_model(family)
     layout = find_routers(model).layout
