@@ -101,3 +101,11 @@ async def update_weight_version(engine: Any, label: str) -> bool:
         return False
     await setter(label)
     return True
+
+
+def served_hf_config(app: Any) -> Any | None:
+    """The served model's Hugging Face config, from vLLM's OpenAI server app as a middleware
+    sees it (`scope["app"].state.vllm_config.model_config.hf_config`, set by the server's
+    `init_app_state`: 0.30.0 and 0.32.0); None outside such a server."""
+    vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+    return getattr(getattr(vllm_config, "model_config", None), "hf_config", None)

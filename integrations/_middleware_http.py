@@ -146,7 +146,7 @@ class Rewritten:
     refs: list[RoutingRef] = dataclasses.field(default_factory=list)
 
 
-def prometheus_metrics() -> tuple[Any, Any, Any, Any, Any] | None:
+def prometheus_metrics() -> tuple[Any, ...] | None:
     """The counters vLLM's `/metrics` shows (prometheus_client's default registry), or
     None without prometheus_client."""
     try:
@@ -175,6 +175,13 @@ def prometheus_metrics() -> tuple[Any, Any, Any, Any, Any] | None:
             "samples whose release failed (the store busy past the timeout) and is retried: "
             "still stored",
             (),
+        ),
+        (
+            Gauge,
+            "routing_replay_served_model",
+            "1 for the model the server serves (its model_type), and whether its routes are "
+            "refused (vLLM records a choice of its routers lossily: refused=yes)",
+            ("model_type", "refused"),
         ),
     )
     metrics = []

@@ -42,6 +42,10 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
   once, and its `send` drops the response). A release that fails (the store's lock held
   past the timeout) is retried in the background until it succeeds: its samples are counted
   meanwhile in `COUNTS.unreleased` and `routing_replay_routes_unreleased`.
+- A model whose routes vLLM records lossily (LongCat-Flash, Zaya: `check_family`), read
+  from vLLM's app state (`_compat_vllm.served_hf_config`) at the first request: no routes
+  are stored, every response goes out as above with `UnsupportedModelError`; the gauge
+  `routing_replay_served_model{model_type=...,refused="yes"|"no"}` names the served model.
 - A 200 JSON body that is not a completion (`null`: vLLM's answer to a client gone during
   generation; no `choices` list) has no routes: it passes through untouched, no refusal.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
@@ -62,7 +66,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from routing_replay import RoutingRef, RoutingReplayError, RoutingStore
-from routing_replay.errors import InvalidRoutesError
+from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
+from routing_replay.integrations import _compat_vllm
 from routing_replay.integrations._middleware_http import (  # the HTTP contract, for clients too
     CHAT as CHAT,
 )
@@ -99,6 +104,7 @@ from routing_replay.integrations.vllm import (
     Releases,
     RoutesNotStoredError,
     StoreCounts,
+    check_family,
     current_or_none,
     error_text,
     http_choice_put,
@@ -141,6 +147,7 @@ class RoutesToRefs:
         self.app = app
         self._store: RoutingStore | None = None
         self._attach_lock = threading.Lock()  # store() runs in the store threads
+        self._served: tuple[str, str | None] | None = None  # (model_type, why refused)
 
     def store(self) -> RoutingStore:
         """The store named by `$RR_STORE_NAME`, attached once, and again when the store was
@@ -157,6 +164,24 @@ class RoutesToRefs:
                 self._store = RoutingStore.attach(name, **options)
             return self._store
 
+    def served(self, app: Any) -> tuple[str, str | None]:
+        """(model_type, why its routes are refused or None) of the model the server serves,
+        read from vLLM's app state on the first request, then kept; logged, and shown on
+        `/metrics` as `routing_replay_served_model`."""
+        if self._served is None:
+            config = _compat_vllm.served_hf_config(app)
+            family, why = str(getattr(config, "model_type", None)), None
+            try:
+                check_family(config)
+            except UnsupportedModelError as err:
+                why = str(err)
+                log.error("routing_replay: no routes will be stored: %s", why)
+            if _METRICS:
+                refused = "no" if why is None else "yes"
+                _METRICS[5].labels(model_type=family, refused=refused).set(1)
+            self._served = (family, why)
+        return self._served
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (
             scope["type"] != "http"
@@ -166,6 +191,7 @@ class RoutesToRefs:
         ):
             await self.app(scope, receive, send)
             return
+        _, refused = self.served(scope.get("app"))
         chunks = []
         while True:  # the whole request body, to set return_token_ids
             message = await receive()
@@ -223,7 +249,9 @@ class RoutesToRefs:
                     return
                 watching = None if gone else asyncio.ensure_future(watch())
                 try:
-                    done = await self._rewrite_off_loop(request, b"".join(out), scope["path"])
+                    done = await self._rewrite_off_loop(
+                        request, b"".join(out), scope["path"], refused
+                    )
                 finally:
                     if watching is not None:
                         watching.cancel()
@@ -249,14 +277,16 @@ class RoutesToRefs:
 
         await self.app(scope, replayed, send_refs)
 
-    async def _rewrite_off_loop(self, request: Mapping[str, Any], raw: bytes, path: str):
+    async def _rewrite_off_loop(
+        self, request: Mapping[str, Any], raw: bytes, path: str, refused: str | None = None
+    ):
         """`rewrite` in a store thread (the loop serves other requests while a put waits
         for room), counted in `COUNTS` and vLLM's `/metrics`. Cancelled, the put runs to its
         end in its thread and what it stored is released."""
         COUNTS.in_flight += 1
         if _METRICS:
             _METRICS[2].inc()
-        work = asyncio.ensure_future(off_loop(self.rewrite, request, raw, path))
+        work = asyncio.ensure_future(off_loop(self.rewrite, request, raw, path, refused))
         work.add_done_callback(self._counted)
         try:
             return await asyncio.shield(work)
@@ -324,11 +354,18 @@ class RoutesToRefs:
         `COUNTS.unreleased` and `routing_replay_routes_unreleased`)."""
         RELEASES.release(self.store, refs, f"response {response_id!r} (undelivered)")
 
-    def rewrite(self, request: Mapping[str, Any], raw: bytes, path: str = COMPLETIONS) -> Rewritten:
+    def rewrite(
+        self,
+        request: Mapping[str, Any],
+        raw: bytes,
+        path: str = COMPLETIONS,
+        refused: str | None = None,
+    ) -> Rewritten:
         """The response body (of `path`) with each choice's routes put and replaced by its
-        ref, all choices or none. Blocking (the put may wait for room). Never raises for
-        the routes: on any error each choice gets `"routing_ref": null` and
-        `"routing_error"`, and the error is returned with the body."""
+        ref, all choices or none; `refused`: why the served model's routes are never stored.
+        Blocking (the put may wait for room). Never raises for the routes: on any error each
+        choice gets `"routing_ref": null` and `"routing_error"`, and the error is returned
+        with the body."""
         try:
             response = json.loads(raw)
         except ValueError as err:  # not JSON: sent as it came
@@ -349,6 +386,8 @@ class RoutesToRefs:
             response_id, start, prompt = choice_puts_args(path, request, response)
             if not choices:
                 return Rewritten(raw, str(response_id))
+            if refused is not None:
+                raise UnsupportedModelError(refused)
             versions = weight_versions_env()
             store = self.store()
             ids = sample_ids(response_id, [c["index"] for c in choices])

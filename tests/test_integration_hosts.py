@@ -17,6 +17,7 @@ import io
 import json
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ import transformers
 
 from routing_replay import RoutingLayout, RoutingStore
 from routing_replay.errors import StoreUnavailableError, UnsupportedModelError
-from routing_replay.integrations.vllm import StoreHost, unclosed_handles
+from routing_replay.integrations.vllm import RoutesNotStoredError, StoreHost, unclosed_handles
 from routing_replay.integrations.vllm_middleware import (
     COMPLETIONS,
     COUNTS,
@@ -379,3 +380,38 @@ def test_a_host_refuses_a_family_whose_vllm_routes_lose_choices(tmp_path, family
     )
     with pytest.raises(UnsupportedModelError, match=f"of a {family} model as expert 0"):
         StoreHost()._host("job", str(tmp_path), "never-made", None)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [transformers.LongcatFlashConfig(), transformers.ZayaConfig()],
+    ids=["longcat", "zaya"],
+)
+def test_the_middleware_stores_no_routes_of_a_model_vllm_records_lossily(name, monkeypatch, config):
+    # vLLM's app state (`init_app_state`) holds the served model's config: a LongCat or Zaya
+    # model's routes name expert 0 for a choice vLLM does not record, so none is stored;
+    # the generation still goes out, each choice saying why it has no ref.
+    monkeypatch.setenv(STORE_ENV, name)
+    store = RoutingStore.create(name, LAYOUT, 64, page_tokens=8)
+    state = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=config))
+    )
+    scope = {**SCOPE, "app": types.SimpleNamespace(state=state)}
+    refused = COUNTS.refused["UnsupportedModelError"]
+    middleware = RoutesToRefs(completions_app)
+    for _ in range(2):
+        client = Client()
+        asyncio.run(middleware(scope, client.receive, client.send))
+        (choice,) = client.body()["choices"]
+        assert choice["routing_ref"] is None and "routed_experts" not in choice
+        assert choice["token_ids"] == OUTPUT  # the generation itself
+        assert choice["routing_error"].startswith("UnsupportedModelError: ")
+        assert config.model_type in choice["routing_error"]
+        with pytest.raises(RoutesNotStoredError, match="R2"):
+            choice_ref(choice)
+    family, why = middleware.served(None)  # read once, from the first request's app
+    assert family == config.model_type and "R2" in why
+    assert COUNTS.refused["UnsupportedModelError"] == refused + 2
+    assert len(store) == 0
+    store.close()
+    store.unlink()

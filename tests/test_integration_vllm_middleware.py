@@ -169,6 +169,9 @@ def test_refs_replace_routes_and_store_what_the_body_carries(server):
     assert (stored[:-1] != MISSING).all() and (stored[-1] == MISSING).all()
     batch = store.read([ref])  # the trainer's read checks the ref's token digest
     assert batch.num_rows == 1
+    # The middleware read the served model from vLLM's app state: a family it stores.
+    served = 'routing_replay_served_model{model_type="qwen3_moe",refused="no"}'
+    assert metrics(url)[served] == 1.0
 
 
 def test_several_prompts_and_a_prompt_start(server):
