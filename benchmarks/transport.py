@@ -13,9 +13,9 @@ Ways (the same routes each time, checked by a CRC of the reader's tensor):
                in a reader actor (same node, and across two simulated nodes)
 - store:       this project: `put_many` of each prompt's samples, as an engine request returns
                them and the integrations put them (uint8/uint16 ids as vLLM hands them, token
-               ids so GRPO prompt pages are shared) in the writer, refs to the reader, `read` -> Arrow ->
-               `to_torch`; same node (plain processes, and Ray actors) and across two simulated
-               nodes (the remote read goes through the node store actor, as Arrow)
+               ids so GRPO prompt pages are shared) in the writer, refs to the reader,
+               `read` -> Arrow -> `to_torch`; same node (plain processes, and Ray actors) and
+               across two simulated nodes (the remote read goes through the node store actor)
 - store-i32-in: the same with int32 input (SGLang's form), converted in `put`
 - copyto-*:    the limit, one `numpy.copyto` of the int32 and of the narrow bytes (one process)
 

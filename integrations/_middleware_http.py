@@ -1,6 +1,6 @@
 """What the vLLM middleware shows over HTTP: the routes it handles, its header and fields,
 refs as JSON, sample ids from client-supplied response ids, what a rewrite returns, and
-the counters of vLLM's `/metrics`.
+the counters of vLLM's `/metrics` and their in-process twin (`MiddlewareCounts`).
 
 Sample ids are `<response id, made safe>-<12 random hex digits>-<choice index>`
   (`sample_ids`). The response id (`id` on completions and chat, `request_id` on generate)
@@ -16,6 +16,7 @@ middleware (`vllm_middleware.RoutesToRefs`) uses the rest.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from routing_replay import RoutingRef
-from routing_replay.integrations.vllm import RoutesNotStoredError
+from routing_replay.integrations.vllm import RoutesNotStoredError, StoreCounts
 
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
 PATHS = (COMPLETIONS, CHAT, GENERATE)
@@ -191,3 +192,15 @@ def prometheus_metrics() -> tuple[Any, ...] | None:
         except ValueError:  # registered already (this module imported twice)
             metrics.append(REGISTRY._names_to_collectors[name])
     return tuple(metrics)
+
+
+@dataclasses.dataclass
+class MiddlewareCounts(StoreCounts):
+    """`StoreCounts`, and `undelivered`: responses whose routes were stored but that did
+    not reach the client, by reason (`disconnect`, `cancelled`, the send's error class):
+    their samples were released."""
+
+    undelivered: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**super().as_dict(), "undelivered": dict(self.undelivered)}

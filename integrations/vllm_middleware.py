@@ -21,31 +21,16 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
   (`{"step-3": 3}`), vLLM's unset `"default"` alone as none; other labels are refused (see
   `routing_replay.integrations.vllm`): the response goes out with its routes marked missing.
 - Sample ids come from the client's response id, made safe (`sample_ids`).
-- A generation is never lost for its routes: the puts run in threads (`off_loop`), so a
-  put waiting for room (up to `$RR_PUT_TIMEOUT` seconds, default the store's 30) stalls
-  no other request; when the routes cannot be stored (store full or unavailable, routes
-  refused, ...) the response still goes out, status 200 with its choices, each choice's
-  routes replaced by `"routing_ref": null` and `"routing_error": "<ErrorClass>: <message>"`,
-  the same text (ASCII, at most 1000 characters) in the header `x-routing-replay-error`.
-  Refusals are logged (ERROR: the routes are lost) and counted: `COUNTS` in the server
-  process, and vLLM's `/metrics` (`routing_replay_routes_stored_total`,
-  `routing_replay_routes_refused_total{error="StoreFullError"}`,
-  `routing_replay_routes_in_flight`). `choice_ref(choice)` gives a choice's `RoutingRef`,
-  or raises `RoutesNotStoredError` with its `routing_error`.
-- A response whose routes were stored but that does not reach the client is released, all
-  its choices' samples (their refs reached nobody): the client went away during the put
-  (its disconnect is watched meanwhile; the body then goes out with null refs), the send
-  raised, or the request was cancelled (a put still running is released when it ends).
-  Counted in `COUNTS.undelivered` and `routing_replay_routes_undelivered_total{reason=...}`
-  (`disconnect`, `cancelled`, or the send's error class), logged at WARNING. A client gone
-  before the watch starts counts too (uvicorn's `receive` then answers a disconnect at
-  once, and its `send` drops the response). A release that fails (the store's lock held
-  past the timeout) is retried in the background until it succeeds: its samples are counted
-  meanwhile in `COUNTS.unreleased` and `routing_replay_routes_unreleased`.
-- A model whose routes vLLM records lossily (LongCat-Flash, Zaya: `check_family`), read
-  from vLLM's app state (`_compat_vllm.served_hf_config`) at the first request: no routes
-  are stored, every response goes out as above with `UnsupportedModelError`; the gauge
-  `routing_replay_served_model{model_type=...,refused="yes"|"no"}` names the served model.
+- A generation is never lost for its routes: puts run in threads (`off_loop`, up to
+  `$RR_PUT_TIMEOUT` s for room); when the routes cannot be stored the response still goes
+  out, each choice with `"routing_ref": null` and `"routing_error"` (also the header
+  `x-routing-replay-error`), logged and counted (`COUNTS`, vLLM's `/metrics`);
+  `choice_ref(choice)` raises `RoutesNotStoredError` with it. So does a model whose routes
+  vLLM records lossily (LongCat-Flash, Zaya: `check_family`, read from vLLM's app state).
+- A response whose routes were stored but that does not reach the client (disconnect
+  during the put, a send that raised, a cancelled request) has its samples released,
+  counted in `COUNTS.undelivered`; a release that fails is retried in the background.
+  docs/integrations.md ("HTTP servers") lists every counter and gauge.
 - A 200 JSON body that is not a completion (`null`: vLLM's answer to a client gone during
   generation; no `choices` list) has no routes: it passes through untouched, no refusal.
 - A request with header `x-routing-replay: body` keeps the routes in the body (debugging,
@@ -56,8 +41,6 @@ field by `routing_ref`: the small JSON of a `RoutingRef` (`ref_from_json` makes 
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import json
 import logging
 import os
@@ -79,6 +62,7 @@ from routing_replay.integrations._middleware_http import (
     PATHS,
     PUT_TIMEOUT_ENV,
     STORE_ENV,
+    MiddlewareCounts,
     Rewritten,
     choice_puts_args,
     header_text,
@@ -103,7 +87,6 @@ from routing_replay.integrations._middleware_http import (
 from routing_replay.integrations.vllm import (
     Releases,
     RoutesNotStoredError,
-    StoreCounts,
     check_family,
     current_or_none,
     error_text,
@@ -113,18 +96,6 @@ from routing_replay.integrations.vllm import (
 )
 
 DISCONNECT = {"type": "http.disconnect"}
-
-
-@dataclasses.dataclass
-class MiddlewareCounts(StoreCounts):
-    """`StoreCounts`, and `undelivered`: responses whose routes were stored but that did
-    not reach the client, by reason (`disconnect`, `cancelled`, the send's error class):
-    their samples were released."""
-
-    undelivered: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**super().as_dict(), "undelivered": dict(self.undelivered)}
 
 
 COUNTS = MiddlewareCounts()  # this process's puts: stored, refused, in flight, undelivered
