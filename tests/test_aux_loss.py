@@ -11,6 +11,7 @@ import importlib
 import pytest
 import torch
 from moe_models import tiny_model
+from tiny_families import tiny_family_model
 
 from routing_replay import RoutingLayout, capture, replay
 from routing_replay.errors import InvalidRoutesError
@@ -33,6 +34,27 @@ AUX_FAMILIES = [
     "qwen3_moe",
     "qwen3_next",
 ]
+# transformers 5.25's families new since (their tiny configs: tiny_families), with an aux loss.
+NEW_AUX_FAMILIES = [
+    "dbrx",
+    "flint",
+    "granitemoe_swa",
+    "granitemoehybrid",
+    "granitemoeshared",
+    "jetmoe",
+    "laguna",
+    "lara_mini",
+    "mellum",
+    "minimax_m3_vl_text",
+    "phimoe",
+    "qwen4_exp_text",
+]
+
+
+def aux_model(family: str):
+    return tiny_family_model(family) if family in NEW_AUX_FAMILIES else tiny_model(family)
+
+
 B, S = 2, 6
 IDS = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -78,9 +100,9 @@ def switch_loss(router_logits, routes, num_experts, mask=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["attention-mask", "no-mask"])
-@pytest.mark.parametrize("family", AUX_FAMILIES)
+@pytest.mark.parametrize("family", AUX_FAMILIES + NEW_AUX_FAMILIES)
 def test_native_routes_give_transformers_aux_loss_bitwise(family, padded):
-    model = tiny_model(family)
+    model = aux_model(family)
     E, K = sizes(model)
     mask = MASK if padded else None
     out = model(input_ids=IDS, attention_mask=mask, output_router_logits=True)
