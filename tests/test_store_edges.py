@@ -760,3 +760,62 @@ def test_a_create_out_of_file_descriptors_says_so_and_leaves_nothing(name, tmp_p
     errors, left, segment_left, dirs = eval(out.stdout)
     assert errors and set(errors) == {"StoreUnavailableError"}
     assert (left, segment_left, dirs) == ([], False, [])
+
+
+def test_a_close_stopped_at_each_line_then_closed_again_never_closes_another_handles_files(
+    name, tmp_path
+):
+    # Ctrl-C inside close(), then close() again (what a user does next): the retry must not
+    # close descriptor numbers that another handle, attached in between, now holds.
+    owner = RoutingStore.create(name, TINY, 8 * P, page_tokens=P, spill_dir=tmp_path)
+    rows = TINY.random_routes(np.random.default_rng(0), 3)
+    stop, stops = 1, 0
+    while True:
+        before = open_fds(name, str(tmp_path))
+        a = RoutingStore.attach(name)
+        seen, _ = interrupted_at(stop, a.close)
+        other = RoutingStore.attach(name)  # may take numbers close() freed
+        a.close()  # the retry: finishes what the stopped close left, closes nothing else
+        other.put(f"s{stop}", rows)
+        np.testing.assert_array_equal(other.get(f"s{stop}"), rows)
+        other.release([f"s{stop}"])
+        other.close()
+        left = open_fds(name, str(tmp_path))
+        assert left == before, f"stopped at line {stop} of {seen}: descriptors leaked"
+        if seen < stop:  # ran to its end: every line was a stop point
+            break
+        stop, stops = stop + 1, stops + 1
+    assert stops > 5
+    owner.verify()
+    owner.close()
+    owner.unlink()
+
+
+def test_two_threads_closing_one_handle_close_each_descriptor_once(name):
+    owner = RoutingStore.create(name, TINY, 8 * P, page_tokens=P)
+    other = RoutingStore.attach(name)
+    rows = TINY.random_routes(np.random.default_rng(1), 3)
+    errors = []
+    for i in range(200):
+        handle = RoutingStore.attach(name)
+        barrier = threading.Barrier(2)
+
+        def close(handle=handle, barrier=barrier):
+            barrier.wait()
+            try:
+                handle.close()
+            except Exception as e:
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=close) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        other.put(f"s{i}", rows)  # the other handle's descriptors are untouched
+        other.release([f"s{i}"])
+    assert errors == []
+    other.close()
+    owner.verify()
+    owner.close()
+    owner.unlink()

@@ -304,7 +304,9 @@ class RoutingStore:
         other threads on this handle end first: a waiting one at once, a working one within
         `timeout` (default the put timeout), else StoreBusyError and the handle stays open."""
         core = self._core
-        if core.segment.fd < 0:
+        if core.segment.fd < 0:  # closed, or a close stopped after unmapping: finish it
+            core.segment.close()
+            core.spill.close()
             return
         wait = core.put_timeout if timeout is None else timeout_seconds(timeout, "timeout")
         core.closing = True  # calls starting now refuse; waiting ones end; working ones finish

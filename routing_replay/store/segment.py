@@ -32,6 +32,7 @@ import pwd
 import re
 import stat
 import weakref
+from collections.abc import Sequence
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 
@@ -162,6 +163,9 @@ class Segment:
         self.epoch = _fork_epoch
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
+        # The descriptors a close must close, each taken by one `pop` (atomic): threads that
+        # close at once, or a close after one stopped half-way, never close one twice.
+        self._to_close = [f for f in (fd, lock_fd) if f >= 0]
         _SEGMENTS.add(self)
 
     @property
@@ -176,6 +180,7 @@ class Segment:
             if self.fd < 0:
                 raise StoreUnavailableError(f"store {self.name!r} is closed in this process")
             self._lock_fd = _reopen(self.fd)
+            self._to_close.append(self._lock_fd)
         return self._lock_fd
 
     def unlock(self) -> None:
@@ -268,15 +273,16 @@ class Segment:
         return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
     def close(self) -> None:
-        """Unmap and close; every numpy view of the mapping must be dropped first."""
-        if self.fd < 0:
-            return
-        self.mmap.close()  # BufferError if a view still exists: never hand out views
-        for f in (self.fd, self._lock_fd):
-            if f >= 0:
-                os.close(f)  # drops this handle's leases and commit lock, if held
-        self.fd = self._lock_fd = -1
-        _SEGMENTS.discard(self)
+        """Unmap and close; every numpy view of the mapping must be dropped first. A close
+        stopped half-way is finished by the next; no descriptor is closed twice (its number
+        may by then name another handle's file), whichever threads close at once."""
+        if self.fd >= 0:
+            self.mmap.close()  # BufferError if a view still exists: never hand out views
+            self.fd = self._lock_fd = -1
+            _SEGMENTS.discard(self)
+        while self._to_close:  # (also what a close stopped here left): leases, lock go
+            with contextlib.suppress(IndexError):  # another thread took the last one
+                os.close(self._to_close.pop())
 
     def unlink(self) -> None:
         """Remove the segment file; mappings stay valid until closed."""
@@ -286,20 +292,23 @@ class Segment:
     def discard(self) -> None:
         """Remove a segment whose creation failed, and give back its descriptors and leases
         now (its mapping too, unless a view of it is still alive)."""
-        _discard(self.path, self.mmap, (self.fd, self._lock_fd))
+        fds, self._to_close = self._to_close, []
+        _discard(self.path, self.mmap, fds)
         self.fd = self._lock_fd = -1
         _SEGMENTS.discard(self)
 
     def _forget_parents_locks(self) -> None:
         """In a forked child: close the lock description shared with the parent."""
         if self._lock_fd >= 0:
+            with contextlib.suppress(ValueError):
+                self._to_close.remove(self._lock_fd)
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # the parent's locks stay the parent's
         self._lock_fd = -1
         self.epoch = _fork_epoch
 
 
-def _discard(path: str, mm: mmap.mmap | None, fds: tuple[int, ...]) -> None:
+def _discard(path: str, mm: mmap.mmap | None, fds: Sequence[int]) -> None:
     """Unlink a half-made segment, close its descriptors, unmap it if no view is alive."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

@@ -262,6 +262,7 @@ class Spiller:
         if users_fd is None:
             users_fd = use_spill_dir(self.dir) if self.enabled else -1
         self.users_fd = users_fd
+        self._to_close = [users_fd] if users_fd >= 0 else []  # one `pop` each: closed once
 
     @property
     def enabled(self) -> bool:
@@ -289,9 +290,10 @@ class Spiller:
 
     def close(self) -> None:
         """The handle closes: its shared lock on the directory goes with it."""
-        if self.users_fd >= 0:
-            os.close(self.users_fd)
-            self.users_fd = -1
+        self.users_fd = -1
+        while self._to_close:  # (also what a close stopped here left)
+            with contextlib.suppress(IndexError):  # another thread took it
+                os.close(self._to_close.pop())
 
     def settle(self) -> None:
         """At the end of a store call: release the spill mutex if an interruption left this
