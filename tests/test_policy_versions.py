@@ -77,3 +77,14 @@ def test_reads_take_no_staleness_bound(store):
         with pytest.raises(InvalidArgumentError, match=r"split_stale\(refs"):
             read(refs, policy_version=3, max_staleness=1)
     assert store.stats().samples == 1  # nothing released by a refused call
+
+
+@pytest.mark.parametrize("size", [-1, 0, 2.5, True, "8"])
+def test_read_dataset_refuses_a_block_size_that_is_not_a_positive_int(store, size):
+    # samples_per_block=-1 used to read nothing, then release every sample (all lost).
+    from routing_replay.ray import read_dataset
+
+    refs = [store.put(f"s{i}", routes(), policy_version=1) for i in range(3)]
+    with pytest.raises(InvalidArgumentError, match="samples_per_block must be"):
+        read_dataset(refs, release=True, samples_per_block=size)
+    assert store.stats().samples == 3

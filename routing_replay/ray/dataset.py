@@ -20,6 +20,7 @@ Ray is imported inside the functions: `import routing_replay` works without Ray.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -230,6 +231,15 @@ def read_dataset(
     import ray
 
     _no_staleness_args("read_dataset", policy_version, max_staleness)
+    if isinstance(samples_per_block, bool) or not isinstance(samples_per_block, numbers.Integral):
+        raise InvalidArgumentError(
+            f"samples_per_block must be a positive int, got {samples_per_block!r}"
+        )
+    if samples_per_block < 1:
+        raise InvalidArgumentError(
+            f"samples_per_block must be >= 1 (samples per dataset block), got {samples_per_block}"
+        )
+    samples_per_block = int(samples_per_block)
     refs = _refs_list(refs, "read_dataset")
     ranges = ranges_per_ref(ranges, len(refs))
     if release:
