@@ -9,6 +9,7 @@ import functools
 import glob
 import os
 import resource
+import signal
 import threading
 import uuid
 
@@ -18,6 +19,7 @@ from line_stops import interrupted_at
 
 from routing_replay import RoutingLayout, RoutingRef, RoutingStore, load_routes, save_routes
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
+from routing_replay.store import archive
 from routing_replay.store.segment import segment_path
 
 LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
@@ -223,3 +225,45 @@ def test_a_save_stopped_at_any_line_leaves_no_temporary_file(stores, tmp_path, s
         if os.path.exists(path):
             assert_loads_exactly(stores, path, src, refs)
             os.unlink(path)
+
+
+def test_a_save_killed_mid_write_leaves_a_file_the_next_save_removes(stores, tmp_path):
+    # SIGKILL (preemption mid-checkpoint) runs no clean-up: its `.partial-*` file stays. A
+    # later save to the path removes it once no process holds its lock and it has not been
+    # written for DEAD_PARTIAL_S; a save still running keeps its own.
+    src = stores()
+    refs = put_samples(src, "s", 3, 9)
+    path = str(tmp_path / "r.arrow")
+    read_to, done_to = os.pipe()
+    go_from, go_to = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a save that stops inside its write, then is killed there
+        os.close(read_to)
+        os.close(go_to)
+
+        def read(chunk, **kwargs):
+            os.write(done_to, b"x")
+            os.read(go_from, 1)  # never answered: killed here
+            return src.read(chunk, **kwargs)
+
+        try:
+            save_routes(path, refs, read=read)
+        finally:
+            os._exit(1)
+    os.close(done_to)
+    os.close(go_from)
+    assert os.read(read_to, 1) == b"x"  # the child is inside its save, its file made
+    (live,) = glob.glob(path + ".partial-*")
+    save_routes(path, refs, read=src.read)  # the live save's file is locked: kept
+    assert glob.glob(path + ".partial-*") == [live]
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read_to)
+    os.close(go_to)
+    save_routes(path, refs, read=src.read)  # dead, but written just now: kept a while
+    assert glob.glob(path + ".partial-*") == [live]
+    stale = os.stat(live).st_mtime - archive.DEAD_PARTIAL_S - 1
+    os.utime(live, (stale, stale))  # a minute later
+    save_routes(path, refs, read=src.read)
+    assert glob.glob(path + ".partial-*") == []
+    assert_loads_exactly(stores, path, src, refs)

@@ -26,10 +26,13 @@ against the saved serial and token digest (a ref of another put of that id is re
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import numbers
 import os
 import secrets
+import stat
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +78,7 @@ METADATA_CRC_KEY = b"routing_replay.archive.crc32"  # CRC-32 of the other metada
 CRC_KEY = b"crc32"  # record batch metadata: `batch_crc` of the batch
 POLICY_VERSIONS, TOKENS_DIGEST, SERIAL = "policy_versions", "tokens_digest", "serial"
 DEFAULT_CHUNK_TOKENS = 1 << 18  # tokens read and written at a time (~100 MB of Qwen3 routes)
+DEAD_PARTIAL_S = 60.0  # a killed save's temporary file, unlocked and unwritten this long, goes
 SPANS = pa.list_(pa.struct([("start", pa.int64()), ("version", pa.int64())]))
 
 
@@ -185,6 +189,7 @@ def save_routes(
             f"{os.path.join(path, 'routes.arrow')}"
         )
     chunks = list(_chunks(refs, chunk_tokens))
+    _remove_dead_partials(path)
     made: list[str] = []  # the temporary file, named before it is made: removed on any error
     try:
         _write_file(_temp_file(path, made), path, refs, chunks, read)
@@ -245,11 +250,35 @@ def _temp_file(path: str, made: list[str]) -> Any:
                 "and that this process may write in its directory; nothing was saved"
             ) from e
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while the save lives
             return os.fdopen(fd, "wb")
         except BaseException:
             os.close(fd)
             raise
     raise StoreUnavailableError(f"save_routes: no free temporary name next to {path}")
+
+
+def _remove_dead_partials(path: str) -> None:
+    """Remove the temporary files that saves to `path` killed mid-write (SIGKILL, a node
+    lost) left: ours (this user's), unwritten for `DEAD_PARTIAL_S`, and locked by no one (a
+    live save holds its file's flock). Anything in doubt stays."""
+    folder, base = os.path.split(path)
+    try:
+        names = [n for n in os.listdir(folder or ".") if n.startswith(f"{base}.partial-")]
+    except OSError:
+        return
+    for name in names:
+        full = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                old = time.time() - st.st_mtime > DEAD_PARTIAL_S
+                if old and st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: alive
+                    os.unlink(full)
+            finally:
+                os.close(fd)
 
 
 @contextlib.contextmanager
