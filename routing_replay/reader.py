@@ -107,7 +107,8 @@ def to_torch(
     if attention_mask is None:
         if input_ids is not None:
             trained = torch.as_tensor(input_ids).cpu()
-            if trained.squeeze(0).shape != (int(lengths.sum()),):
+            total = int(lengths.sum())
+            if tuple(trained.shape) not in ((total,), (1, total)):
                 raise InvalidRoutesError(
                     f"packed input_ids must be [sum_T={int(lengths.sum())}] or [1, sum_T], got "
                     f"{tuple(trained.shape)}"

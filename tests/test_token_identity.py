@@ -86,6 +86,10 @@ def test_to_torch_checks_every_token_padded_and_packed(store):
         to_torch(batch, input_ids=swapped)
     with pytest.raises(InvalidRoutesError, match=r"packed input_ids must be \[sum_T=12\]"):
         to_torch(batch, input_ids=packed[:-1])
+    # One sample of one token: [1] and [1, 1] are the packed shapes (a squeeze made a scalar).
+    one = store.read([store.put("one", r0[:1], token_ids=t0[:1])])
+    for ids in (torch.from_numpy(t0[:1]), torch.from_numpy(t0[:1])[None]):
+        assert torch.equal(to_torch(one, input_ids=ids), to_torch(one))
 
 
 def test_samples_put_without_tokens_cannot_be_checked(store):
