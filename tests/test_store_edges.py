@@ -819,3 +819,23 @@ def test_two_threads_closing_one_handle_close_each_descriptor_once(name):
     owner.verify()
     owner.close()
     owner.unlink()
+
+
+def test_every_call_on_a_closed_handle_says_it_is_closed(name):
+    store = RoutingStore.create(name, TINY, 8 * P, page_tokens=P)
+    store.put("s", TINY.random_routes(np.random.default_rng(0), 3))
+    other = RoutingStore.attach(name)
+    other.close()
+    calls = {
+        "len": lambda: len(other),
+        "in": lambda: "s" in other,
+        "get": lambda: other.get("s"),
+        "read": lambda: other.read(["s"]),
+        "stats": other.stats,
+    }
+    for call in calls.values():
+        with pytest.raises(StoreUnavailableError, match="closed"):
+            call()
+    assert len(store) == 1  # the store itself is untouched
+    store.close()
+    store.unlink()

@@ -513,6 +513,7 @@ class RoutingStore:
             serial = getattr(sample_id, "serial", NO_SERIAL)
             return serial in (NO_SERIAL, self._core.samples.serial(slot))
 
+    @store_call
     def __len__(self) -> int:
         return self._core.tables.counter("samples", self._core.tables.max_samples)
 
