@@ -42,10 +42,11 @@ class RoutingLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "top_k", "num_experts"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise InvalidArgumentError(
                     f"RoutingLayout.{name} must be a positive int, got {value!r}"
                 )
+            object.__setattr__(self, name, int(value))  # numpy ints: JSON and equality as int
         if self.top_k > self.num_experts:
             raise InvalidArgumentError(
                 f"RoutingLayout.top_k={self.top_k} exceeds num_experts={self.num_experts}"
@@ -113,7 +114,12 @@ class RoutingLayout:
 
     def select_moe(self, routes: Any) -> np.ndarray:
         """Check dtype and shape of `[T, L, K]` routes and drop dense layers (ids unchecked)."""
-        arr = np.asarray(routes)
+        try:
+            arr = np.asarray(routes)
+        except ValueError as e:  # ragged nested lists
+            raise InvalidRoutesError(
+                f"routes must be a [num_tokens, num_layers, top_k] integer array, got {e}"
+            ) from None
         if arr.dtype.kind not in "iu":
             raise not_integer(arr.dtype)
         if arr.ndim != 3 or arr.shape[2] != self.top_k:

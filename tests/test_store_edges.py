@@ -839,3 +839,24 @@ def test_every_call_on_a_closed_handle_says_it_is_closed(name):
     assert len(store) == 1  # the store itself is untouched
     store.close()
     store.unlink()
+
+
+def test_bad_inputs_are_routing_replay_errors_that_store_nothing(name):
+    # Each raised a raw ValueError or TypeError before (red team round 9).
+    layout = RoutingLayout(np.int64(3), np.int64(2), np.int64(16))  # numpy ints: plain ints
+    assert layout == TINY and type(layout.num_layers) is int
+    store = RoutingStore.create(name, layout, 8 * P, page_tokens=P)  # its JSON takes them
+    rows = TINY.random_routes(np.random.default_rng(0), 3)
+    bad = [
+        (lambda: store.put("a", [[[0, 1]] * 3, [[0, 1]] * 2]), InvalidRoutesError),  # ragged
+        (lambda: store.put("b", rows, token_ids=[[1], [2, 3], [4]]), InvalidArgumentError),
+        (lambda: store.put("c", rows, policy_version=1.5), InvalidArgumentError),
+        (lambda: store.put_many(5), InvalidArgumentError),
+    ]
+    for call, error in bad:
+        with pytest.raises(error):
+            call()
+    assert len(store) == 0
+    store.verify()
+    store.close()
+    store.unlink()

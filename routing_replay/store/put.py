@@ -422,7 +422,10 @@ def _token_ids(token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
     """Checked token ids as stored (int32)."""
     if hasattr(token_ids, "detach"):  # a torch tensor, maybe on a device
         token_ids = token_ids.detach().cpu().numpy()
-    tokens = np.asarray(token_ids)
+    try:
+        tokens = np.asarray(token_ids)
+    except ValueError:  # ragged nested lists: refused below
+        tokens = np.empty((0, 0))
     if tokens.ndim != 1 or len(tokens) != num_tokens or tokens.dtype.kind not in "iu":
         raise InvalidArgumentError(
             f"sample {sample_id!r}: token_ids must be a 1-D integer array with one id per "

@@ -118,7 +118,13 @@ def policy_spans(value: Any, num_tokens: int, sample_id: str) -> tuple[tuple[int
     A version is at most `MAX_POLICY_VERSION` (2**63 - 1)."""
     if value is None:
         return ()
-    pairs = [(0, value)] if isinstance(value, numbers.Integral) else list(value)
+    if isinstance(value, numbers.Integral):
+        pairs = [(0, value)]
+    else:
+        try:
+            pairs = list(value)
+        except TypeError:  # a float, a str of one char...: refused below
+            pairs = []
     if not pairs or not all(
         isinstance(p, (tuple, list))
         and len(p) == 2

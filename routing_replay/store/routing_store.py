@@ -421,6 +421,10 @@ class RoutingStore:
         the put that share a prefix (GRPO's n samples of a prompt, with `token_ids`) store
         its full pages once.
         """
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+            raise InvalidArgumentError(
+                f"put_many takes a list of PutRequest objects, got {type(requests).__name__}"
+            )
         return PutTransaction(self._core, list(requests), timeout).run()
 
     # -- releasing --------------------------------------------------------------------
