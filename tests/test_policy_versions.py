@@ -61,7 +61,7 @@ def test_split_stale_keeps_order_and_needs_versions(store):
     assert [r.sample_id for r in stale] == ["s2", "s3", "e"]
     fresh, stale = split_stale(refs, policy_version=5, max_staleness=0)
     assert [r.sample_id for r in fresh] == ["s5"]
-    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+    with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
         split_stale(refs, policy_version=5, max_staleness=-1)
     unversioned = store.put("u", routes())
     with pytest.raises(InvalidArgumentError, match="sample 'u' was put without a policy_version"):
@@ -88,3 +88,19 @@ def test_read_dataset_refuses_a_block_size_that_is_not_a_positive_int(store, siz
     with pytest.raises(InvalidArgumentError, match="samples_per_block must be"):
         read_dataset(refs, release=True, samples_per_block=size)
     assert store.stats().samples == 3
+
+
+def test_the_ray_paths_refuse_what_is_not_a_ref_before_touching_a_store(store):
+    from routing_replay.ray import fetch_batch, read_dataset, release_refs, split_stale
+
+    ref = store.put("s", routes(), policy_version=1)
+    for call in (fetch_batch, read_dataset, release_refs):
+        with pytest.raises(InvalidArgumentError, match="takes the RoutingRefs that put returned"):
+            call([ref, "s"])
+    with pytest.raises(InvalidArgumentError, match="takes the RoutingRefs"):
+        split_stale(["s"], policy_version=3, max_staleness=1)
+    for bad in (None, -1, 1.5):
+        with pytest.raises(InvalidArgumentError, match="max_staleness must be an int >= 0"):
+            split_stale([ref], policy_version=3, max_staleness=bad)
+    assert split_stale([ref], policy_version=3, max_staleness=2) == ([ref], [])
+    assert store.stats().samples == 1

@@ -46,9 +46,7 @@ if TYPE_CHECKING:
 def _by_store(refs: Sequence[RoutingRef]) -> dict[str, list[int]]:
     """Indices of `refs` grouped by store, stores in first-seen order."""
     groups: dict[str, list[int]] = defaultdict(list)
-    for i, ref in enumerate(refs):
-        if not isinstance(ref, RoutingRef):
-            raise TypeError(f"expected RoutingRef, got {type(ref).__name__}: pass put()'s refs")
+    for i, ref in enumerate(refs):  # (checked RoutingRefs: `_refs`)
         groups[ref.store].append(i)
     return groups
 
@@ -111,10 +109,11 @@ def split_stale(
 ) -> tuple[list[RoutingRef], list[RoutingRef]]:
     """(fresh, stale): a ref is stale when any of its tokens came from a policy older than
     `policy_version - max_staleness` (`ref.policy_version`, its oldest). Order is kept."""
-    if max_staleness < 0:
-        raise InvalidArgumentError(f"max_staleness must be >= 0, got {max_staleness}")
+    for what, value in (("policy_version", policy_version), ("max_staleness", max_staleness)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise InvalidArgumentError(f"{what} must be an int >= 0, got {value!r}")
     fresh, stale = [], []
-    for ref in refs:
+    for ref in _refs(refs, "split_stale"):
         if ref.policy_version is None:
             raise InvalidArgumentError(
                 f"sample {ref.sample_id!r} was put without a policy_version, so its staleness "
@@ -134,8 +133,21 @@ def _no_staleness_args(what: str, policy_version: Any, max_staleness: Any) -> No
         )
 
 
-def _refs_list(refs: Sequence[RoutingRef], what: str) -> list[RoutingRef]:
+def _refs(refs: Iterable[RoutingRef], what: str) -> list[RoutingRef]:
+    """`refs` as a list, each a `RoutingRef` (the Ray paths route by a ref's node and store:
+    a sample id alone names neither)."""
     refs = list(refs)
+    for r in refs:
+        if not isinstance(r, RoutingRef):
+            raise InvalidArgumentError(
+                f"{what} takes the RoutingRefs that put returned, got {type(r).__name__} {r!r}: "
+                "a sample id alone does not say which node's store holds it"
+            )
+    return refs
+
+
+def _refs_list(refs: Sequence[RoutingRef], what: str) -> list[RoutingRef]:
+    refs = _refs(refs, what)
     if not refs:
         raise InvalidArgumentError(f"{what} needs at least one ref")
     return refs
@@ -272,7 +284,7 @@ def release_refs(refs: Iterable[RoutingRef]) -> int:
 
     Each store releases its samples all or none; every store is asked, and the first
     store's error is raised after the others released theirs."""
-    refs = list(refs)
+    refs = _refs(refs, "release_refs")
     failed = _release_each_store(refs)
     if failed:
         raise failed[0][1]
