@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from line_stops import interrupted_at
 
 from routing_replay import MISSING, Episode, RoutingReplayError, RoutingStore, capture, replay
 from routing_replay.errors import InvalidRoutesError, TokenMismatchError
@@ -115,3 +116,28 @@ def test_stored_history_rows_win_over_recomputed_ones(model, name):
         np.testing.assert_array_equal(got[: len(tokens1) - 1], routes1[:-1])  # the stored
         np.testing.assert_array_equal(got[len(tokens1) - 1 :], full2[len(tokens1) - 1 :])
         assert episode.conflicts >= 1
+
+
+def test_a_turn_stopped_at_each_line_can_be_added_again_and_close_leaves_one_sample(model, name):
+    # Ctrl-C inside add_turn after its put committed left the turn stored but not in the
+    # episode: the turn could never be added again, and close() kept its sample for good.
+    layout = find_routers(model).layout
+    first, first_routes = generate(model, [10, 11, 12])
+    second, second_routes = generate(model, [*first, 20, 21])
+    with RoutingStore.create(name, layout, 4096) as store:
+        stop = 1
+        while True:
+            episode = Episode(store, f"e{stop}")
+            episode.add_turn(first, first_routes)
+            seen, _ = interrupted_at(stop, lambda e=episode: e.add_turn(second, second_routes))
+            ref = episode.add_turn(second, second_routes) if episode.num_turns == 1 else None
+            assert episode.num_turns == 2
+            assert episode.close() == episode.refs[-1] and (ref is None or ref == episode.ref)
+            assert len(store) == 1 and f"e{stop}-t2" in store  # the episode's one sample
+            np.testing.assert_array_equal(store.get(episode.ref)[:-1], second_routes[:-1])
+            store.release([episode.ref])
+            if seen < stop:
+                break
+            stop += 1
+        assert stop > 20
+        store.verify()

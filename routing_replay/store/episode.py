@@ -43,6 +43,7 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
+        self._putting: str | None = None  # the turn sample being put, until it is in `refs`
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
 
     @property
@@ -106,16 +107,27 @@ class Episode:
                 f"episode {self.episode_id!r} turn {turn}: earlier turns had policy versions, "
                 "this one has none; pass policy_version for every turn or for none"
             )
+        self._drop_unrecorded()
+        self._putting = f"{self.episode_id}-t{turn}"
         ref = self.store.put(
-            f"{self.episode_id}-t{turn}",
+            self._putting,
             rows,
             prompt_len=self.prompt_len,
             token_ids=tokens,
             policy_version=versions or None,
         )
         self.refs.append(ref)
+        self._putting = None
         self._tokens, self._routes, self._versions = tokens, rows, versions
         return ref
+
+    def _drop_unrecorded(self) -> None:
+        """Release the sample of a turn whose put committed but never reached `refs` (Ctrl-C
+        in between), so that the turn can be added again and `close` leaves nothing."""
+        pending, self._putting = self._putting, None
+        unrecorded = pending is not None and (not self.refs or self.refs[-1].sample_id != pending)
+        if unrecorded and pending in self.store:
+            self.store.release([pending])
 
     def check_history(self, token_ids: Any, turn: int | None = None) -> None:
         """Raise `TokenMismatchError` unless `token_ids` start with the episode's tokens
@@ -142,6 +154,7 @@ class Episode:
 
     def close(self) -> RoutingRef:
         """Release the earlier turns' samples; the last turn's ref is the episode's."""
+        self._drop_unrecorded()
         if not self.refs:
             raise RoutingReplayError(f"episode {self.episode_id!r} has no turns")
         if not self._closed:
