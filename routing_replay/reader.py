@@ -110,7 +110,7 @@ def to_torch(
             total = int(lengths.sum())
             if tuple(trained.shape) not in ((total,), (1, total)):
                 raise InvalidRoutesError(
-                    f"packed input_ids must be [sum_T={int(lengths.sum())}] or [1, sum_T], got "
+                    f"packed input_ids must be [sum_T={total}] or [1, sum_T], got "
                     f"{tuple(trained.shape)}"
                 )
             check_tokens(batch, trained.reshape(-1).numpy(), np.zeros(len(lengths)), None)

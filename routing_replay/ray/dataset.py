@@ -20,7 +20,6 @@ Ray is imported inside the functions: `import routing_replay` works without Ray.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -37,7 +36,7 @@ from routing_replay.ray.actor import current_node_id, job_of, lost_error, store_
 from routing_replay.ray.assemble import assemble
 from routing_replay.ray.client import attached
 from routing_replay.store import Part, RoutingRef, WireBatch
-from routing_replay.store.refs import ranges_per_ref
+from routing_replay.store.refs import ranges_per_ref, whole_number
 
 if TYPE_CHECKING:
     import ray.data
@@ -110,7 +109,7 @@ def split_stale(
     """(fresh, stale): a ref is stale when any of its tokens came from a policy older than
     `policy_version - max_staleness` (`ref.policy_version`, its oldest). Order is kept."""
     for what, value in (("policy_version", policy_version), ("max_staleness", max_staleness)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        if not whole_number(value):
             raise InvalidArgumentError(f"{what} must be an int >= 0, got {value!r}")
     fresh, stale = [], []
     for ref in _refs(refs, "split_stale"):
@@ -243,13 +242,10 @@ def read_dataset(
     import ray
 
     _no_staleness_args("read_dataset", policy_version, max_staleness)
-    if isinstance(samples_per_block, bool) or not isinstance(samples_per_block, numbers.Integral):
+    if not whole_number(samples_per_block) or samples_per_block < 1:
         raise InvalidArgumentError(
-            f"samples_per_block must be a positive int, got {samples_per_block!r}"
-        )
-    if samples_per_block < 1:
-        raise InvalidArgumentError(
-            f"samples_per_block must be >= 1 (samples per dataset block), got {samples_per_block}"
+            f"samples_per_block must be an int >= 1 (samples per dataset block), got "
+            f"{samples_per_block!r}"
         )
     samples_per_block = int(samples_per_block)
     refs = _refs_list(refs, "read_dataset")

@@ -105,7 +105,8 @@ def sample_id_bytes(sample_id: Any) -> bytes:
     return raw
 
 
-def _whole(x: Any) -> bool:
+def whole_number(x: Any) -> bool:
+    """Whether `x` is an int >= 0 (numpy's too; not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and x >= 0
 
 
@@ -128,8 +129,8 @@ def policy_spans(value: Any, num_tokens: int, sample_id: str) -> tuple[tuple[int
     if not pairs or not all(
         isinstance(p, (tuple, list))
         and len(p) == 2
-        and _whole(p[0])
-        and _whole(p[1])
+        and whole_number(p[0])
+        and whole_number(p[1])
         and p[1] <= MAX_POLICY_VERSION
         for p in pairs
     ):
@@ -278,7 +279,7 @@ def token_ranges(value: Any, length: int, sample_id: str) -> list[tuple[int, int
     apart; `(s, s)` is an empty range."""
 
     def pair(x: Any) -> bool:
-        return isinstance(x, (tuple, list)) and len(x) == 2 and all(_whole(v) for v in x)
+        return isinstance(x, (tuple, list)) and len(x) == 2 and all(whole_number(v) for v in x)
 
     pairs = [value] if pair(value) else list(value) if isinstance(value, (tuple, list)) else []
     if not pairs or not all(pair(p) for p in pairs):

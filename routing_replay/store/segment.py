@@ -163,9 +163,7 @@ class Segment:
         self.epoch = _fork_epoch
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
-        # The descriptors a close must close, each taken by one `pop` (atomic): threads that
-        # close at once, or a close after one stopped half-way, never close one twice.
-        self._to_close = [f for f in (fd, lock_fd) if f >= 0]
+        self._to_close = [f for f in (fd, lock_fd) if f >= 0]  # what close() closes, once
         _SEGMENTS.add(self)
 
     @property
@@ -280,9 +278,7 @@ class Segment:
             self.mmap.close()  # BufferError if a view still exists: never hand out views
             self.fd = self._lock_fd = -1
             _SEGMENTS.discard(self)
-        while self._to_close:  # (also what a close stopped here left): leases, lock go
-            with contextlib.suppress(IndexError):  # another thread took the last one
-                os.close(self._to_close.pop())
+        close_each(self._to_close)  # (also what a close stopped here left): leases, lock go
 
     def unlink(self) -> None:
         """Remove the segment file; mappings stay valid until closed."""
@@ -306,6 +302,15 @@ class Segment:
                 os.close(self._lock_fd)  # the parent's locks stay the parent's
         self._lock_fd = -1
         self.epoch = _fork_epoch
+
+
+def close_each(fds: list[int]) -> None:
+    """Close and forget every descriptor in `fds`, each taken by one `pop` (atomic): threads
+    closing at once, or a close after one stopped half-way, never close one twice (its
+    number may by then name another file of the process)."""
+    while fds:
+        with contextlib.suppress(IndexError):  # another thread took the last one
+            os.close(fds.pop())
 
 
 def _discard(path: str, mm: mmap.mmap | None, fds: Sequence[int]) -> None:

@@ -70,6 +70,7 @@ from routing_replay.store.lock import Hold, Mutex
 from routing_replay.store.prefix import runs
 from routing_replay.store.samples import EMPTY, checksum
 from routing_replay.store.segment import (
+    close_each,
     is_store_name,
     segment_path,
     untrusted_reason,
@@ -291,9 +292,7 @@ class Spiller:
     def close(self) -> None:
         """The handle closes: its shared lock on the directory goes with it."""
         self.users_fd = -1
-        while self._to_close:  # (also what a close stopped here left)
-            with contextlib.suppress(IndexError):  # another thread took it
-                os.close(self._to_close.pop())
+        close_each(self._to_close)  # (also what a close stopped here left)
 
     def settle(self) -> None:
         """At the end of a store call: release the spill mutex if an interruption left this
