@@ -267,3 +267,32 @@ def test_a_save_killed_mid_write_leaves_a_file_the_next_save_removes(stores, tmp
     save_routes(path, refs, read=src.read)
     assert glob.glob(path + ".partial-*") == []
     assert_loads_exactly(stores, path, src, refs)
+
+
+def test_an_archive_that_cannot_be_opened_is_not_called_damaged(stores, tmp_path):
+    """Out of descriptors, a missing file or a directory: the error names the cause, not a
+    damaged archive (before: CorruptArchiveError "save the routes again" for a good file),
+    the store stays empty, and the same file loads once descriptors are back."""
+    src = stores()
+    refs = put_samples(src, "a", 2, 30)
+    path = str(tmp_path / "routes.arrow")
+    save_routes(path, refs, read=src.read)
+    dst = stores()
+    with pytest.raises(InvalidArgumentError, match="no archive file at"):
+        load_routes(str(tmp_path / "other.arrow"), dst)
+    with pytest.raises(InvalidArgumentError, match="is a directory"):
+        load_routes(tmp_path, dst)
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        with pytest.raises(StoreUnavailableError, match=r"Too many open files.*nothing was loaded"):
+            load_routes(path, dst)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert len(dst) == 0
+    assert_loads_exactly(stores, path, src, refs)

@@ -548,7 +548,9 @@ def test_refs_and_handles_of_a_removed_store_are_refused(name):
     store.unlink()  # as `routing-replay sweep` would, or the owner's exit
     with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as again:
         assert again.store_uid != ref.store_uid
-        again.put("s", sample(2)[0])  # the same id, other routes
+        new_ref = again.put("s", sample(2)[0])  # the same id, other routes
+        with pytest.raises(StoreUnavailableError, match=r"handle .* is stale.*attach again"):
+            attached.read([new_ref])  # the stale one is the handle, not the ref
         with pytest.raises(StoreUnavailableError, match="earlier store named"):
             again.get(ref)
         with pytest.raises(StoreUnavailableError, match="earlier store named"):

@@ -439,8 +439,22 @@ class RouteArchive:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            raise InvalidArgumentError(f"load_routes: {self.path} is a directory, not an archive")
         try:
-            self._reader = ipc.open_file(pa.memory_map(self.path))
+            mapped = pa.memory_map(self.path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+            raise InvalidArgumentError(
+                f"load_routes: there is no archive file at {self.path} ({e.strerror or e})"
+            ) from None
+        except OSError as e:  # out of descriptors, no permission, a failing disk: not the file
+            raise StoreUnavailableError(
+                f"load_routes: {self.path} cannot be opened ({type(e).__name__}: {e}); nothing "
+                "was loaded. Fix the cause (raise `ulimit -n`, the file's permissions, the "
+                "disk) and load again"
+            ) from e
+        try:
+            self._reader = ipc.open_file(mapped)
         except (pa.ArrowException, OSError) as e:
             raise CorruptArchiveError(
                 f"{self.path} is not a complete route archive ({e}): truncated, damaged or not "

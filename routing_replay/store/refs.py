@@ -33,6 +33,7 @@ from routing_replay.store.format import (
     NO_SERIAL,
 )
 from routing_replay.store.samples import SampleIndex
+from routing_replay.store.tables import uid_on_node
 
 Part = Literal["all", "prompt", "completion"]
 PARTS = ("all", "prompt", "completion")
@@ -221,6 +222,12 @@ def check_store(refs: list[Any], name: str, store_uid: int) -> None:
                 f"not {name!r}: read it from that store"
             )
         if r.store_uid and r.store_uid != store_uid:
+            if uid_on_node(name) == r.store_uid:
+                raise StoreUnavailableError(
+                    f"this handle of store {name!r} is stale: the store was removed and "
+                    f"created again after it attached, and ref {r.sample_id!r} is in the new "
+                    f"one; close this handle and attach again (RoutingStore.attach({name!r}))"
+                )
             raise StoreUnavailableError(
                 f"ref {r.sample_id!r} was put in an earlier store named {name!r}, which was "
                 "removed and created again since: its routes are gone; re-run the rollout"

@@ -52,9 +52,7 @@ import numpy as np
 from routing_replay.errors import CorruptStoreError, InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
-    HEADER_DTYPE,
     LEASE_HELD,
-    MAGIC,
     MAX_SPILL_DIR_BYTES,
     NO_DIGEST,
     NO_PAGE,
@@ -72,10 +70,9 @@ from routing_replay.store.samples import EMPTY, checksum
 from routing_replay.store.segment import (
     close_each,
     is_store_name,
-    segment_path,
     untrusted_reason,
 )
-from routing_replay.store.tables import Tables
+from routing_replay.store.tables import Tables, uid_on_node
 
 if TYPE_CHECKING:
     from routing_replay.layout import RoutingLayout
@@ -809,20 +806,8 @@ def _unused(path: str) -> bool:
 
 def _named_here(name: str, store_uid: int) -> bool:
     """Whether this node's shared memory holds store `name` of incarnation `store_uid` (or a
-    store of that name still being created)."""
-    try:
-        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # something we cannot judge: left alone
-    try:
-        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
-        if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
-            return True  # being created
-        return int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"]) == store_uid
-    finally:
-        os.close(fd)
+    store of that name still being created, or one it cannot read: left alone)."""
+    return uid_on_node(name) in (0, store_uid)
 
 
 def remove_spill_dir(path: str) -> None:

@@ -8,6 +8,7 @@ them (`checked_index`, and bounded walks), and a break raises `CorruptStoreError
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from routing_replay.store.format import (
     VERSION,
     regions,
 )
+from routing_replay.store.segment import segment_path
 
 # What parsing a header's layout JSON and node id may raise (UnicodeDecodeError and
 # JSONDecodeError are ValueErrors; Infinity in an int field overflows; deep nesting recurses).
@@ -42,6 +44,26 @@ def view(buf: Any, dtype: Any, shape: tuple[int, ...], offset: int) -> np.ndarra
     """
     count = int(np.prod(shape, dtype=np.int64))
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def uid_on_node(name: str) -> int | None:
+    """The incarnation (`store_uid`) of store `name` in this node's shared memory: None if
+    there is no such segment, 0 if one is being created or cannot be read."""
+    try:
+        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return 0
+    try:
+        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
+        return 0
+    return int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"])
 
 
 def corrupt_error(store: str, what: str) -> CorruptStoreError:
