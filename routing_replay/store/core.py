@@ -52,7 +52,7 @@ class StoreStats:
 class StoreCore:
     """One handle's view of a mapped store: its tables and the objects that change them."""
 
-    def __init__(self, segment: Segment, put_timeout: float, users_fd: int | None = None) -> None:
+    def __init__(self, segment: Segment, put_timeout: float, users: list[int]) -> None:
         self.segment = segment
         self.tables = Tables(segment.name, segment.mmap)
         self.name = segment.name
@@ -70,7 +70,7 @@ class StoreCore:
         self.puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
         self.calls: dict[object, int] = {}  # store calls in flight: token -> thread ident
         self.closing = False  # set by close(): calls starting then refuse
-        self.spill = Spiller(self, users_fd)  # last: it takes the spill directory's lock
+        self.spill = Spiller(self, users)  # last: it takes the spill directory's lock
 
     def deadline(self, timeout: float | None = None) -> float:
         """Lock deadline of an operation: its timeout, but never under MIN_LOCK_WAIT_S."""

@@ -61,7 +61,7 @@ from routing_replay.store.refs import (
     timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
-from routing_replay.store.segment import Segment
+from routing_replay.store.segment import Segment, close_each
 from routing_replay.store.spill import (
     budget_for,
     make_spill_dir,
@@ -130,10 +130,10 @@ class RoutingStore:
 
     # -- life cycle -------------------------------------------------------------------
 
-    def __init__(self, segment: Segment, put_timeout: float, users_fd: int | None = None) -> None:
-        # One line: a handle cut short here holds nothing (StoreCore takes the spill
-        # directory's lock last, or adopts `users_fd`), and one made is its caller's at once.
-        self._core = StoreCore(segment, timeout_seconds(put_timeout, "put_timeout"), users_fd)
+    def __init__(self, segment: Segment, put_timeout: float, users: list[int]) -> None:
+        # `users`: the caller's list of the spill directory's lock (adopted, or taken into
+        # it): if the making stops, the caller closes what the list and segment hold.
+        self._core = StoreCore(segment, timeout_seconds(put_timeout, "put_timeout"), users)
 
     @property
     def layout(self) -> RoutingLayout:
@@ -219,20 +219,16 @@ class RoutingStore:
             "node_id": node,
             "layout": layout_json,
         }
-        seg = store = None
-        spill_path, owner_fd = "", -1  # the dir's users lock until the handle holds its own
+        seg = None
+        spill_path, users = "", []  # the dir's users lock: the new handle adopts it
         try:
             seg = Segment.create(name, offsets["end"], OWNER_LEASE)
             if spill_root:  # after the segment: a directory whose store is gone is an orphan
-                spill_path, owner_fd = make_spill_dir(spill_root, name, uid)
+                spill_path = make_spill_dir(spill_root, name, uid, users)
             initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
-            store = cls(seg, put_timeout, owner_fd)  # the handle adopts the dir's users lock
-            return store
+            return cls(seg, put_timeout, users)
         except BaseException:
-            if store is not None:  # made, then stopped: its lock on the directory goes
-                store._core.spill.close()
-            elif owner_fd >= 0:
-                os.close(owner_fd)
+            close_each(users)  # made or not, its lock on the directory goes
             if seg is not None:
                 seg.discard()  # nothing half-made stays behind, no descriptor stays open
             remove_spill_dir(spill_path)
@@ -248,35 +244,37 @@ class RoutingStore:
     ) -> RoutingStore:
         """Attach to the store `name` created by another process on this node (same user)."""
         deadline = time.monotonic() + ATTACH_WAIT_S
-        while True:
-            try:
-                seg = Segment.attach(name)
-            except StoreUnavailableError as e:
-                if "still being created" not in str(e) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-                continue
-            magic = bytes(seg.mmap[:8])
-            if magic == MAGIC:
-                break
-            seg.close()
-            if magic.strip(b"\x00") or time.monotonic() > deadline:
-                raise StoreUnavailableError(
-                    f"{seg.path} is not a routing store (or not initialised): unlink it"
-                )
-            time.sleep(0.01)
+        seg, users = None, []  # what a stop at any line below gives back
         try:
-            store = cls(seg, put_timeout)
+            while True:
+                try:
+                    seg = Segment.attach(name)
+                except StoreUnavailableError as e:
+                    if "still being created" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+                    continue
+                magic = bytes(seg.mmap[:8])
+                if magic == MAGIC:
+                    break
+                seg.abandon()
+                if magic.strip(b"\x00") or time.monotonic() > deadline:
+                    raise StoreUnavailableError(
+                        f"{seg.path} is not a routing store (or not initialised): unlink it"
+                    )
+                time.sleep(0.01)
+            store = cls(seg, put_timeout, users)
+            if layout is not None and layout != store.layout:
+                raise LayoutMismatchError(
+                    f"store {name!r} holds routes for {store.layout}, not {layout}: attach "
+                    "without a layout to use the store's, or use a store of this model"
+                )
+            return store
         except BaseException:
-            seg.close()
+            close_each(users)
+            if seg is not None:
+                seg.abandon()  # whatever views a traceback holds: no BufferError here
             raise
-        if layout is not None and layout != store.layout:
-            store.close()
-            raise LayoutMismatchError(
-                f"store {name!r} holds routes for {store.layout}, not {layout}: attach "
-                "without a layout to use the store's, or use a store of this model"
-            )
-        return store
 
     @property
     def name(self) -> str:

@@ -233,17 +233,10 @@ class Segment:
         another user and is refused.
         """
         path = segment_path(name)
-        try:
+        fd = lock_fd = -1
+        mm = None
+        try:  # one try: a stop at any line of it closes what it opened
             fd = os.open(path, OPEN_FLAGS)
-        except FileNotFoundError:
-            raise StoreUnavailableError(
-                f"no routing store named {name!r} on this node ({path} does not exist): "
-                "create it first with RoutingStore.create, or check the job and node in the "
-                "name"
-            ) from None
-        except OSError as e:  # another user's (no permission), a link, a socket, ...
-            raise StoreUnavailableError(_unopenable(name, path, e)) from None
-        try:
             st = os.fstat(fd)
             reason = untrusted_reason(st)
             if reason:
@@ -252,10 +245,18 @@ class Segment:
                 raise StoreUnavailableError(f"store {name!r} is still being created; retry")
             lock_fd = _reopen(fd)
             mm = mmap.mmap(fd, st.st_size, flags=MAP_FLAGS)
-        except BaseException:
-            os.close(fd)
+            return cls(name, fd, lock_fd, mm, owner=False)
+        except BaseException as e:
+            _release(mm, (fd, lock_fd))
+            if fd < 0 and isinstance(e, FileNotFoundError):
+                raise StoreUnavailableError(
+                    f"no routing store named {name!r} on this node ({path} does not exist): "
+                    "create it first with RoutingStore.create, or check the job and node in "
+                    "the name"
+                ) from None
+            if fd < 0 and isinstance(e, OSError):  # another user's, a link, a socket, ...
+                raise StoreUnavailableError(_unopenable(name, path, e)) from None
             raise
-        return cls(name, fd, lock_fd, mm, owner=False)
 
     @property
     def size(self) -> int:
@@ -286,12 +287,19 @@ class Segment:
             os.unlink(self.path)
 
     def discard(self) -> None:
-        """Remove a segment whose creation failed, and give back its descriptors and leases
-        now (its mapping too, unless a view of it is still alive)."""
-        fds, self._to_close = self._to_close, []
-        _discard(self.path, self.mmap, fds)
+        """Remove a segment whose creation failed, and give back what it holds now."""
+        self.unlink()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Give back a segment whose handle was never made (stopped half-way): descriptors
+        and leases now, the mapping too unless a view of it is still alive (then with the
+        last view: a traceback may hold one)."""
         self.fd = self._lock_fd = -1
         _SEGMENTS.discard(self)
+        close_each(self._to_close)
+        with contextlib.suppress(BufferError):
+            self.mmap.close()
 
     def _forget_parents_locks(self) -> None:
         """In a forked child: close the lock description shared with the parent."""
@@ -317,6 +325,11 @@ def _discard(path: str, mm: mmap.mmap | None, fds: Sequence[int]) -> None:
     """Unlink a half-made segment, close its descriptors, unmap it if no view is alive."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+    _release(mm, fds)
+
+
+def _release(mm: mmap.mmap | None, fds: Sequence[int]) -> None:
+    """Close the descriptors of a segment never handed out; unmap it if no view is alive."""
     for f in fds:
         if f >= 0:
             with contextlib.suppress(OSError):

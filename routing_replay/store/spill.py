@@ -250,17 +250,18 @@ class Spiller:
     same file. A thread that waits for another's spill then finds the room it made.
     """
 
-    def __init__(self, core: StoreCore, users_fd: int | None = None) -> None:
+    def __init__(self, core: StoreCore, users: list[int]) -> None:
+        # `users`: the handle's shared lock on the directory, its creator's (adopted) or
+        # taken here, in the caller's list: whatever stops the handle's making, the caller
+        # closes it; once made, close() does (one `pop` each: closed once).
+        self._to_close = users
         self.core = core
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
         self.error: OSError | None = None  # why the last spill could not write, if it failed
         self._cleaned = -CLEAN_EVERY_S  # when this handle last cleaned (time.monotonic)
-        # The handle's shared lock on the directory: its creator's (adopted), or its own.
-        if users_fd is None:
-            users_fd = use_spill_dir(self.dir) if self.enabled else -1
-        self.users_fd = users_fd
-        self._to_close = [users_fd] if users_fd >= 0 else []  # one `pop` each: closed once
+        if not users and self.enabled:
+            use_spill_dir(self.dir, users)
 
     @property
     def enabled(self) -> bool:
@@ -288,7 +289,6 @@ class Spiller:
 
     def close(self) -> None:
         """The handle closes: its shared lock on the directory goes with it."""
-        self.users_fd = -1
         close_each(self._to_close)  # (also what a close stopped here left)
 
     def settle(self) -> None:
@@ -617,26 +617,24 @@ def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | No
     return free // 2 if budget is None else budget
 
 
-def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]:
+def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) -> str:
     """Create a new store's own spill directory (private to this user) holding the users
     lock: a shared flock on `USERS_FILE` in it that every handle of the store holds, seen by
     every process of the host whatever its /dev/shm (`sweep_spill_dirs` judges by it).
-    Returns the path and the lock's descriptor, held until the new store's handle has its own."""
+    Returns the path; the lock's descriptor goes into `users`, for the new handle to adopt."""
     path = store_spill_dir(spill_dir, name, store_uid)  # ours alone: the store's uid names it
-    fd = -1
     try:
         os.mkdir(path, DIR_MODE)
         os.chmod(path, DIR_MODE)  # whatever the umask
         # Locked under a name no sweep opens, then renamed: a sweep sees no users file (a
         # store being created) or a held one, never a free lock of a live store.
         flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE)
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody else holds it
+        users.append(os.open(os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE))
+        fcntl.flock(users[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody holds it
         os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
-        return path, fd
+        return path
     except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
+        close_each(users)
         for name_in_it in (USERS_FILE + ".new", USERS_FILE):  # all it can hold by now
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(path, name_in_it))
@@ -650,27 +648,24 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int) -> tuple[str, int]
         raise
 
 
-def use_spill_dir(path: str) -> int:
-    """A handle's shared lock on its store's directory (-1 if the directory is gone: its
-    spilled samples then read as missing). A sweep probing the lock holds it exclusively for
-    an instant: waited for, up to ATTACH_WAIT_S."""
-    fd = -1
+def use_spill_dir(path: str, users: list[int]) -> None:
+    """Take a handle's shared lock on its store's directory into the empty list `users`
+    (left empty if the directory is gone: its spilled samples then read as missing). A sweep
+    probing the lock holds it exclusively for an instant: waited for, up to ATTACH_WAIT_S."""
     try:  # one try, no nested one: a stop at any line of it closes what it opened
-        fd = os.open(os.path.join(path, USERS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        users.append(os.open(os.path.join(path, USERS_FILE), flags))
         deadline = time.monotonic() + ATTACH_WAIT_S
-        while not _shared_lock(fd):
+        while not _shared_lock(users[0]):
             if time.monotonic() >= deadline:
                 raise BlockingIOError("held by a sweep past the wait")
             time.sleep(0.001)
-        if _same_file(fd, os.path.join(path, USERS_FILE)):
-            return fd
-        raise FileNotFoundError("a sweep took the directory away meanwhile")
+        if not _same_file(users[0], os.path.join(path, USERS_FILE)):
+            raise FileNotFoundError("a sweep took the directory away meanwhile")
     except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
-        if isinstance(e, OSError):
-            return -1
-        raise
+        close_each(users)
+        if not isinstance(e, OSError):
+            raise
 
 
 def _shared_lock(fd: int) -> bool:
