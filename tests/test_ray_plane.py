@@ -421,6 +421,36 @@ def test_store_actor_killed_and_restarted(cluster):
     assert shutdown_node_stores(job) == 1
 
 
+def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(cluster):
+    # /dev/shm wiped under a live store actor (systemd-logind's RemoveIPC, a cleanup
+    # script): its samples are still in the actor's mapping. Before: node_store failed for
+    # good ("no routing store named ...") and same-node reads called the samples lost.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    writer = ray.remote(Writer).options(**on(other)).remote(job)
+    readers = [ray.remote(Reader).options(**on(n)).remote() for n in (other, head)]
+    old = ray.get(writer.put.remote([1, 2, 3]))
+    ray.get(readers[0].fetch.remote(old[:1]))  # the same-node reader has it mapped
+    os.unlink(segment_path(old[0].store))
+    for reader in readers:  # same node (through the actor now) and the other node
+        for i, routes in zip((1, 2, 3), ray.get(reader.fetch.remote(old)), strict=True):
+            np.testing.assert_array_equal(routes, sample_routes(i))
+    new = ray.get(writer.put.remote([4, 5]))  # a new store takes new puts
+    assert new[0].store != old[0].store and os.path.exists(segment_path(new[0].store))
+    (actor,) = store_actors(job).values()
+    stats = ray.get(actor.stats.remote())
+    assert (stats["samples"], stats["retired_samples"]) == (2, 3)
+    got = ray.get(readers[0].dataset.remote([*old[1:], *new], release=True, layout=LAYOUT))
+    assert sorted(got) == ["x2", "x3", "x4", "x5"]
+    for i in (2, 3, 4, 5):
+        np.testing.assert_array_equal(got[f"x{i}"], sample_routes(i))
+    assert ray.get(readers[0].release.remote(old[:1])) == 1
+    stats = ray.get(actor.stats.remote())
+    assert (stats["samples"], stats["retired_samples"]) == (0, 0)
+    assert shutdown_node_stores(job) == 1
+    assert [f for f in os.listdir(SHM_DIR) if job in f] == []
+
+
 def test_fetch_and_release_with_a_lost_ref_loses_no_sample(cluster):
     # Four good samples in one node's store and one already released in the other's: the
     # read fails, and each good sample is still stored and reads back exactly, whichever

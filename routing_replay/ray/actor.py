@@ -119,13 +119,12 @@ class NodeStoreActor:
         self.node_id = current_node_id()
         self.ray_job_id = current_ray_job()
         self.swept = sweep_dead_segments(job, self.ray_job_id, self.node_id)
-        name = _store_prefix(job, self.ray_job_id, self.node_id) + uuid.uuid4().hex[:8]
-        self.store = RoutingStore.create(
-            name,
-            RoutingLayout.from_json(layout_json),
-            node_id=self.node_id,
-            **options.create_kwargs(),
-        )
+        self._layout, self._options = RoutingLayout.from_json(layout_json), options
+        # Stores whose segment was removed from /dev/shm under this actor (systemd-logind's
+        # RemoveIPC, a cleanup script): still mapped here, so their samples are still served.
+        self.retired: dict[str, RoutingStore] = {}
+        self._renew = threading.Lock()
+        self.store = self._create()
         self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
         self._lock = threading.Lock()
         self.metrics = StoreMetrics(job, self.node_id)
@@ -166,13 +165,41 @@ class NodeStoreActor:
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
 
+    def _create(self) -> RoutingStore:
+        name = _store_prefix(self.job, self.ray_job_id, self.node_id) + uuid.uuid4().hex[:8]
+        kwargs = self._options.create_kwargs()
+        return RoutingStore.create(name, self._layout, node_id=self.node_id, **kwargs)
+
     def _live(self) -> RoutingStore:
+        """The store new puts go to: a new one if this one's segment left /dev/shm (no
+        process could attach it any more; this actor keeps serving its samples)."""
         store = self.__dict__.get("store")
         if store is None:
             raise StoreUnavailableError(
                 f"the store actor of job {self.job!r} on node {self.node_id[:12]} was shut "
                 "down: its samples are gone"
             )
+        if not store.is_current():
+            with self._renew:
+                if self.__dict__.get("store") is store:
+                    _LOG.warning(
+                        "store actor %s: segment of %s was removed from /dev/shm; its samples "
+                        "stay served from this actor, new puts go to a new store",
+                        self.job,
+                        store.name,
+                    )
+                    self.retired[store.name] = store
+                    self.store = self._create()
+            return self._live()
+        return store
+
+    def _holding(self, refs: list[RoutingRef | str]) -> RoutingStore:
+        """The store holding `refs` (the current one, or a retired one, by their store)."""
+        store = self._live()
+        names = {r.store for r in refs if isinstance(r, RoutingRef)}
+        if len(names) == 1 and names <= self.retired.keys():
+            return self.retired[names.pop()]
+        _check_refs_in(refs, store.name, self.node_id)
         return store
 
     def info(self) -> dict[str, Any]:
@@ -197,8 +224,7 @@ class NodeStoreActor:
         its whole batch was read (`release`)."""
         import ray
 
-        store = self._live()
-        _check_refs_in(refs, store.name, self.node_id)
+        store = self._holding(refs)
         shipped: list[int] = []
 
         def ship(wire: WireBatch) -> ObjectRef:
@@ -214,8 +240,7 @@ class NodeStoreActor:
     ) -> tuple[pa.Table, int]:
         """A Ray Data block of the samples or their `ranges` (Arrow rows, as a Dataset holds
         them), and its row count as a second return (call with num_returns=2)."""
-        store = self._live()
-        _check_refs_in(refs, store.name, self.node_id)
+        store = self._holding(refs)
         batch = store.read(refs, part=part, ranges=ranges)  # type: ignore[arg-type]
         self._count(batch.num_rows, batch.nbytes)
         return pa.Table.from_batches([batch]), batch.num_rows
@@ -228,27 +253,28 @@ class NodeStoreActor:
 
     def release(self, refs: list[RoutingRef | str]) -> int:
         """Release samples of this store; returns how many."""
-        store = self._live()
-        _check_refs_in(refs, store.name, self.node_id)
+        store = self._holding(refs)
         store.release(refs)
         with self._lock:
             self.counters["released"] += len(refs)
         return len(refs)
 
     def stats(self) -> dict[str, Any]:
-        """The store's StoreStats fields plus this actor's read/release counters."""
+        """The store's StoreStats fields plus this actor's read/release counters, and the
+        samples still held by stores whose segment left /dev/shm (`retired_samples`)."""
         with self._lock:
             counters = dict(self.counters)
         store = self._live()
-        return {**vars(store.stats()), **counters, "store": store.name}
+        retired = sum(s.stats().samples for s in list(self.retired.values()))
+        return {**vars(store.stats()), **counters, "store": store.name, "retired_samples": retired}
 
     def shutdown(self) -> None:
         """Unmap and unlink the segment (idempotent); the caller then kills the actor."""
         store = self.__dict__.pop("store", None)
-        if store is not None:
+        for each in [*self.retired.values(), store] if store is not None else []:
             with contextlib.suppress(BufferError, OSError):
-                store.close()
-            store.unlink()
+                each.close()
+            each.unlink()
 
     def __ray_shutdown__(self) -> None:
         """Ray's graceful-exit hook: unlink the segment if `shutdown` was not called."""

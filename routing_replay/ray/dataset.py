@@ -35,7 +35,7 @@ from routing_replay.errors import (
 from routing_replay.ray.actor import current_node_id, job_of, lost_error, store_actor
 from routing_replay.ray.assemble import assemble
 from routing_replay.ray.client import attached
-from routing_replay.store import Part, RoutingRef, WireBatch
+from routing_replay.store import Part, RoutingRef, RoutingStore, WireBatch
 from routing_replay.store.refs import ranges_per_ref, whole_number
 
 if TYPE_CHECKING:
@@ -93,14 +93,16 @@ def _get_wires(calls: list[Any], groups: list[list[RoutingRef]]) -> list[WireBat
     return _get(shipped, groups)
 
 
-def _read_local(
-    group: list[RoutingRef], part: Part, out: Any = None, ranges: list | None = None
-) -> pa.RecordBatch:
+def _local(ref: RoutingRef, here: str | None) -> RoutingStore | None:
+    """This process's handle of `ref`'s store if it is on this node and its segment is here;
+    None otherwise: its store actor serves it (a segment gone from /dev/shm, wiped under
+    the live actor, is still the actor's; a dead actor's samples fail there as lost)."""
+    if ref.node_id != here:
+        return None
     try:
-        store = attached(group[0].store)
+        return attached(ref.store)
     except StoreUnavailableError:
-        raise lost_error(group, "its segment is gone from this node") from None
-    return store.read(group, part=part, out=out, ranges=ranges)
+        return None
 
 
 def split_stale(
@@ -186,7 +188,8 @@ def fetch_batch(
     def ranges_of(indices: list[int]) -> list | None:
         return None if ranges is None else [ranges[i] for i in indices]
 
-    remote = [s for s in groups if refs[groups[s][0]].node_id != here]
+    local = {s: _local(refs[groups[s][0]], here) for s in groups}
+    remote = [s for s in groups if local[s] is None]
     remote_groups = [[refs[i] for i in groups[s]] for s in remote]
     # Every remote read is in flight before the local ones run.
     pending = [
@@ -197,9 +200,11 @@ def fetch_batch(
     direct = out if len(groups) == 1 else None  # one store: its rows go straight into `out`
     try:
         for store, indices in groups.items():
-            if store not in remote:
+            if local[store] is not None:
                 group = [refs[i] for i in indices]
-                parts[store] = _read_local(group, part, direct, ranges_of(indices))
+                parts[store] = local[store].read(  # type: ignore[union-attr]
+                    group, part=part, out=direct, ranges=ranges_of(indices)
+                )
     finally:
         # Collected (or raised) even if a local read failed.
         wires = _get_wires(pending, remote_groups)
@@ -256,12 +261,13 @@ def read_dataset(
     blocks, block_groups = [], []
     local_tables = []
     for indices in _by_store(refs).values():
+        store = _local(refs[indices[0]], here)
         for lo in range(0, len(indices), samples_per_block):
             block = indices[lo : lo + samples_per_block]
             chunk = [refs[i] for i in block]
             spans = None if ranges is None else [ranges[i] for i in block]
-            if chunk[0].node_id == here:
-                batch = _read_local(chunk, part, ranges=spans)
+            if store is not None:
+                batch = store.read(chunk, part=part, ranges=spans)
                 local_tables.append(ray.put(pa.Table.from_batches([batch])))
             else:
                 actor = _actor_for(chunk).read_block.options(num_returns=2)
@@ -297,11 +303,9 @@ def _release_each_store(refs: list[RoutingRef]) -> list[tuple[list[RoutingRef], 
     for indices in _by_store(refs).values():
         group = [refs[i] for i in indices]
         try:
-            if group[0].node_id == here:
-                try:
-                    attached(group[0].store).release(group)
-                except StoreUnavailableError:
-                    raise lost_error(group, "its segment is gone from this node") from None
+            store = _local(group[0], here)
+            if store is not None:
+                store.release(group)
             else:
                 pending.append(_actor_for(group).release.remote(group))
                 pending_groups.append(group)
