@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -182,6 +183,56 @@ def test_damaged_files_raise(name, tmp_path):
         with pytest.raises(CorruptStoreError, match="is missing"):
             store.get(ref)
         assert store.stats().reads == reads  # a failed read is not counted (before: it was)
+
+
+def _read_while_truncated(name: str, path: str, stop: int, want: np.ndarray) -> None:
+    """Read sample "a", truncating its spill file at line event `stop` of SpillFile's
+    constructor; exit 0 if the read was exact, 1 if CorruptStoreError, 2 otherwise."""
+    store = RoutingStore.attach(name)
+    seen = 0
+
+    def tracer(frame, event, arg):
+        nonlocal seen
+        if frame.f_code is not spill_module.SpillFile.__init__.__code__:
+            return None
+        if event == "line":
+            seen += 1
+            if seen == stop:
+                os.truncate(path, 4096)  # the header's page stays
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        got = store.get("a")
+    except CorruptStoreError:
+        os._exit(1)
+    finally:
+        sys.settrace(None)
+    os._exit(0 if np.array_equal(got, want) else 2)
+
+
+def test_a_spill_file_truncated_at_each_line_of_a_read_raises_or_reads_exact(name, tmp_path):
+    """Before: the file was mapped, and a truncation (or a failing disk) under the mapping
+    killed the reader with SIGBUS."""
+    rng = np.random.default_rng(4)
+    with make(name, tmp_path, pages=800) as store:
+        a = LAYOUTS[0].random_routes(rng, 3000)  # a file of several pages
+        store.put("a", a, token_ids=np.arange(3000))
+        store.put("b", LAYOUTS[0].random_routes(rng, 4000))  # a goes to disk
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        path = os.path.join(store.spill_dir, file)
+        whole = Path(path).read_bytes()
+        outcomes = []
+        for stop in range(1, 40):
+            child = FORK.Process(target=_read_while_truncated, args=(name, path, stop, a))
+            child.start()
+            child.join(60)
+            outcomes.append(child.exitcode)
+            Path(path).write_bytes(whole)
+        assert set(outcomes) == {0, 1}, outcomes  # never a signal (-7: SIGBUS)
+        assert outcomes.index(0) > outcomes.index(1)  # cut before the copy: corrupt
+        np.testing.assert_array_equal(store.get("a"), a)
+        store.verify()
 
 
 # -- a spiller killed at every step --------------------------------------------------------

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import mmap
 import os
 import re
 import shutil
@@ -171,8 +170,10 @@ class Victim:
 
 
 class SpillFile:
-    """One spilled sample's file, mapped read-only: its header checked against the slot it
-    was named by, each chunk's CRC-32 checked the first time a read copies from it."""
+    """One spilled sample's file, read into memory (not mapped: a file truncated or a disk
+    failing under a mapping kills the reader with SIGBUS; a read raises): its header checked
+    against the slot it was named by, each chunk's CRC-32 checked the first time a read
+    copies from it."""
 
     def __init__(self, core: StoreCore, path: str, serial: int, digest: int, num_tokens: int):
         layout, P = core.layout, core.page_tokens
@@ -192,7 +193,13 @@ class SpillFile:
             where = regions(num_tokens, digest != NO_DIGEST, P, layout.bytes_per_token)
             if size != where["end"]:
                 raise self._corrupt(f"{size} bytes, {where['end']} expected")
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            self._map = bytearray(size)
+            view, got = memoryview(self._map), 0
+            while got < size:  # (one call reads at most 2 GiB)
+                n = os.preadv(fd, [view[got:]], got)
+                if n == 0:  # truncated since the fstat
+                    raise self._corrupt(f"{got} bytes read, {size} expected")
+                got += n
         finally:
             os.close(fd)
         head = np.frombuffer(self._map, SPILL_HEADER, 1)[0]
