@@ -204,3 +204,48 @@ def test_ranges_from_a_generator_and_out_in_device_memory(group):
     for out in (np.empty(1 << 14, dtype=object), [0] * (1 << 14), b"x" * (1 << 14), "x" * 99):
         with pytest.raises(InvalidArgumentError, match=r"out must be host memory numpy can view"):
             store.read(refs[:1], out=out)
+
+
+def test_the_wire_form_of_256_experts_crosses_in_one_byte_per_id(name, tmp_path):
+    # DeepSeek-V3's 256 experts: stored in two bytes only for the missing marker. Narrowed,
+    # ids cross in one byte, the marker's places listed apart. Expert 255 (whose low byte
+    # is the marker's) is chosen often; rows and single ids are missing; one sample spilled.
+    wide = RoutingLayout(num_layers=4, top_k=3, num_experts=256, moe_layers=(1, 2, 3))
+    rng = np.random.default_rng(5)
+    prompt = wide.random_routes(rng, 20)
+    samples, requests = {}, []
+    for j, n in enumerate((9, 30, 3)):
+        routes = np.concatenate([prompt, wide.random_routes(rng, n)])
+        routes[rng.random(routes.shape[:2]) < 0.3, 0] = 255  # distinct ids: slot 0 only
+        routes[rng.random(routes.shape[:2]) < 0.1, 1] = -1  # single ids missing
+        routes[-1] = -1  # a whole row
+        samples[f"w{j}"] = routes
+        requests.append(PutRequest(f"w{j}", routes, prompt_len=20))
+    with RoutingStore.create(
+        name, wide, 14 * P, page_tokens=P, spill_dir=tmp_path, spill_budget=10**7
+    ) as store:
+        refs = store.put_many(requests[:2])
+        refs.append(store.put("w2", samples["w2"], prompt_len=20))
+        spilled = store.put("late", wide.random_routes(rng, 5 * P))  # some spill
+        assert store.stats().samples_spilled > 0
+        refs.append(spilled)
+        for trial in range(10):
+            ranges = None if trial == 0 else [random_pairs(rng, r.num_tokens) for r in refs]
+            plain = store.read_wire(refs, ranges=ranges)
+            narrow = store.read_wire(refs, ranges=ranges, ship=lambda w: w.narrowed())
+            assert narrow.missing is not None and plain.missing is None
+            assert {r.dtype for r in narrow.routes} == {np.dtype(np.uint8)}
+            assert narrow.batch().equals(store.read(refs, ranges=ranges)), trial
+            if trial == 0:  # the samples' own rows, and half the route bytes
+                for i, ref in enumerate(refs[:3]):
+                    got = to_torch(narrow.batch().slice(i, 1)).numpy()
+                    np.testing.assert_array_equal(got, samples[ref.sample_id])
+                per_row = (np.concatenate(plain.routes) == wide.missing).sum(axis=1)
+                whole = per_row == wide.values_per_token  # listed once: column -1
+                marks = int(whole.sum() + per_row[~whole].sum())
+                assert len(narrow.missing) == marks and whole.any() and per_row[~whole].any()
+                route_bytes = sum(r.nbytes for r in plain.routes)
+                assert narrow.nbytes == plain.nbytes - route_bytes // 2 + 16 * marks
+        out = np.zeros(4 * sum(r.num_tokens for r in refs) * wide.bytes_per_token, np.uint8)
+        wire = store.read_wire(refs, ship=lambda w: w.narrowed())
+        assert wire.batch(out).equals(store.read(refs))

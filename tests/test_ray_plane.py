@@ -562,6 +562,53 @@ def test_refs_of_two_stores_in_any_order_are_placed_row_by_row(cluster):
     shutdown_node_stores(job)
 
 
+WIDE = RoutingLayout(num_layers=3, top_k=4, num_experts=256)  # DeepSeek-V3's 256 experts
+
+
+def wide_samples(prefix: str, seed: int) -> dict:
+    """Samples of a 256-expert layout with expert 255 chosen often and ids missing."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for j, n in enumerate((40, 7)):
+        routes = WIDE.random_routes(rng, n)
+        routes[rng.random(n) < 0.4, :, 0] = 255
+        routes[rng.random(n) < 0.2, 1, 2] = -1
+        routes[-1] = -1
+        out[f"{prefix}{j}"] = routes
+    return out
+
+
+def put_wide(job: str, prefix: str, seed: int) -> list:
+    return [node_store(job, WIDE).put(i, r) for i, r in wide_samples(prefix, seed).items()]
+
+
+def test_256_expert_ids_cross_nodes_in_one_byte_and_read_exact(cluster):
+    # The remote store ships ids in one byte (the marker's places apart): half the route
+    # bytes; a batch mixing that store's rows with the local store's rebuilds them exact.
+    job, (head, other) = f"wide-{uuid.uuid4().hex[:6]}", cluster
+    put = ray.remote(put_wide)
+    far = ray.get(put.options(**on(other)).remote(job, "o", 1))
+    near = ray.get(put.options(**on(head)).remote(job, "h", 2))
+    want = {**wide_samples("o", 1), **wide_samples("h", 2)}
+    (actor,) = [a for k, a in store_actors(job).items() if k.endswith(other[:12])]
+    before = ray.get(actor.stats.remote())["bytes_served"]
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    refs = [far[0], near[0], far[1], near[1]]
+    got = ray.get(reader.fetch.remote(refs))
+    for ref, routes in zip(refs, got, strict=True):
+        np.testing.assert_array_equal(routes, want[ref.sample_id])
+    shipped = ray.get(actor.stats.remote())["bytes_served"] - before
+    per_row = [(want[r.sample_id] == -1).reshape(r.num_tokens, -1).sum(axis=1) for r in far]
+    whole = [n == WIDE.values_per_token for n in per_row]  # a whole row listed once
+    marks = sum(int(w.sum() + n[~w].sum()) for n, w in zip(per_row, whole, strict=True))
+    tokens = sum(r.num_tokens for r in far)
+    copies = 4 * 8 * 2  # one (row, at, source, count) int64 copy per sample
+    assert shipped == tokens * WIDE.values_per_token + 16 * marks + copies
+    (alone,) = ray.get(reader.fetch.remote(far[1:]))  # one remote store: rebuilt directly
+    np.testing.assert_array_equal(alone, want["o1"])
+    shutdown_node_stores(job)
+
+
 def test_a_groups_shared_prompt_crosses_the_network_once(cluster):
     # A GRPO group on the other node: its prompt's full pages are stored once, and a reader
     # on the head node receives them once per call, however many samples share them.

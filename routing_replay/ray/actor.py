@@ -219,7 +219,8 @@ class NodeStoreActor:
     ) -> ObjectRef:
         """Samples (or their `ranges`) in their wire form (`WireBatch`): each stored token
         the rows need once (a GRPO group's shared prompt pages travel once), copied by
-        `ray.put` straight from the segment into the object that ships; returns that
+        `ray.put` straight from the segment into the object that ships (ids of a
+        256-expert layout narrowed to one byte first: `WireBatch.narrowed`); returns that
         object's ref, for the reader to get. Reads never release: the caller releases once
         its whole batch was read (`release`)."""
         import ray
@@ -228,6 +229,7 @@ class NodeStoreActor:
         shipped: list[int] = []
 
         def ship(wire: WireBatch) -> ObjectRef:
+            wire = wire.narrowed()
             shipped.append(wire.nbytes)
             return ray.put(wire)
 

@@ -351,12 +351,15 @@ class Request(NamedTuple):
     has_tokens: np.ndarray  # bool, per row: whether the sample was put with token ids
     copies: np.ndarray  # int64 [n, 4]: (row, first token in the rows, first source token, n)
 
-    def build(self, routes: np.ndarray, tokens: np.ndarray, out: Any = None) -> pa.RecordBatch:
+    def build(
+        self, routes: Any, tokens: Any, out: Any = None, missing: np.ndarray | None = None
+    ) -> pa.RecordBatch:
         """The Arrow batch, copied out of `routes` `[*, L * K]` and `tokens` `[*, 1]` (the
-        copies' sources), into `out` if given."""
+        copies' sources), into `out` if given (`missing`: as in `place`)."""
         layout, lengths, has = self.layout, self.num_tokens, self.has_tokens
         buf, values, token_buf, token_ids = batch_memory(layout, lengths, has, out)
-        self.place(routes, tokens, values, starts(lengths), token_ids, starts(lengths * has))
+        row_at, token_at = starts(lengths), starts(lengths * has)
+        self.place(routes, tokens, values, row_at, token_ids, token_at, missing)
         return routes_batch(
             layout, self.sample_ids, lengths, self.prompt_lens, buf, (has, token_buf)
         )
@@ -369,17 +372,39 @@ class Request(NamedTuple):
         row_at: np.ndarray,
         token_ids: np.ndarray,
         token_at: np.ndarray,
+        missing: np.ndarray | None = None,
     ) -> None:
         """Copy each row `r` to `values[row_at[r]:]`, and its token ids (rows that have them)
-        to `token_ids[token_at[r]:]`: rows placed anywhere in a larger batch, in one pass."""
+        to `token_ids[token_at[r]:]`: rows placed anywhere in a larger batch, in one pass.
+        `missing` (`[m, 2]` source token, column; sorted): values whose marker the source
+        does not hold (narrowed to one byte on the wire), restored in `values`."""
         copies, rows = self.copies.copy(), self.copies[:, 0]
         within = copies[:, 1] - starts(self.num_tokens)[rows]  # the copy's place in its row
         copies[:, 1] = row_at[rows] + within
         run_copies(routes, values, copies)
+        if missing is not None and len(missing):
+            restore_missing(values, copies, missing, self.layout.missing)
         has = self.has_tokens[rows]
         if has.any():
             copies[:, 1] = token_at[rows] + within
             run_copies(tokens, token_ids, copies[has])
+
+
+def restore_missing(
+    values: np.ndarray, copies: np.ndarray, missing: np.ndarray, marker: int
+) -> None:
+    """Write `marker` where each copy put a source value listed in `missing` (column -1: the
+    whole row)."""
+    src, col = missing[:, 0], missing[:, 1]
+    first = np.searchsorted(src, copies[:, 2])
+    last = np.searchsorted(src, copies[:, 2] + copies[:, 3])
+    for c in np.flatnonzero(last > first).tolist():
+        _, d, s, _ = copies[c].tolist()
+        lo, hi = int(first[c]), int(last[c])
+        at, cols = d + src[lo:hi] - s, col[lo:hi]
+        whole = cols < 0
+        values[at[whole]] = marker
+        values[at[~whole], cols[~whole]] = marker
 
 
 def batch_memory(
@@ -407,6 +432,9 @@ class WireBatch(NamedTuple):
     request: Request  # copies' sources index the runs back to back
     routes: list[np.ndarray]  # runs of [n, L * K] stored ids of the distinct tokens read
     tokens: list[np.ndarray]  # the same runs' token ids [n, 1] (none when no sample has any)
+    # With `routes` narrowed to one byte (`narrowed()`): int64 [m, 2] (token in the runs,
+    # column) of the values that are the missing marker, which one byte cannot hold.
+    missing: np.ndarray | None = None
 
     @property
     def num_stored(self) -> int:
@@ -416,22 +444,61 @@ class WireBatch(NamedTuple):
     @property
     def nbytes(self) -> int:
         arrays = [*self.routes, *self.tokens, self.request.copies]
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in arrays) + (0 if self.missing is None else self.missing.nbytes)
 
     def gathered(self) -> WireBatch:
         """The runs copied into one array each (no view of the source left)."""
-        return WireBatch(self.request, *(_joined(runs) for runs in (self.routes, self.tokens)))
+        routes, tokens = (_joined(runs) for runs in (self.routes, self.tokens))
+        return self._replace(routes=routes, tokens=tokens)
+
+    def narrowed(self) -> WireBatch:
+        """The route runs copied with ids in one byte where the layout stores two only for
+        its missing marker (256 experts: DeepSeek-V3's family), the marker's places listed
+        apart (a whole row once): about half the route bytes cross. Otherwise (or if the
+        list would cost more than it saves) itself."""
+        layout = self.request.layout
+        if self.missing is not None or layout.dtype.itemsize != 2 or layout.num_experts > 256:
+            return self
+        low, found, at, V = [], [], 0, layout.values_per_token
+        for run in self.routes:
+            narrow = run.astype(np.uint8)  # ids as they are; the marker 0xFFFF becomes 0xFF
+            maybe = np.flatnonzero(narrow.reshape(-1) == 0xFF)  # expert 255 or the marker
+            if len(maybe):
+                rows, cols = np.divmod(maybe[run.reshape(-1)[maybe] == layout.missing], V)
+                whole = np.flatnonzero(np.bincount(rows, minlength=len(run)) == V)
+                part = ~np.isin(rows, whole)
+                marks = np.concatenate(
+                    [
+                        np.stack([whole, np.full(len(whole), -1)], axis=1),
+                        np.stack([rows[part], cols[part]], axis=1),
+                    ]
+                )
+                marks = marks[np.argsort(marks[:, 0], kind="stable")]
+                marks[:, 0] += at
+                found.append(marks)
+            low.append(narrow)
+            at += len(run)
+        missing = np.concatenate(found) if found else np.empty((0, 2), dtype=np.int64)
+        if missing.nbytes >= sum(r.nbytes for r in low):
+            return self  # (most ids missing: nothing to gain)
+        return self._replace(routes=low, missing=missing)
 
     def batch(self, out: Any = None) -> pa.RecordBatch:
         """The rows as one Arrow batch in this process's memory (or `out`), one copy."""
-        return self.request.build(_runs(self.routes), _runs(self.tokens), out)
+        return self.request.build(_runs(self.routes), _runs(self.tokens), out, self.missing)
 
     def place(
         self, values: np.ndarray, row_at: np.ndarray, token_ids: np.ndarray, token_at: np.ndarray
     ) -> None:
         """The rows copied into a larger batch's `values` and `token_ids` (`Request.place`)."""
         self.request.place(
-            _runs(self.routes), _runs(self.tokens), values, row_at, token_ids, token_at
+            _runs(self.routes),
+            _runs(self.tokens),
+            values,
+            row_at,
+            token_ids,
+            token_at,
+            self.missing,
         )
 
 
