@@ -4,6 +4,7 @@ a wiped /dev/shm, and spill files or directories that are not the user's own."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import functools
 import gc
@@ -864,10 +865,46 @@ def test_every_call_on_a_closed_handle_says_it_is_closed(name):
         "read": lambda: other.read(["s"]),
         "stats": other.stats,
     }
-    for call in calls.values():
-        with pytest.raises(StoreUnavailableError, match="closed"):
+    for call in calls.values():  # (before: "being closed ... in another thread")
+        with pytest.raises(StoreUnavailableError, match=r"this handle is closed\. Attach again"):
             call()
     assert len(store) == 1  # the store itself is untouched
+    store.close()
+    store.unlink()
+
+
+def test_a_close_interrupted_while_waiting_for_another_thread_leaves_the_handle_usable(name):
+    # Ctrl-C while close() waits for another thread's call on the handle (before: the
+    # handle stayed open but refused every call, "being closed ... in another thread").
+    store = RoutingStore.create(name, TINY, 8 * P, page_tokens=P)
+    rows = TINY.random_routes(np.random.default_rng(0), 3)
+    store.put("s", rows)
+    inside, go = threading.Event(), threading.Event()
+
+    def paused(frame, event, arg):  # holds the thread at the start of its read
+        if event == "call" and frame.f_code is RoutingStore.read.__wrapped__.__code__:
+            inside.set()
+            go.wait()
+        return None
+
+    def reader():
+        sys.settrace(paused)
+        try:
+            store.read(["s"])
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    inside.wait()
+    timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C during close's wait
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        store.close(timeout=10)
+    go.set()
+    thread.join()
+    np.testing.assert_array_equal(store.get("s"), rows)
+    store.put("t", rows)
     store.close()
     store.unlink()
 

@@ -46,7 +46,7 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             core.calls[token] = threading.get_ident()
             if core.closing:
-                raise closed_error(core.name)
+                raise closed_error(core.name, closed=core.segment.fd < 0)
             return method(self, *args, **kwargs)
         except BaseException as e:
             forget_frames(e)
@@ -98,8 +98,13 @@ def forget_frames(error: BaseException) -> None:
         todo += [e.__cause__, e.__context__]
 
 
-def closed_error(name: str) -> StoreUnavailableError:
-    """A call of a handle that another thread is closing (or has closed)."""
+def closed_error(name: str, closed: bool = False) -> StoreUnavailableError:
+    """A call of a handle that is closed, or that another thread is closing."""
+    if closed:
+        return StoreUnavailableError(
+            f"store {name!r}: this handle is closed. Attach again (RoutingStore.attach) to go "
+            "on using the store"
+        )
     return StoreUnavailableError(
         f"store {name!r}: this handle is being closed (close() or an owner's `with` block "
         "ended in another thread of this process). Attach again to go on using the store; "

@@ -307,17 +307,20 @@ class RoutingStore:
             core.spill.close()
             return
         wait = core.put_timeout if timeout is None else timeout_seconds(timeout, "timeout")
-        core.closing = True  # calls starting now refuse; waiting ones end; working ones finish
         deadline = time.monotonic() + wait
-        while others_in_flight(core.calls):
-            if time.monotonic() >= deadline:
-                core.closing = False
-                raise StoreBusyError(
-                    f"store {self.name!r} cannot be closed: another thread's call on this "
-                    "handle is still running past the put timeout. Close it once that call "
-                    "returned"
-                )
-            time.sleep(0.001)
+        try:  # a wait that ends otherwise (StoreBusyError, Ctrl-C) leaves the handle usable
+            core.closing = True  # calls starting now refuse; waiting ones end; working finish
+            while others_in_flight(core.calls):
+                if time.monotonic() >= deadline:
+                    raise StoreBusyError(
+                        f"store {self.name!r} cannot be closed: another thread's call on this "
+                        "handle is still running past the put timeout. Close it once that "
+                        "call returned"
+                    )
+                time.sleep(0.001)
+        except BaseException:
+            core.closing = False
+            raise
         self._core.tables.release_views()
         try:
             self._core.segment.close()
