@@ -10,8 +10,10 @@ import glob
 import os
 import resource
 import signal
+import sys
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -296,3 +298,49 @@ def test_an_archive_that_cannot_be_opened_is_not_called_damaged(stores, tmp_path
             os.close(fd)
     assert len(dst) == 0
     assert_loads_exactly(stores, path, src, refs)
+
+
+def test_an_archive_changed_in_place_after_its_check_loads_what_was_checked(stores, tmp_path):
+    """The file is overwritten with another archive (same size, same inode: `cp` over it),
+    then cut to 64 bytes, after every batch was checked and before the put copies the
+    routes (before: the other archive's routes were stored, unchecked, with no error; a cut
+    killed the loader with SIGBUS). Routes come from the batches read and checked."""
+    src = stores()
+    a, b = str(tmp_path / "a.arrow"), str(tmp_path / "b.arrow")
+    tokens = np.arange(40)
+    refs_a = [
+        src.put(f"s{i}", LAYOUT.random_routes(np.random.default_rng(i), 40), token_ids=tokens)
+        for i in range(3)
+    ]
+    save_routes(a, refs_a, read=src.read)
+    want = {r.sample_id: src.get(r) for r in refs_a}
+    src.release(refs_a)
+    refs_b = [
+        src.put(f"s{i}", LAYOUT.random_routes(np.random.default_rng(9 + i), 40), token_ids=tokens)
+        for i in range(3)
+    ]
+    save_routes(b, refs_b, read=src.read)
+    assert os.path.getsize(a) == os.path.getsize(b)
+    whole_b = Path(b).read_bytes()
+
+    def overwrite_then_cut():
+        with open(a, "r+b") as f:  # in place: the same inode
+            f.write(whole_b)
+        os.truncate(a, 64)
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is RoutingStore.put_many.__wrapped__.__code__:
+            sys.settrace(None)
+            overwrite_then_cut()
+        return None
+
+    dst = stores()
+    sys.settrace(tracer)
+    try:
+        loaded = load_routes(a, dst)
+    finally:
+        sys.settrace(None)
+    assert os.path.getsize(a) == 64  # the change happened, during the load
+    assert {r.sample_id: dst.get(r).tolist() for r in loaded} == {
+        k: v.tolist() for k, v in want.items()
+    }

@@ -17,7 +17,8 @@ the last to finish is the file, whole). `load_routes` checks the schema (its
 metadata's CRC before parsing the layout, then the whole schema), the layout, every batch
 (fully validated by Arrow and checked against its CRC before any column is decoded), the
 refs asked for, and the token ids against their digests, then puts the samples with one
-`put_many` (the routes are views of the memory-mapped file): a damaged file raises
+`put_many` (the routes are views of the batches read into memory, never of a mapping of
+the file, which could change between the check and the copy): a damaged file raises
 `CorruptArchiveError` and never reaches the store, and a load is all or nothing, even if
 the loading process dies in the middle. Old refs map to new ones by sample id, checked
 against the saved serial and token digest (a ref of another put of that id is refused).
@@ -431,7 +432,9 @@ def _parsing(path: str, what: str) -> Iterator[None]:
 
 
 class RouteArchive:
-    """An archive opened for reading (memory-mapped): its layout, samples and batches.
+    """An archive opened for reading: its layout, samples and batches, each batch read into
+    this process's memory (a file changed or cut under a mapping would reach the store
+    unchecked, or kill the process with SIGBUS).
 
     Opening checks the schema: its metadata against its CRC before anything in it is
     parsed, then all of it against `archive_schema`. Each batch is checked against its CRC
@@ -442,7 +445,7 @@ class RouteArchive:
         if os.path.isdir(self.path):
             raise InvalidArgumentError(f"load_routes: {self.path} is a directory, not an archive")
         try:
-            mapped = pa.memory_map(self.path)
+            file = pa.OSFile(self.path)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
             raise InvalidArgumentError(
                 f"load_routes: there is no archive file at {self.path} ({e.strerror or e})"
@@ -454,7 +457,7 @@ class RouteArchive:
                 "disk) and load again"
             ) from e
         try:
-            self._reader = ipc.open_file(mapped)
+            self._reader = ipc.open_file(file)
         except (pa.ArrowException, OSError) as e:
             raise CorruptArchiveError(
                 f"{self.path} is not a complete route archive ({e}): truncated, damaged or not "
@@ -592,7 +595,7 @@ class RouteArchive:
     def requests(self, wanted: set[str] | None = None) -> list[PutRequest]:
         """The samples (those of `wanted`) as put requests, in file order, after their token
         ids were checked against the digests saved with them. The routes are views of the
-        mapped file."""
+        checked batches."""
         requests = []
         with _parsing(self.path, "a sample"):
             for batch in self.batches():
@@ -646,8 +649,7 @@ def load_routes(
         return []
     # Every batch is checked, and every sample's token ids, before one put_many: a damaged
     # file never reaches the store, and the whole load is one commit in it, so not even a
-    # crash of this process half-loads it. The routes are views of the memory-mapped file:
-    # the requests cost no memory.
+    # crash of this process half-loads it. The routes are views of the checked batches.
     requests = archive.requests(None if refs is None else {r.sample_id for r in refs})
     loaded = store.put_many(requests, timeout=timeout)
     if refs is None:
