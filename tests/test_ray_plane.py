@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from routing_replay import PutRequest, RoutingLayout, to_torch  # noqa: E402
+from routing_replay import Episode, PutRequest, RoutingLayout, to_torch  # noqa: E402
 from routing_replay.errors import InvalidArgumentError, SampleNotFoundError, StoreUnavailableError  # noqa: E402
 from routing_replay.ray import (  # noqa: E402
     StoreOptions,
@@ -421,6 +421,23 @@ def test_store_actor_killed_and_restarted(cluster):
     assert shutdown_node_stores(job) == 1
 
 
+def episode_across_a_wipe(job: str) -> tuple:
+    """An episode whose store's segment is removed from /dev/shm between its two turns, and
+    a node_store call in between (which moves new puts to a new store): the episode's ref,
+    its routes, and the node store's name after the wipe."""
+    rng = np.random.default_rng(7)
+    store = node_store(job, LAYOUT)
+    episode = Episode(store, "ep", prompt_len=4)
+    tokens = rng.integers(0, 100, 10)
+    episode.add_turn(tokens, sample_routes(70, 10))
+    os.unlink(segment_path(store.name))
+    moved = node_store(job, LAYOUT).name
+    tokens = np.concatenate([tokens, rng.integers(0, 100, 6)])
+    routes = np.concatenate([sample_routes(70, 10), sample_routes(71, 6)])
+    episode.add_turn(tokens, routes)
+    return episode.close(), routes, moved
+
+
 def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(cluster):
     # /dev/shm wiped under a live store actor (systemd-logind's RemoveIPC, a cleanup
     # script): its samples are still in the actor's mapping. Before: node_store failed for
@@ -447,6 +464,14 @@ def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(clust
     assert ray.get(readers[0].release.remote(old[:1])) == 1
     stats = ray.get(actor.stats.remote())
     assert (stats["samples"], stats["retired_samples"]) == (0, 0)
+    # An episode open across a wipe: its turns stay in its store, served by the actor
+    # (before: every later turn was refused, "attach again", and the episode was lost).
+    ref, routes, moved = ray.get(ray.remote(episode_across_a_wipe).options(**on(other)).remote(job))
+    assert moved != ref.store
+    for reader in readers:
+        (got,) = ray.get(reader.fetch.remote([ref]))
+        np.testing.assert_array_equal(got, routes)
+    assert ray.get(readers[1].release.remote([ref])) == 1
     assert shutdown_node_stores(job) == 1
     assert [f for f in os.listdir(SHM_DIR) if job in f] == []
 

@@ -563,6 +563,24 @@ def test_refs_and_handles_of_a_removed_store_are_refused(name):
     attached.close()
 
 
+def test_a_segment_removed_by_others_than_its_owner_still_takes_puts(name):
+    # A wiped /dev/shm (systemd-logind's RemoveIPC) while the owner lives: the owner still
+    # maps the store and serves it, so an attached handle's puts are kept, not refused. One
+    # the owner removed itself takes none.
+    owner = RoutingStore.create(name, LAYOUT, capacity_tokens=1000)
+    writer = RoutingStore.attach(name)
+    os.unlink(segment_path(name))
+    assert not writer.is_current() and writer.is_served()
+    ref = writer.put("after", sample(1)[0])
+    np.testing.assert_array_equal(owner.get(ref), sample(1)[0])
+    owner.unlink()  # the owner removes it (the file is already gone): marked all the same
+    assert not writer.is_served()
+    with pytest.raises(StoreUnavailableError, match="removed \\(by its owner"):
+        writer.put("later", sample(2)[0])
+    writer.close()
+    owner.close()
+
+
 def _hold_the_lock(name: str, held, go) -> None:
     store = RoutingStore.attach(name)
     with store._core.lock.held("test", time.monotonic() + 5):

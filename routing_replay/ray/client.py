@@ -95,5 +95,6 @@ def _close(stores: list[RoutingStore]) -> list[RoutingStore]:
 
 
 def _is_live(store: RoutingStore) -> bool:
-    """The mapping is still the file at its path, and the owner (the actor) is alive."""
-    return store.is_current() and store.owner_alive()
+    """The store is in use: the file at its path, or a segment removed from /dev/shm under
+    its live actor (which serves it), and the owner (the actor) is alive."""
+    return store.is_served() and store.owner_alive()

@@ -72,6 +72,13 @@ class StoreCore:
         self.closing = False  # set by close(): calls starting then refuse
         self.spill = Spiller(self, users)  # last: it takes the spill directory's lock
 
+    def served(self) -> bool:
+        """Whether the store is still in use: the file at its name, or a segment removed from
+        /dev/shm by something else than its owner (a wipe) while the owner holds it."""
+        if self.segment.is_current():
+            return True
+        return not self.tables.hdr["unlinked"] and self.leases.owner_alive()
+
     def deadline(self, timeout: float | None = None) -> float:
         """Lock deadline of an operation: its timeout, but never under MIN_LOCK_WAIT_S."""
         wait = self.put_timeout if timeout is None else timeout

@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 8  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
-# 6: spill to disk; 7: a release of several samples commits at one point; 8: put/read timings
+VERSION = 9  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
+# 6: spill to disk; 7: a release of several samples commits at one point; 8: put/read timings;
+# 9: the owner marks a store it removes
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -82,6 +83,9 @@ HEADER_DTYPE = np.dtype(
         # A hint, set without the dirty flag: spill files no sample names may be left (a
         # releaser or spiller died before removing them); the next spill's `clean` looks.
         ("spill_garbage", "<u4"),
+        # Set by the owner's unlink before the file goes: a segment gone from /dev/shm without
+        # it (a wipe) while its owner lives is still served by the owner, and takes puts.
+        ("unlinked", "<u4"),
         # Statistics for operators, set under the lock without the dirty flag (nothing is
         # derived from them): puts and reads of every process, and their time in ns.
         ("puts", "<u8"),

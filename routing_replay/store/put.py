@@ -228,10 +228,10 @@ class PutTransaction:
     def run(self) -> list[RoutingRef]:
         """Store every sample and return their refs, in order; on any error, store none."""
         core = self.core
-        if not core.segment.is_current():
+        if not core.served():
             raise StoreUnavailableError(
-                f"store {core.name!r} was removed (swept) or re-created since this process "
-                "attached it: attach again (or call node_store again) and put there"
+                f"store {core.name!r} was removed (by its owner, or swept) or re-created since "
+                "this process attached it: attach again (or call node_store again) and put there"
             )
         self.started = time.monotonic_ns()
         deadline = time.monotonic() + self.timeout

@@ -342,6 +342,11 @@ class RoutingStore:
         """Whether this mapping is still the store at its name (not swept or recreated)."""
         return self._core.segment.is_current()
 
+    def is_served(self) -> bool:
+        """Whether the store is still in use: current, or removed from /dev/shm by anything
+        but its owner (a wiped /dev/shm) while its owner holds it (and serves its samples)."""
+        return self._core.served()
+
     def unlink(self) -> None:
         """Remove the segment and its spill files (owner only); processes that mapped it keep
         their view of the segment."""
@@ -349,6 +354,12 @@ class RoutingStore:
             raise RoutingReplayError(
                 f"only the process that created store {self.name!r} unlinks it; call close()"
             )
+        self._remove()
+
+    def _remove(self) -> None:
+        """The owner removes the store: marked first, so handles of it take no more puts."""
+        if self._core.segment.fd >= 0:
+            self._core.tables.hdr["unlinked"] = 1
         self._core.segment.unlink()
         remove_spill_dir(self._core.spill.dir)
 
@@ -360,8 +371,7 @@ class RoutingStore:
         the mapping closes (a failure to close never hides the block's own error)."""
         try:
             if self._core.segment.owner:
-                self._core.segment.unlink()
-                remove_spill_dir(self._core.spill.dir)
+                self._remove()
         finally:
             try:
                 self.close()
