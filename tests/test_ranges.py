@@ -206,10 +206,15 @@ def test_ranges_from_a_generator_and_out_in_device_memory(group):
             store.read(refs[:1], out=out)
 
 
-def test_the_wire_form_of_256_experts_crosses_in_one_byte_per_id(name, tmp_path):
+@pytest.mark.parametrize("chunk", [1 << 20, 25])
+def test_the_wire_form_of_256_experts_crosses_in_one_byte_per_id(
+    name, tmp_path, chunk, monkeypatch
+):
     # DeepSeek-V3's 256 experts: stored in two bytes only for the missing marker. Narrowed,
     # ids cross in one byte, the marker's places listed apart. Expert 255 (whose low byte
     # is the marker's) is chosen often; rows and single ids are missing; one sample spilled.
+    # Narrowed in one chunk, and in chunks of 25 ids (2 rows: chunks end inside runs).
+    monkeypatch.setattr(read_module, "NARROW_CHUNK", chunk)
     wide = RoutingLayout(num_layers=4, top_k=3, num_experts=256, moe_layers=(1, 2, 3))
     rng = np.random.default_rng(5)
     prompt = wide.random_routes(rng, 20)

@@ -425,6 +425,9 @@ def starts(lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
 
 
+NARROW_CHUNK = 1 << 20  # ids narrowed (and searched for the missing marker) at a time
+
+
 class WireBatch(NamedTuple):
     """A read shipped to another node: the stored tokens it needs, each once, in runs, and
     the copies that rebuild its rows there (`batch()`). What crosses is `nbytes`."""
@@ -461,10 +464,9 @@ class WireBatch(NamedTuple):
             return self
         low, found, at, V = [], [], 0, layout.values_per_token
         for run in self.routes:
-            narrow = run.astype(np.uint8)  # ids as they are; the marker 0xFFFF becomes 0xFF
-            maybe = np.flatnonzero(narrow.reshape(-1) == 0xFF)  # expert 255 or the marker
-            if len(maybe):
-                rows, cols = np.divmod(maybe[run.reshape(-1)[maybe] == layout.missing], V)
+            narrow, flat = _narrow(run, layout.missing)
+            if len(flat):
+                rows, cols = np.divmod(flat, V)
                 whole = np.flatnonzero(np.bincount(rows, minlength=len(run)) == V)
                 part = ~np.isin(rows, whole)
                 marks = np.concatenate(
@@ -500,6 +502,23 @@ class WireBatch(NamedTuple):
             token_at,
             self.missing,
         )
+
+
+def _narrow(run: np.ndarray, marker: int) -> tuple[np.ndarray, np.ndarray]:
+    """`run` with each id in one byte (the marker's low byte where it was), and the flat
+    indices of its marker values. Chunk by chunk, into Arrow's pool: no temporary the size
+    of the read, whose fresh pages cost more than the copy."""
+    narrow = np.frombuffer(pa.allocate_buffer(run.size), np.uint8).reshape(run.shape)
+    rows = max(1, NARROW_CHUNK // max(1, run.shape[1]))
+    hits = np.empty((min(rows, len(run)), run.shape[1]), dtype=bool)
+    found = []
+    for a in range(0, len(run), rows):
+        chunk, hit = run[a : a + rows], hits[: len(run[a : a + rows])]
+        np.copyto(narrow[a : a + rows], chunk, casting="unsafe")
+        np.equal(chunk, marker, out=hit)
+        if hit.any():
+            found.append(np.flatnonzero(hit) + a * run.shape[1])
+    return narrow, np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def _joined(runs: list[np.ndarray]) -> list[np.ndarray]:
