@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import linecache
+import sys
+import threading
+
 import numpy as np
 import pytest
 import torch
 from line_stops import interrupted_at
 
 from routing_replay import MISSING, Episode, RoutingReplayError, RoutingStore, capture, replay
-from routing_replay.errors import InvalidRoutesError, TokenMismatchError
+from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, TokenMismatchError
 from routing_replay.model.adapters import find_routers
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.testing import tiny_moe
@@ -121,23 +125,90 @@ def test_stored_history_rows_win_over_recomputed_ones(model, name):
 def test_a_turn_stopped_at_each_line_can_be_added_again_and_close_leaves_one_sample(model, name):
     # Ctrl-C inside add_turn after its put committed left the turn stored but not in the
     # episode: the turn could never be added again, and close() kept its sample for good.
+    # Then a third turn, whose engine returns no routes for the history (a prefix cache):
+    # before, a stop between the turn's ref and its state lost turn 2's rows and version.
     layout = find_routers(model).layout
     first, first_routes = generate(model, [10, 11, 12])
     second, second_routes = generate(model, [*first, 20, 21])
+    third, third_routes = generate(model, [*second, 30, 31])
+    cached = third_routes.copy()
+    cached[: len(second)] = -1
+    n1, n2 = len(first), len(second)
     with RoutingStore.create(name, layout, 4096) as store:
         stop = 1
         while True:
             episode = Episode(store, f"e{stop}")
-            episode.add_turn(first, first_routes)
-            seen, _ = interrupted_at(stop, lambda e=episode: e.add_turn(second, second_routes))
-            ref = episode.add_turn(second, second_routes) if episode.num_turns == 1 else None
+            episode.add_turn(first, first_routes, policy_version=1)
+            seen, _ = interrupted_at(
+                stop, lambda e=episode: e.add_turn(second, second_routes, policy_version=2)
+            )
+            if episode.num_turns == 1:
+                episode.add_turn(second, second_routes, policy_version=2)
             assert episode.num_turns == 2
-            assert episode.close() == episode.refs[-1] and (ref is None or ref == episode.ref)
-            assert len(store) == 1 and f"e{stop}-t2" in store  # the episode's one sample
-            np.testing.assert_array_equal(store.get(episode.ref)[:-1], second_routes[:-1])
+            episode.add_turn(third, cached, policy_version=3)
+            assert episode.close() == episode.refs[-1]
+            assert len(store) == 1 and f"e{stop}-t3" in store  # the episode's one sample
+            got = store.get(episode.ref)
+            np.testing.assert_array_equal(got[: n2 - 1], second_routes[: n2 - 1])
+            np.testing.assert_array_equal(got[n2:-1], third_routes[n2:-1])
+            assert episode.ref.policy_versions == ((0, 1), (n1, 2), (n2, 3)), stop
             store.release([episode.ref])
             if seen < stop:
                 break
             stop += 1
         assert stop > 20
         store.verify()
+
+
+def test_close_while_another_thread_adds_a_turn_is_refused_and_loses_nothing(model, name):
+    # Thread A is inside add_turn, its put committed; the episode is closed from another
+    # thread meanwhile (a server whose turn coroutine was cancelled while its store thread
+    # goes on). Before: close released A's committed turn and returned turn 1's ref.
+    layout = find_routers(model).layout
+    first, first_routes = generate(model, [10, 11, 12])
+    second, second_routes = generate(model, [*first, 20, 21])
+    held, go = threading.Event(), threading.Event()
+
+    def hold_after_the_put(frame, event, arg):
+        here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        if frame.f_code is Episode.add_turn.__code__ and "turns = [*self.refs" in here:
+            held.set()
+            go.wait()
+        return hold_after_the_put
+
+    with RoutingStore.create(name, layout, 4096) as store:
+        episode = Episode(store, "ep")
+        episode.add_turn(first, first_routes)
+
+        def adder():
+            sys.settrace(hold_after_the_put)
+            try:
+                episode.add_turn(second, second_routes)
+            finally:
+                sys.settrace(None)
+
+        thread = threading.Thread(target=adder, daemon=True)
+        thread.start()
+        assert held.wait(10)
+        try:
+            with pytest.raises(RoutingReplayError, match="another thread is adding turn 'ep-t2'"):
+                episode.close()
+            with pytest.raises(RoutingReplayError, match="another thread is adding"):
+                episode.add_turn(second, second_routes)
+        finally:
+            go.set()
+            thread.join()
+        ref = episode.close()
+        assert ref.sample_id == "ep-t2" and len(store) == 1
+        np.testing.assert_array_equal(store.get(ref)[:-1], second_routes[:-1])
+
+
+def test_an_episode_id_without_room_for_its_turns_is_refused_at_once(name):
+    # Before: a 125-byte id was taken, and turn 10's sample id (129 bytes) refused, losing
+    # the episode mid-conversation.
+    layout = find_routers(tiny_moe()).layout
+    with RoutingStore.create(name, layout, 64) as store:
+        Episode(store, "e" * 120)
+        for bad in ("e" * 121, 5, "a/b"):
+            with pytest.raises(InvalidArgumentError):
+                Episode(store, bad)

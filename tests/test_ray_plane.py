@@ -438,6 +438,13 @@ def episode_across_a_wipe(job: str) -> tuple:
     return episode.close(), routes, moved
 
 
+def closed_then_again(job: str) -> tuple:
+    """A node_store handle closed by its user, then node_store again in the same process."""
+    with node_store(job, LAYOUT) as store:
+        ref = store.put("c0", sample_routes(80))
+    return ref, node_store(job, LAYOUT).get(ref)
+
+
 def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(cluster):
     # /dev/shm wiped under a live store actor (systemd-logind's RemoveIPC, a cleanup
     # script): its samples are still in the actor's mapping. Before: node_store failed for
@@ -472,6 +479,11 @@ def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(clust
         (got,) = ray.get(reader.fetch.remote([ref]))
         np.testing.assert_array_equal(got, routes)
     assert ray.get(readers[1].release.remote([ref])) == 1
+    # A handle its user closed: the process's next node_store attaches again (before: a raw
+    # AttributeError from every later node_store, fetch and release of that process).
+    ref, got = ray.get(ray.remote(closed_then_again).options(**on(other)).remote(job))
+    np.testing.assert_array_equal(got, sample_routes(80))
+    assert ray.get(readers[0].release.remote([ref])) == 1
     assert shutdown_node_stores(job) == 1
     assert [f for f in os.listdir(SHM_DIR) if job in f] == []
 

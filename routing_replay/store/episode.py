@@ -17,14 +17,23 @@ trainer gets.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
-from routing_replay.errors import InvalidRoutesError, RoutingReplayError, TokenMismatchError
+from routing_replay.errors import (
+    InvalidArgumentError,
+    InvalidRoutesError,
+    RoutingReplayError,
+    TokenMismatchError,
+)
 from routing_replay.layout import MISSING
-from routing_replay.store.refs import RoutingRef
+from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
+from routing_replay.store.refs import RoutingRef, sample_id_bytes
 from routing_replay.store.routing_store import RoutingStore
+
+TURN_DIGITS = 6  # turns an episode id leaves room for: up to 999,999
 
 
 class Episode:
@@ -35,6 +44,14 @@ class Episode:
     """
 
     def __init__(self, store: RoutingStore, episode_id: str, *, prompt_len: int | None = None):
+        longest = f"{episode_id}-t{10**TURN_DIGITS - 1}"  # room for the turns' sample ids
+        if not isinstance(episode_id, str) or len(longest.encode()) > MAX_SAMPLE_ID_BYTES:
+            raise InvalidArgumentError(
+                f"episode id {episode_id!r} must be a str of at most "
+                f"{MAX_SAMPLE_ID_BYTES - TURN_DIGITS - 2} bytes: its turns are stored as "
+                f"'<id>-t<turn>', sample ids of at most {MAX_SAMPLE_ID_BYTES} bytes"
+            )
+        sample_id_bytes(longest)  # the characters of a sample id
         self.store = store
         self.episode_id = episode_id
         self.prompt_len = prompt_len
@@ -43,7 +60,8 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
-        self._putting: str | None = None  # the turn sample being put, until it is in `refs`
+        # The turn sample being put and the thread putting it, until it is in `refs`.
+        self._putting: tuple[str, int] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
 
     @property
@@ -108,26 +126,41 @@ class Episode:
                 "this one has none; pass policy_version for every turn or for none"
             )
         self._drop_unrecorded()
-        self._putting = f"{self.episode_id}-t{turn}"
-        ref = self.store.put(
-            self._putting,
-            rows,
-            prompt_len=self.prompt_len,
-            token_ids=tokens,
-            policy_version=versions or None,
-        )
-        self.refs.append(ref)
+        self._putting = (f"{self.episode_id}-t{turn}", threading.get_ident())
+        try:
+            ref = self.store.put(
+                self._putting[0],
+                rows,
+                prompt_len=self.prompt_len,
+                token_ids=tokens,
+                policy_version=versions or None,
+            )
+        except Exception:
+            self._putting = None  # a put that raised stored nothing
+            raise
+        turns = [*self.refs, ref]
+        # One line, no call in it: a stop lands before or after, never between the turn's
+        # ref and the state the next turn builds on.
+        self.refs, self._tokens, self._routes, self._versions = turns, tokens, rows, versions
         self._putting = None
-        self._tokens, self._routes, self._versions = tokens, rows, versions
         return ref
 
     def _drop_unrecorded(self) -> None:
         """Release the sample of a turn whose put committed but never reached `refs` (Ctrl-C
         in between), so that the turn can be added again and `close` leaves nothing."""
-        pending, self._putting = self._putting, None
-        unrecorded = pending is not None and (not self.refs or self.refs[-1].sample_id != pending)
-        if unrecorded and pending in self.store:
-            self.store.release([pending])
+        pending = self._putting
+        if pending is None:
+            return
+        sample_id, thread = pending
+        if thread != threading.get_ident() and thread in {t.ident for t in threading.enumerate()}:
+            raise RoutingReplayError(
+                f"episode {self.episode_id!r}: another thread is adding turn {sample_id!r}; "
+                "an episode's calls come one after another: call again once it returned"
+            )
+        self._putting = None
+        unrecorded = not self.refs or self.refs[-1].sample_id != sample_id
+        if unrecorded and sample_id in self.store:
+            self.store.release([sample_id])
 
     def check_history(self, token_ids: Any, turn: int | None = None) -> None:
         """Raise `TokenMismatchError` unless `token_ids` start with the episode's tokens
