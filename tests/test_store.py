@@ -27,7 +27,7 @@ from routing_replay.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from routing_replay.store import sweep_stores, token_digest
+from routing_replay.store import token_digest
 from routing_replay.store.lock import interleave
 from routing_replay.store.segment import segment_path
 
@@ -557,7 +557,7 @@ def test_refs_and_handles_of_a_removed_store_are_refused(name):
             again.release([ref])
         assert np.array_equal(again.get("s"), sample(2)[0])  # by id: this store's sample
         assert not attached.is_current()
-        with pytest.raises(StoreUnavailableError, match=r"no longer served: its owner exited"):
+        with pytest.raises(StoreUnavailableError, match=r"removed .* or re-created"):
             attached.put("t", routes)
         assert "t" not in again
     attached.close()
@@ -575,40 +575,11 @@ def test_a_segment_removed_by_others_than_its_owner_still_takes_puts(name):
     np.testing.assert_array_equal(owner.get(ref), sample(1)[0])
     owner.unlink()  # the owner removes it (the file is already gone): marked all the same
     assert not writer.is_served()
-    with pytest.raises(StoreUnavailableError, match="no longer served"):
+    with pytest.raises(StoreUnavailableError, match="removed \\(by its owner"):
         writer.put("later", sample(2)[0])
     writer.close()
     owner.close()
     assert not writer.is_served() and not owner.is_served()  # closed (before: AttributeError)
-
-
-OWNER = """
-import sys, time
-from routing_replay import RoutingLayout, RoutingStore
-store = RoutingStore.create(sys.argv[1], RoutingLayout.from_json(sys.argv[2]), 1000)
-print("made", flush=True)
-time.sleep(60)
-"""
-
-
-def test_a_put_into_a_store_whose_owner_died_is_refused(name):
-    # Its samples go with the next sweep: a put there would return a ref to a lost sample
-    # (before: accepted).
-    command = [sys.executable, "-c", OWNER, name, LAYOUT.to_json()]
-    owner = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout.readline().strip() == "made"
-        writer = RoutingStore.attach(name)
-        writer.put("before", sample(1)[0])
-    finally:
-        owner.kill()
-        owner.wait()
-    assert writer.is_current() and not writer.is_served()
-    with pytest.raises(StoreUnavailableError, match="no longer served: its owner exited"):
-        writer.put("after", sample(2)[0])
-    np.testing.assert_array_equal(writer.get("before"), sample(1)[0])  # reads still work
-    writer.close()
-    sweep_stores(min_age_s=0, prefix=name)
 
 
 def _hold_the_lock(name: str, held, go) -> None:

@@ -97,4 +97,4 @@ def _close(stores: list[RoutingStore]) -> list[RoutingStore]:
 def _is_live(store: RoutingStore) -> bool:
     """The store is in use: the file at its path, or a segment removed from /dev/shm under
     its live actor (which serves it), and the owner (the actor) is alive."""
-    return store.is_served()
+    return store.is_served() and store.owner_alive()

@@ -73,12 +73,15 @@ class StoreCore:
         self.spill = Spiller(self, users)  # last: it takes the spill directory's lock
 
     def served(self) -> bool:
-        """Whether the store is still in use: its owner holds it (a store whose owner died is
-        swept, samples and all), and it is the file at its name or was removed from /dev/shm
-        by something else than its owner (a wipe). False on a closed handle."""
-        if self.segment.fd < 0 or not self.leases.owner_alive():
+        """Whether the store is still in use: the file at its name (its owner's handle may be
+        closed: a store outlives it until swept), or a segment removed from /dev/shm by
+        something else than its owner (a wipe) while the owner holds it. False on a closed
+        handle."""
+        if self.segment.fd < 0:
             return False
-        return self.segment.is_current() or not self.tables.hdr["unlinked"]
+        if self.segment.is_current():
+            return True
+        return not self.tables.hdr["unlinked"] and self.leases.owner_alive()
 
     def deadline(self, timeout: float | None = None) -> float:
         """Lock deadline of an operation: its timeout, but never under MIN_LOCK_WAIT_S."""

@@ -230,9 +230,8 @@ class PutTransaction:
         core = self.core
         if not core.served():
             raise StoreUnavailableError(
-                f"store {core.name!r} is no longer served: its owner exited or removed it (or it "
-                "was swept or re-created) since this process attached it; what is put there "
-                "would be lost. Attach again (or call node_store again) and put there"
+                f"store {core.name!r} was removed (by its owner, or swept) or re-created since "
+                "this process attached it: attach again (or call node_store again) and put there"
             )
         self.started = time.monotonic_ns()
         deadline = time.monotonic() + self.timeout

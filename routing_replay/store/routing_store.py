@@ -343,9 +343,9 @@ class RoutingStore:
         return self._core.segment.is_current()
 
     def is_served(self) -> bool:
-        """Whether the store is still in use: its owner holds it, and it is current or was
-        removed from /dev/shm by anything but its owner (a wipe; the owner still serves its
-        samples). False for a closed handle. Puts into a store not served are refused."""
+        """Whether the store is still in use: current, or removed from /dev/shm by anything
+        but its owner (a wipe) while its owner holds it (and serves its samples). False for a
+        closed handle. Puts into a store not served are refused."""
         return self._core.served()
 
     def unlink(self) -> None:
