@@ -9,9 +9,18 @@ import threading
 import numpy as np
 import pytest
 import torch
-from line_stops import interrupted_at
+from line_stops import PACKAGE, interrupted_at
 
-from routing_replay import MISSING, Episode, RoutingReplayError, RoutingStore, capture, replay
+from routing_replay import (
+    MISSING,
+    Episode,
+    RoutingLayout,
+    RoutingRef,
+    RoutingReplayError,
+    RoutingStore,
+    capture,
+    replay,
+)
 from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, TokenMismatchError
 from routing_replay.model.adapters import find_routers
 from routing_replay.model.agreement import routing_agreement
@@ -160,10 +169,12 @@ def test_a_turn_stopped_at_each_line_can_be_added_again_and_close_leaves_one_sam
         store.verify()
 
 
-def test_close_while_another_thread_adds_a_turn_is_refused_and_loses_nothing(model, name):
-    # Thread A is inside add_turn, its put committed; the episode is closed from another
-    # thread meanwhile (a server whose turn coroutine was cancelled while its store thread
-    # goes on). Before: close released A's committed turn and returned turn 1's ref.
+@pytest.mark.parametrize("where", ["self.check_history(tokens, turn)", "turns = [*self.refs"])
+def test_close_while_another_thread_adds_a_turn_is_refused_and_loses_nothing(model, name, where):
+    # Thread A is inside add_turn, before its put or after it committed; the episode is
+    # closed from another thread meanwhile (a server whose turn coroutine was cancelled
+    # while its store thread goes on). Before: close released A's committed turn, or
+    # returned turn 1's ref while A's turn landed after it.
     layout = find_routers(model).layout
     first, first_routes = generate(model, [10, 11, 12])
     second, second_routes = generate(model, [*first, 20, 21])
@@ -171,7 +182,7 @@ def test_close_while_another_thread_adds_a_turn_is_refused_and_loses_nothing(mod
 
     def hold_after_the_put(frame, event, arg):
         here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-        if frame.f_code is Episode.add_turn.__code__ and "turns = [*self.refs" in here:
+        if frame.f_code is Episode._add_turn.__code__ and where in here:
             held.set()
             go.wait()
         return hold_after_the_put
@@ -191,9 +202,9 @@ def test_close_while_another_thread_adds_a_turn_is_refused_and_loses_nothing(mod
         thread.start()
         assert held.wait(10)
         try:
-            with pytest.raises(RoutingReplayError, match="another thread is adding turn 'ep-t2'"):
+            with pytest.raises(RoutingReplayError, match="another thread is inside add_turn"):
                 episode.close()
-            with pytest.raises(RoutingReplayError, match="another thread is adding"):
+            with pytest.raises(RoutingReplayError, match="another thread is inside add_turn"):
                 episode.add_turn(second, second_routes)
         finally:
             go.set()
@@ -212,3 +223,90 @@ def test_an_episode_id_without_room_for_its_turns_is_refused_at_once(name):
         for bad in ("e" * 121, 5, "a/b"):
             with pytest.raises(InvalidArgumentError):
                 Episode(store, bad)
+
+
+class Boom(Exception):
+    """An error raised inside a library call (not an interruption)."""
+
+
+def stopped(stop: int, call, error: type[BaseException]) -> int:
+    """Run `call`, raising `error` at its `stop`-th line event in package code; line events."""
+    seen = 0
+
+    def tracer(frame, event, arg):
+        nonlocal seen
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "line":
+            seen += 1
+            if seen == stop:
+                raise error
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        call()
+    except (KeyboardInterrupt, Boom):
+        pass
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def in_thread(call):
+    """`call()` in another thread (the main one stays alive); its result or error."""
+    out = []
+
+    def run():
+        try:
+            out.append(call())
+        except Exception as e:  # the test's answer
+            out.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return out[0]
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 13])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, Boom])
+def test_a_turn_or_close_stopped_at_any_line_then_used_from_another_thread(name, error, stride):
+    # Stopped at a line of add_turn (turn 2) or of close, by Ctrl-C or by an error raised
+    # inside the call; then a worker thread goes on: turn 2 again if it is not in, turn 3,
+    # close, close again. Before: an error after the put's commit forgot the stored turn
+    # (DuplicateSampleError for good), a stopped close could never close, and a worker
+    # thread was refused for good after a Ctrl-C of the main thread.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 100, 30)
+    routes = layout.random_routes(rng, 30)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        for step in ("turn", "close"):
+            stop, runs = 1, 0
+            while True:
+                episode = Episode(store, f"{step[0]}{stop}")
+                episode.add_turn(tokens[:10], routes[:10])
+                if step == "turn":
+                    seen = stopped(
+                        stop, lambda e=episode: e.add_turn(tokens[:20], routes[:20]), error
+                    )
+                    if episode.num_turns == 1:
+                        assert in_thread(lambda e=episode: e.add_turn(tokens[:20], routes[:20]))
+                    assert in_thread(lambda e=episode: e.add_turn(tokens, routes))
+                else:
+                    episode.add_turn(tokens[:20], routes[:20])
+                    episode.add_turn(tokens, routes)
+                    seen = stopped(stop, episode.close, error)
+                ref = in_thread(episode.close)
+                assert isinstance(ref, RoutingRef), (step, stop, ref)
+                assert in_thread(episode.close) == ref
+                assert len(store) == 1 and ref.sample_id.endswith("-t3"), (step, stop)
+                np.testing.assert_array_equal(store.get(ref), routes)
+                store.release([ref])
+                runs += 1
+                if seen < stop:
+                    break
+                stop += stride
+            assert runs > 5
+        store.verify()

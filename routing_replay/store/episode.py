@@ -17,6 +17,7 @@ trainer gets.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -60,8 +61,7 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
-        # The turn sample being put and the thread putting it, until it is in `refs`.
-        self._putting: tuple[str, int] | None = None
+        self._putting: str | None = None  # a turn sample put, until it is in `refs`
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
 
     @property
@@ -89,6 +89,10 @@ class Episode:
         the engine returned none). `policy_version`: the version this turn was generated
         with (the ref then carries one span per version).
         """
+        self._alone()
+        return self._add_turn(token_ids, routes, policy_version)
+
+    def _add_turn(self, token_ids: Any, routes: Any, policy_version: int | None) -> RoutingRef:
         if self._closed:
             raise RoutingReplayError(f"episode {self.episode_id!r} is closed")
         turn = self.num_turns + 1
@@ -126,18 +130,14 @@ class Episode:
                 "this one has none; pass policy_version for every turn or for none"
             )
         self._drop_unrecorded()
-        self._putting = (f"{self.episode_id}-t{turn}", threading.get_ident())
-        try:
-            ref = self.store.put(
-                self._putting[0],
-                rows,
-                prompt_len=self.prompt_len,
-                token_ids=tokens,
-                policy_version=versions or None,
-            )
-        except Exception:
-            self._putting = None  # a put that raised stored nothing
-            raise
+        self._putting = f"{self.episode_id}-t{turn}"  # (cleared by the next call once settled)
+        ref = self.store.put(
+            self._putting,
+            rows,
+            prompt_len=self.prompt_len,
+            token_ids=tokens,
+            policy_version=versions or None,
+        )
         turns = [*self.refs, ref]
         # One line, no call in it: a stop lands before or after, never between the turn's
         # ref and the state the next turn builds on.
@@ -145,22 +145,32 @@ class Episode:
         self._putting = None
         return ref
 
+    def _alone(self) -> None:
+        """Refuse a call while another thread is inside add_turn or close of this episode
+        (its turns come one after another; a close must not overtake a turn). Read from the
+        threads' stacks, not from a registry a stopped call could leave behind."""
+        me = threading.get_ident()
+        for ident, frame in sys._current_frames().items():
+            while ident != me and frame is not None:
+                if frame.f_code in _CALLS and frame.f_locals.get("self") is self:
+                    raise RoutingReplayError(
+                        f"episode {self.episode_id!r}: another thread is inside add_turn or "
+                        "close of this episode; its calls come one after another: call again "
+                        "once it returned"
+                    )
+                frame = frame.f_back
+
     def _drop_unrecorded(self) -> None:
-        """Release the sample of a turn whose put committed but never reached `refs` (Ctrl-C
-        in between), so that the turn can be added again and `close` leaves nothing."""
+        """Release the sample of a turn whose put committed but never reached `refs` (an
+        interruption in between, or an error raised after the commit), so that the turn can
+        be added again and `close` leaves nothing. Cleared only once settled."""
         pending = self._putting
         if pending is None:
             return
-        sample_id, thread = pending
-        if thread != threading.get_ident() and thread in {t.ident for t in threading.enumerate()}:
-            raise RoutingReplayError(
-                f"episode {self.episode_id!r}: another thread is adding turn {sample_id!r}; "
-                "an episode's calls come one after another: call again once it returned"
-            )
+        recorded = bool(self.refs) and self.refs[-1].sample_id == pending
+        if not recorded and pending in self.store:
+            self.store.release([pending])
         self._putting = None
-        unrecorded = not self.refs or self.refs[-1].sample_id != sample_id
-        if unrecorded and sample_id in self.store:
-            self.store.release([sample_id])
 
     def check_history(self, token_ids: Any, turn: int | None = None) -> None:
         """Raise `TokenMismatchError` unless `token_ids` start with the episode's tokens
@@ -186,11 +196,18 @@ class Episode:
             )
 
     def close(self) -> RoutingRef:
-        """Release the earlier turns' samples; the last turn's ref is the episode's."""
+        """Release the earlier turns' samples; the last turn's ref is the episode's. A close
+        stopped half-way is finished by the next."""
+        self._alone()
         self._drop_unrecorded()
         if not self.refs:
             raise RoutingReplayError(f"episode {self.episode_id!r} has no turns")
         if not self._closed:
-            self.store.release(self.refs[:-1])
+            earlier = [r for r in self.refs[:-1] if r in self.store]  # (not yet released)
+            if earlier:
+                self.store.release(earlier)
             self._closed = True
         return self.refs[-1]
+
+
+_CALLS = {Episode.add_turn.__code__, Episode.close.__code__}  # (`Episode._alone`)
