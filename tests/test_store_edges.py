@@ -347,6 +347,29 @@ store.unlink()
 
 
 @pytest.mark.stress  # a subprocess that imports the package
+def test_a_live_stores_spill_dir_that_lost_its_lock_file_is_kept_by_sweeps(name, tmp_path):
+    # A cleaner of old files removes the users lock file (never written after its creation).
+    # Before: a sweep took the directory for a half-made one once its mtime was a minute
+    # old, and removed it with the live store's spilled samples. A half-made one (no users
+    # file, no spill file) still goes.
+    store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    rows = {f"s{i}": TINY.random_routes(np.random.default_rng(i), 2 * P) for i in range(4)}
+    for sample_id, routes in rows.items():
+        store.put(sample_id, routes)
+    assert store.stats().samples_spilled >= 2
+    os.unlink(os.path.join(store.spill_dir, "owner.lock"))
+    half = tmp_path / "rr_half-made-0000000000000001"
+    half.mkdir(mode=0o700)
+    for path in (store.spill_dir, half):
+        os.utime(path, (time.time() - 3600,) * 2)
+    assert sweep_spill_dirs(tmp_path) == [str(half)]
+    assert sweep_spill_dirs(tmp_path, dead_owners=False) == []
+    for sample_id, routes in rows.items():
+        np.testing.assert_array_equal(store.get(sample_id), routes)
+    store.close()
+    store.unlink()
+
+
 def test_a_live_store_of_another_pod_keeps_its_spill_dir(name, tmp_path):
     """Pods with their own /dev/shm sharing one spill disk: a create, and a sweep, here never
     remove the directory of a store that lives there (its owner holds its lock)."""

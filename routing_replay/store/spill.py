@@ -745,12 +745,7 @@ def remove_spill_dir_if_unused(path: str) -> bool:
     try:
         fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:  # being created, for a minute; else half made and left
-        try:
-            if time.time() - os.lstat(path).st_mtime <= HALF_MADE_S:
-                return False
-        except OSError:
-            return False
-        return _bury(path)
+        return _half_made(path) and _bury(path)
     except OSError:
         return False  # something we cannot judge: left alone
     try:
@@ -761,6 +756,18 @@ def remove_spill_dir_if_unused(path: str) -> bool:
         return _same_file(fd, lock) and _bury(path)
     finally:
         os.close(fd)
+
+
+def _half_made(path: str) -> bool:
+    """Whether a store directory without its users file is one whose making stopped: over a
+    minute old and holding no spill file. One that holds spill files lost its users file to
+    something else (a cleaner of old files) and may be a live store's: left alone."""
+    try:
+        if time.time() - os.lstat(path).st_mtime <= HALF_MADE_S:
+            return False
+        return not any(n.endswith(SPILL_SUFFIX) for n in os.listdir(path))
+    except OSError:
+        return False
 
 
 def _bury(path: str) -> bool:
@@ -789,10 +796,7 @@ def _unused(path: str) -> bool:
     try:
         fd = os.open(os.path.join(path, USERS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        try:
-            return time.time() - os.lstat(path).st_mtime > HALF_MADE_S
-        except OSError:
-            return False
+        return _half_made(path)
     except OSError:
         return False  # something we cannot judge: left alone
     try:
