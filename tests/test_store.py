@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -580,6 +581,36 @@ def test_a_segment_removed_by_others_than_its_owner_still_takes_puts(name):
     writer.close()
     owner.close()
     assert not writer.is_served() and not owner.is_served()  # closed (before: AttributeError)
+
+
+def test_a_put_waiting_for_room_while_its_owner_removes_the_store_stores_nothing(name):
+    # Before: it went on waiting, committed once a release made room, and returned a ref
+    # into a store no process could attach any more.
+    owner = RoutingStore.create(name, LAYOUT, capacity_tokens=4 * 16, page_tokens=16)
+    writer, trainer = RoutingStore.attach(name), RoutingStore.attach(name)
+    rows = [LAYOUT.random_routes(np.random.default_rng(i), 16) for i in range(5)]
+    refs = [owner.put(f"s{i}", rows[i]) for i in range(4)]  # full
+    said = []
+    waiting = threading.Thread(
+        target=lambda: said.append(_outcome(lambda: writer.put("late", rows[4], timeout=20)))
+    )
+    waiting.start()
+    time.sleep(0.3)  # inside its put, waiting for room
+    owner.unlink()
+    trainer.release(refs[:1])  # room appears
+    waiting.join(20)
+    (error,) = said
+    assert isinstance(error, StoreUnavailableError) and "nothing was put" in str(error)
+    assert "late" not in owner and len(owner) == 3
+    for handle in (writer, trainer, owner):
+        handle.close()
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as e:  # the test's answer
+        return e
 
 
 def _hold_the_lock(name: str, held, go) -> None:

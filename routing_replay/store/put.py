@@ -229,10 +229,7 @@ class PutTransaction:
         """Store every sample and return their refs, in order; on any error, store none."""
         core = self.core
         if not core.served():
-            raise StoreUnavailableError(
-                f"store {core.name!r} was removed (by its owner, or swept) or re-created since "
-                "this process attached it: attach again (or call node_store again) and put there"
-            )
+            raise removed_error(core.name)
         self.started = time.monotonic_ns()
         deadline = time.monotonic() + self.timeout
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
@@ -331,6 +328,8 @@ class PutTransaction:
         core = self.core
         t, samples = core.tables, core.samples
         self._refuse_duplicates()  # put meanwhile by another writer
+        if not core.served():  # removed while this put waited for room or the lock
+            raise removed_error(core.name)
         if not core.pages.still_mine(resv).all():
             raise CorruptStoreError(
                 f"store {core.name!r}: pages this writer reserved were given to another writer"
@@ -473,3 +472,10 @@ def fill_pages(
     except InvalidRoutesError:
         layout.check_ids(rows)  # the same error, positions in the whole sample
         raise
+
+
+def removed_error(name: str) -> StoreUnavailableError:
+    return StoreUnavailableError(
+        f"store {name!r} was removed (by its owner, or swept) or re-created since this process "
+        "attached it: nothing was put; attach again (or call node_store again) and put there"
+    )
