@@ -176,6 +176,22 @@ def test_the_wire_form_rebuilds_the_same_rows_and_ships_shared_pages_once(group,
     assert wire.nbytes == (routed - 3 * 16) * per_token + wire.request.copies.nbytes
 
 
+def test_a_ship_that_keeps_views_of_the_store_is_refused(group):
+    # A `ship` that returns (or writes into) the views it is given: a release and a later
+    # put would rebuild another sample's routes under this id (before: no error).
+    store, refs, _ = group
+    with pytest.raises(InvalidArgumentError, match="ship` returned views of the store"):
+        store.read_wire(refs, ship=lambda w: w)
+
+    def writes(wire):
+        wire.routes[0][0] = 0
+
+    with pytest.raises(ValueError, match="read-only"):
+        store.read_wire(refs, ship=writes)
+    assert store.read_wire(refs).batch().equals(store.read(refs))  # (gathered: copies)
+    store.verify()
+
+
 def test_the_wire_form_of_ranges_ships_only_their_tokens(group):
     store, refs, _ = group
     ranges = [[(0, 3), (10, 14)], (2, 5), (12, 22), (0, 0), (4, 9)]

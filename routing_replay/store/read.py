@@ -276,11 +276,21 @@ class ReadPlan:
         copies[:, 2] = at[k] + src - first[k]  # the same tokens, at their place in the runs
         views = WireBatch(
             request._replace(copies=copies),
-            [routes[a:b] for a, b in spans],
-            [tokens[a:b] for a, b in spans] if request.has_tokens.any() else [],
+            [_read_only(routes[a:b]) for a, b in spans],
+            [_read_only(tokens[a:b]) for a, b in spans] if request.has_tokens.any() else [],
         )
         shipped = (ship or WireBatch.gathered)(views)
         del views, routes, tokens  # no view of the segment outlives the read
+        if isinstance(shipped, WireBatch) and any(
+            np.may_share_memory(a, shm)
+            for a in (*shipped.routes, *shipped.tokens)
+            for shm in (self.core.tables.data, self.core.tables.tokens)
+        ):
+            raise InvalidArgumentError(
+                "read_wire: `ship` returned views of the store's shared memory, which a "
+                "release and a later put may overwrite: it must copy them (ray.put does, "
+                "WireBatch.gathered does)"
+            )
         self.check_unchanged()
         return shipped
 
@@ -458,7 +468,7 @@ class WireBatch(NamedTuple):
         """The route runs copied with ids in one byte where the layout stores two only for
         its missing marker (256 experts: DeepSeek-V3's family), the marker's places listed
         apart (a whole row once): about half the route bytes cross. Otherwise (or if the
-        list would cost more than it saves) itself."""
+        list would cost more than it saves) itself: views still, which `ship` copies."""
         layout = self.request.layout
         if self.missing is not None or layout.dtype.itemsize != 2 or layout.num_experts > 256:
             return self
@@ -502,6 +512,11 @@ class WireBatch(NamedTuple):
             token_at,
             self.missing,
         )
+
+
+def _read_only(view: np.ndarray) -> np.ndarray:
+    view.flags.writeable = False  # (a `ship` that writes into the store fails loudly)
+    return view
 
 
 def _narrow(run: np.ndarray, marker: int) -> tuple[np.ndarray, np.ndarray]:
