@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from routing_replay.errors import InvalidArgumentError, InvalidRoutesError
-from routing_replay.validate import MISSING, not_integer, out_of_range, repeated
+from routing_replay.validate import MISSING, host_array, not_integer, out_of_range, repeated
 
 # MISSING (-1) marks "no routing recorded here" in every signed view of routes (put input,
 # get output, torch tensors, replay input). In storage it becomes `layout.missing`.
@@ -114,12 +114,7 @@ class RoutingLayout:
 
     def select_moe(self, routes: Any) -> np.ndarray:
         """Check dtype and shape of `[T, L, K]` routes and drop dense layers (ids unchecked)."""
-        try:
-            arr = np.asarray(routes)
-        except ValueError as e:  # ragged nested lists
-            raise InvalidRoutesError(
-                f"routes must be a [num_tokens, num_layers, top_k] integer array, got {e}"
-            ) from None
+        arr = host_array(routes, "routes [num_tokens, num_layers, top_k]", InvalidRoutesError)
         if arr.dtype.kind not in "iu":
             raise not_integer(arr.dtype)
         if arr.ndim != 3 or arr.shape[2] != self.top_k:

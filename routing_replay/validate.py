@@ -25,6 +25,28 @@ MISSING = -1  # a (token, layer) row with no recorded route: routed natively und
 Where = Callable[[int, int], str]
 
 
+# What turning a value into a numpy array may raise: ragged lists (ValueError), a tensor of
+# a dtype numpy lacks (bf16: TypeError), a meta or device tensor (TypeError,
+# NotImplementedError), a dict or a string of digits' worth of nonsense.
+UNCONVERTIBLE = (ValueError, TypeError, NotImplementedError, RuntimeError)
+
+
+def host_array(value: Any, what: str, error: type[Exception] = InvalidArgumentError) -> Any:
+    """`value` as a numpy array (a tensor detached and brought to the host), or `error`
+    saying what `what` must be."""
+    import numpy as np
+
+    try:
+        if hasattr(value, "detach"):  # a torch tensor, maybe on a device
+            value = value.detach().cpu().numpy()
+        return np.asarray(value)
+    except UNCONVERTIBLE as e:
+        raise error(
+            f"{what} must be a host array (or CPU tensor) of integers, got "
+            f"{type(value).__name__}: {type(e).__name__}: {e}"
+        ) from None
+
+
 def not_integer(dtype: object) -> InvalidRoutesError:
     """Routes of a non-integer dtype."""
     return InvalidRoutesError(

@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from line_stops import interrupted_at
 
-from routing_replay import RoutingLayout, RoutingStore, cli
+from routing_replay import Episode, RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
     CorruptStoreError,
     InvalidArgumentError,
@@ -943,6 +944,22 @@ def test_bad_inputs_are_routing_replay_errors_that_store_nothing(name):
         (lambda: store.put("b", rows, token_ids=[[1], [2, 3], [4]]), InvalidArgumentError),
         (lambda: store.put("c", rows, policy_version=1.5), InvalidArgumentError),
         (lambda: store.put_many(5), InvalidArgumentError),
+        # Round 12: tensors numpy cannot take, and what Episode cast instead of refusing.
+        (lambda: store.put("d", torch.zeros(3, 3, 2, dtype=torch.bfloat16)), InvalidRoutesError),
+        (
+            lambda: store.put("e", torch.empty(3, 3, 2, device="meta", dtype=torch.int64)),
+            InvalidRoutesError,
+        ),
+        (
+            lambda: store.put("f", rows, token_ids=torch.empty(3, device="meta")),
+            InvalidArgumentError,
+        ),
+        (lambda: Episode(store, "g").add_turn(np.ones(3), rows), InvalidArgumentError),
+        (lambda: Episode(store, "h").add_turn("abc", rows), InvalidArgumentError),
+        (
+            lambda: Episode(store, "i").add_turn([1, 2, 3], rows, policy_version="3"),
+            InvalidArgumentError,
+        ),
     ]
     for call, error in bad:
         with pytest.raises(error):

@@ -31,8 +31,9 @@ from routing_replay.errors import (
 )
 from routing_replay.layout import MISSING
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
-from routing_replay.store.refs import RoutingRef, sample_id_bytes
+from routing_replay.store.refs import RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
+from routing_replay.validate import host_array
 
 TURN_DIGITS = 6  # turns an episode id leaves room for: up to 999,999
 
@@ -96,7 +97,7 @@ class Episode:
         if self._closed:
             raise RoutingReplayError(f"episode {self.episode_id!r} is closed")
         turn = self.num_turns + 1
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        tokens = _turn_tokens(token_ids, self.episode_id)
         layout = self.store.layout
         given = layout.select_moe(routes)
         if given.dtype == layout.dtype:  # the stored narrow form: its marker is missing
@@ -121,6 +122,11 @@ class Episode:
             differ = recorded & returned & (rows[:before] != earlier).any(-1).any(-1)
             self.conflicts += int(differ.sum())
             rows[:before][recorded] = earlier[recorded]
+        if policy_version is not None and not whole_number(policy_version):
+            raise InvalidArgumentError(
+                f"episode {self.episode_id!r} turn {turn}: policy_version must be an int >= 0 "
+                f"(the version this turn was generated with), got {policy_version!r}"
+            )
         versions = list(self._versions)
         if policy_version is not None and (not versions or versions[-1][1] != policy_version):
             versions.append((before, int(policy_version)))
@@ -176,7 +182,7 @@ class Episode:
         """Raise `TokenMismatchError` unless `token_ids` start with the episode's tokens
         (call it before generating a turn: a re-tokenised history fails before any work)."""
         turn = self.num_turns + 1 if turn is None else turn
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        tokens = _turn_tokens(token_ids, self.episode_id)
         before = self._tokens
         if len(tokens) < len(before):
             raise TokenMismatchError(
@@ -211,3 +217,15 @@ class Episode:
 
 
 _CALLS = {Episode.add_turn.__code__, Episode.close.__code__}  # (`Episode._alone`)
+
+
+def _turn_tokens(token_ids: Any, episode_id: str) -> np.ndarray:
+    """A turn's token ids as int64 `[T]`, or InvalidArgumentError (floats, strings: refused
+    as `put` refuses them, not cast)."""
+    tokens = host_array(token_ids, f"episode {episode_id!r}: token_ids")
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"episode {episode_id!r}: token_ids must be a 1-D integer array (every token so "
+            f"far), got shape {tokens.shape} and dtype {tokens.dtype}"
+        )
+    return tokens.astype(np.int64)

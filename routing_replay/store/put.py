@@ -59,6 +59,7 @@ from routing_replay.store.refs import (
 )
 from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.samples import token_digest
+from routing_replay.validate import host_array
 
 if TYPE_CHECKING:
     from routing_replay.store.core import StoreCore, StoreStats
@@ -419,12 +420,7 @@ class PutTransaction:
 
 def _token_ids(token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
     """Checked token ids as stored (int32)."""
-    if hasattr(token_ids, "detach"):  # a torch tensor, maybe on a device
-        token_ids = token_ids.detach().cpu().numpy()
-    try:
-        tokens = np.asarray(token_ids)
-    except ValueError:  # ragged nested lists: refused below
-        tokens = np.empty((0, 0))
+    tokens = host_array(token_ids, f"sample {sample_id!r}: token_ids")
     if tokens.ndim != 1 or len(tokens) != num_tokens or tokens.dtype.kind not in "iu":
         raise InvalidArgumentError(
             f"sample {sample_id!r}: token_ids must be a 1-D integer array with one id per "
