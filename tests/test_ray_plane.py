@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from routing_replay.ray import (  # noqa: E402
     split_stale,
 )
 from routing_replay.ray.actor import (  # noqa: E402
+    NodeStoreActor,
     shutdown_node_stores,
     store_actor,
     store_actors,
@@ -463,14 +465,14 @@ def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(clust
     assert new[0].store != old[0].store and os.path.exists(segment_path(new[0].store))
     (actor,) = store_actors(job).values()
     stats = ray.get(actor.stats.remote())
-    assert (stats["samples"], stats["retired_samples"]) == (2, 3)
+    assert (stats["samples"], stats["retired_stores"], stats["retired_samples"]) == (2, 1, 3)
     got = ray.get(readers[0].dataset.remote([*old[1:], *new], release=True, layout=LAYOUT))
     assert sorted(got) == ["x2", "x3", "x4", "x5"]
     for i in (2, 3, 4, 5):
         np.testing.assert_array_equal(got[f"x{i}"], sample_routes(i))
     assert ray.get(readers[0].release.remote(old[:1])) == 1
-    stats = ray.get(actor.stats.remote())
-    assert (stats["samples"], stats["retired_samples"]) == (0, 0)
+    stats = ray.get(actor.stats.remote())  # the emptied store given back (before: kept)
+    assert (stats["samples"], stats["retired_stores"], stats["retired_samples"]) == (0, 0, 0)
     # An episode open across a wipe: its turns stay in its store, served by the actor
     # (before: every later turn was refused, "attach again", and the episode was lost).
     ref, routes, moved = ray.get(ray.remote(episode_across_a_wipe).options(**on(other)).remote(job))
@@ -485,6 +487,33 @@ def test_a_segment_wiped_from_dev_shm_under_its_live_actor_costs_no_sample(clust
     np.testing.assert_array_equal(got, sample_routes(80))
     assert ray.get(readers[0].release.remote([ref])) == 1
     assert shutdown_node_stores(job) == 1
+    assert [f for f in os.listdir(SHM_DIR) if job in f] == []
+
+
+def test_a_wiped_store_whose_replacement_cannot_be_made_still_serves_its_samples(cluster):
+    # /dev/shm with room for one segment (the removed one still holds its memory while the
+    # actor maps it): no new store can be made. Before: reads and releases of the removed
+    # store's samples failed with the new store's allocation error. The actor's own class,
+    # run here (a file size limit in this process stands for the full /dev/shm).
+    job = f"t{uuid.uuid4().hex[:6]}"
+    actor = NodeStoreActor(job, LAYOUT.to_json(), StoreOptions(job_watch_s=None))
+    refs = [actor.store.put(f"x{i}", sample_routes(i)) for i in (1, 2)]
+    os.unlink(segment_path(refs[0].store))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # (Python ignores SIGXFSZ)
+    try:
+        wire = ray.get(actor.read(refs))
+        for i, routes in zip((1, 2), _split(wire.batch()), strict=True):
+            np.testing.assert_array_equal(routes.numpy(), sample_routes(i))
+        with pytest.raises(StoreUnavailableError, match="no new store could be made"):
+            actor.info()
+        assert actor.release(refs[:1]) == 1
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert actor.info()["store"] != refs[0].store  # room again: a new store for new puts
+    assert actor.release(refs[1:]) == 1
+    assert actor.stats()["retired_stores"] == 0  # emptied, given back
+    actor.shutdown()
     assert [f for f in os.listdir(SHM_DIR) if job in f] == []
 
 

@@ -182,25 +182,54 @@ class NodeStoreActor:
         if not store.is_current():
             with self._renew:
                 if self.__dict__.get("store") is store:
-                    _LOG.warning(
-                        "store actor %s: segment of %s was removed from /dev/shm; its samples "
-                        "stay served from this actor, new puts go to a new store",
-                        self.job,
-                        store.name,
-                    )
-                    self.retired[store.name] = store
-                    self.store = self._create()
+                    if store.name not in self.retired:
+                        _LOG.warning(
+                            "store actor %s: segment of %s was removed from /dev/shm; its "
+                            "samples stay served from this actor, new puts go to a new store",
+                            self.job,
+                            store.name,
+                        )
+                        self.retired[store.name] = store
+                    try:
+                        self.store = self._create()
+                    except StoreUnavailableError as e:  # tried again at the next call
+                        raise StoreUnavailableError(
+                            f"the segment of store {store.name!r} was removed from /dev/shm "
+                            f"(its samples are still served) and no new store could be made "
+                            f"for new puts: {e}"
+                        ) from None
             return self._live()
         return store
 
     def _holding(self, refs: list[RoutingRef | str]) -> RoutingStore:
-        """The store holding `refs` (the current one, or a retired one, by their store)."""
-        store = self._live()
+        """The store holding `refs`: a retired one, by their store, or the current one."""
         names = {r.store for r in refs if isinstance(r, RoutingRef)}
-        if len(names) == 1 and names <= self.retired.keys():
-            return self.retired[names.pop()]
+
+        def retired() -> RoutingStore | None:
+            return self.retired.get(next(iter(names))) if len(names) == 1 else None
+
+        try:
+            store = self._live()  # (finds a wipe: the refs' store may be retired by it)
+        except StoreUnavailableError:
+            if retired() is None:
+                raise
+            return retired()  # type: ignore[return-value]
+        held = retired()
+        if held is not None:
+            return held
         _check_refs_in(refs, store.name, self.node_id)
         return store
+
+    def _retire_if_empty(self, store: RoutingStore) -> None:
+        """Give back a retired store once it holds nothing: marked removed first (under its
+        lock: handles of it take no puts from then on), closed if still empty then."""
+        if store.name not in self.retired or len(store):
+            return
+        store.unlink()
+        if not len(store):  # (else a put committed before the mark: served until shutdown)
+            with contextlib.suppress(BufferError, OSError):
+                store.close()
+            self.retired.pop(store.name, None)
 
     def info(self) -> dict[str, Any]:
         """Store name, node, pid and layout: what `node_store` needs to attach."""
@@ -257,18 +286,29 @@ class NodeStoreActor:
         """Release samples of this store; returns how many."""
         store = self._holding(refs)
         store.release(refs)
+        self._retire_if_empty(store)
         with self._lock:
             self.counters["released"] += len(refs)
         return len(refs)
 
     def stats(self) -> dict[str, Any]:
         """The store's StoreStats fields plus this actor's read/release counters, and the
-        samples still held by stores whose segment left /dev/shm (`retired_samples`)."""
+        stores whose segment left /dev/shm and the samples they still hold (each store given
+        back here, or at a release through this actor, once it holds none; metrics export
+        calls this every few seconds)."""
         with self._lock:
             counters = dict(self.counters)
         store = self._live()
-        retired = sum(s.stats().samples for s in list(self.retired.values()))
-        return {**vars(store.stats()), **counters, "store": store.name, "retired_samples": retired}
+        for each in list(self.retired.values()):  # (released by their own handles meanwhile)
+            self._retire_if_empty(each)
+        retired = list(self.retired.values())
+        return {
+            **vars(store.stats()),
+            **counters,
+            "store": store.name,
+            "retired_stores": len(retired),  # (given back once empty)
+            "retired_samples": sum(s.stats().samples for s in retired),
+        }
 
     def shutdown(self) -> None:
         """Unmap and unlink the segment (idempotent); the caller then kills the actor."""

@@ -358,9 +358,15 @@ class RoutingStore:
         self._remove()
 
     def _remove(self) -> None:
-        """The owner removes the store: marked first, so handles of it take no more puts."""
-        if self._core.segment.fd >= 0:
-            self._core.tables.hdr["unlinked"] = 1
+        """The owner removes the store: marked first, under the lock, so that no put commits
+        after (a put checks the mark under the lock at its commit)."""
+        core = self._core
+        if core.segment.fd >= 0:
+            try:
+                with core.lock.held("unlink", core.deadline(0)):
+                    core.tables.hdr["unlinked"] = 1
+            except (RoutingReplayError, OSError):  # wedged or corrupt: marked all the same
+                core.tables.hdr["unlinked"] = 1
         self._core.segment.unlink()
         remove_spill_dir(self._core.spill.dir)
 
