@@ -183,6 +183,14 @@ def test_a_path_in_a_missing_directory_or_naming_one_is_refused_before_any_read(
         save_routes(tmp_path / "nope" / "routes.arrow", refs, read=read)
     with pytest.raises(InvalidArgumentError, match="is a directory"):
         save_routes(tmp_path, refs, read=read)
+    os.mkfifo(tmp_path / "pipe")  # before: replaced by the archive (as root: /dev/null too)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    for other in ("pipe", "link"):
+        with pytest.raises(InvalidArgumentError, match="is not a regular file"):
+            save_routes(tmp_path / other, refs, read=read)
+    assert sorted(os.listdir(tmp_path)) == ["link", "pipe"]
+    os.unlink(tmp_path / "pipe")
+    os.unlink(tmp_path / "link")
     for chunk in ("5", None, 0, True):  # before: a raw TypeError for "5" and None
         with pytest.raises(InvalidArgumentError, match="chunk_tokens must be an int >= 1"):
             save_routes(tmp_path / "routes.arrow", refs, read=read, chunk_tokens=chunk)

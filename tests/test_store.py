@@ -583,6 +583,23 @@ def test_a_segment_removed_by_others_than_its_owner_still_takes_puts(name):
     assert not writer.is_served() and not owner.is_served()  # closed (before: AttributeError)
 
 
+def test_removing_a_wiped_store_leaves_the_store_made_under_its_name_since(name):
+    # A wipe, then the obvious recovery: a new store under the same name. Before: the old
+    # owner's unlink (or the end of its `with` block) deleted the new store's file, so no
+    # process could attach it while its owner went on putting.
+    old = RoutingStore.create(name, LAYOUT, capacity_tokens=1000)
+    os.unlink(segment_path(name))
+    new = RoutingStore.create(name, LAYOUT, capacity_tokens=1000)
+    ref = new.put("s", sample(1)[0])
+    old.unlink()
+    old.close()
+    with RoutingStore.attach(name) as reader:
+        np.testing.assert_array_equal(reader.get(ref), sample(1)[0])
+    new.close()
+    new.unlink()
+    assert not os.path.exists(segment_path(name))
+
+
 def test_a_put_waiting_for_room_while_its_owner_removes_the_store_stores_nothing(name):
     # Before: it went on waiting, committed once a release made room, and returned a ref
     # into a store no process could attach any more.

@@ -223,12 +223,14 @@ class NodeStoreActor:
     def _retire_if_empty(self, store: RoutingStore) -> None:
         """Give back a retired store once it holds nothing: marked removed first (under its
         lock: handles of it take no puts from then on), closed if still empty then."""
-        if store.name not in self.retired or len(store):
-            return
+        if store.name not in self.retired or store is self.__dict__.get("store") or len(store):
+            return  # (the current store too: no new one could be made yet)
         store.unlink()
         if not len(store):  # (else a put committed before the mark: served until shutdown)
-            with contextlib.suppress(BufferError, OSError):
-                store.close()
+            try:
+                store.close(timeout=0)
+            except (BufferError, OSError):  # another call still on it: at a later call
+                return
             self.retired.pop(store.name, None)
 
     def info(self) -> dict[str, Any]:

@@ -189,6 +189,11 @@ def save_routes(
             f"save_routes: {path} is a directory: name the archive file in it, e.g. "
             f"{os.path.join(path, 'routes.arrow')}"
         )
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise InvalidArgumentError(
+            f"save_routes: {path} exists and is not a regular file (a device, a pipe, a "
+            "symbolic link): the archive would replace it; name a file path"
+        )
     chunks = list(_chunks(refs, chunk_tokens))
     _remove_dead_partials(path)
     made: list[str] = []  # the temporary file, named before it is made: removed on any error

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -279,17 +280,14 @@ class ReadPlan:
             [_read_only(routes[a:b]) for a, b in spans],
             [_read_only(tokens[a:b]) for a, b in spans] if request.has_tokens.any() else [],
         )
+        handed = [weakref.ref(a) for a in (*views.routes, *views.tokens)]
         shipped = (ship or WireBatch.gathered)(views)
-        del views, routes, tokens  # no view of the segment outlives the read
-        if isinstance(shipped, WireBatch) and any(
-            np.may_share_memory(a, shm)
-            for a in (*shipped.routes, *shipped.tokens)
-            for shm in (self.core.tables.data, self.core.tables.tokens)
-        ):
+        del views, routes, tokens  # no view of the segment outlives the read...
+        if any(view() is not None for view in handed):  # ... unless `ship` kept one
             raise InvalidArgumentError(
-                "read_wire: `ship` returned views of the store's shared memory, which a "
-                "release and a later put may overwrite: it must copy them (ray.put does, "
-                "WireBatch.gathered does)"
+                "read_wire: `ship` kept views of the store's shared memory (returned, wrapped "
+                "or queued), which a release and a later put may overwrite: it must copy "
+                "them before it returns (ray.put does, WireBatch.gathered does)"
             )
         self.check_unchanged()
         return shipped

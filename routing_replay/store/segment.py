@@ -164,6 +164,8 @@ class Segment:
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
         self._to_close = [f for f in (fd, lock_fd) if f >= 0]  # what close() closes, once
+        st = os.fstat(fd)
+        self._inode = (st.st_dev, st.st_ino)  # the file this mapping is, for unlink()
         _SEGMENTS.add(self)
 
     @property
@@ -282,9 +284,15 @@ class Segment:
         close_each(self._to_close)  # (also what a close stopped here left): leases, lock go
 
     def unlink(self) -> None:
-        """Remove the segment file; mappings stay valid until closed."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Remove the segment file, if the path still names it (not a store made under the
+        name since a wipe removed this one); mappings stay valid until closed."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def discard(self) -> None:
         """Remove a segment whose creation failed, and give back what it holds now."""
