@@ -202,9 +202,9 @@ def test_close_while_another_thread_adds_a_turn_is_refused_and_loses_nothing(mod
         thread.start()
         assert held.wait(10)
         try:
-            with pytest.raises(RoutingReplayError, match="another thread is inside add_turn"):
+            with pytest.raises(RoutingReplayError, match="another call is inside add_turn"):
                 episode.close()
-            with pytest.raises(RoutingReplayError, match="another thread is inside add_turn"):
+            with pytest.raises(RoutingReplayError, match="another call is inside add_turn"):
                 episode.add_turn(second, second_routes)
         finally:
             go.set()
@@ -310,3 +310,46 @@ def test_a_turn_or_close_stopped_at_any_line_then_used_from_another_thread(name,
                 stop += stride
             assert runs > 5
         store.verify()
+
+
+def test_a_signal_handler_closing_the_episode_inside_its_turn_is_refused(name):
+    # A SIGTERM handler that closes open episodes runs in the thread it interrupts: at each
+    # line of turn 2 it calls close(). Before: at some lines it released the committed turn
+    # (lost), at others returned turn 1's ref while turn 2 was stored after it (a leak).
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(1)
+    tokens, routes = rng.integers(0, 100, 20), layout.random_routes(rng, 20)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        stop, refused = 1, 0
+        while True:
+            episode = Episode(store, f"s{stop}")
+            episode.add_turn(tokens[:10], routes[:10])
+            said, seen = [], 0
+
+            def handler(frame, event, arg, episode=episode, stop=stop, said=said):
+                nonlocal seen
+                if event == "line" and frame.f_code.co_filename.startswith(PACKAGE):
+                    seen += 1
+                    if seen == stop:
+                        sys.settrace(None)
+                        try:
+                            said.append(episode.close())
+                        except RoutingReplayError as e:
+                            said.append(e)
+                return handler if frame.f_code.co_filename.startswith(PACKAGE) else None
+
+            sys.settrace(handler)
+            try:
+                ref = episode.add_turn(tokens, routes)
+            finally:
+                sys.settrace(None)
+            if said and isinstance(said[0], RoutingReplayError):
+                refused += 1
+            if not said:  # ran to its end before the stop: every line was tried
+                break
+            assert not isinstance(said[0], RoutingRef), (stop, said[0])  # never closed inside
+            assert episode.close() == ref and len(store) == 1
+            np.testing.assert_array_equal(store.get(ref), routes)
+            store.release([ref])
+            stop += 7
+        assert refused > 20

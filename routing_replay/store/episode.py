@@ -155,14 +155,17 @@ class Episode:
         """Refuse a call while another thread is inside add_turn or close of this episode
         (its turns come one after another; a close must not overtake a turn). Read from the
         threads' stacks, not from a registry a stopped call could leave behind."""
-        me = threading.get_ident()
+        me, caller = threading.get_ident(), sys._getframe(1)  # (add_turn's or close's)
         for ident, frame in sys._current_frames().items():
-            while ident != me and frame is not None:
+            if ident == me:  # this thread: a call below the caller (a signal handler) too
+                frame = caller.f_back
+            while frame is not None:
                 if frame.f_code in _CALLS and frame.f_locals.get("self") is self:
                     raise RoutingReplayError(
-                        f"episode {self.episode_id!r}: another thread is inside add_turn or "
-                        "close of this episode; its calls come one after another: call again "
-                        "once it returned"
+                        f"episode {self.episode_id!r}: another call is inside add_turn or close "
+                        "of this episode (another thread's, or this thread's, interrupted by a "
+                        "signal handler); its calls come one after another: call again once "
+                        "it returned"
                     )
                 frame = frame.f_back
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -53,6 +52,7 @@ from routing_replay.store.refs import (
     token_ranges,
 )
 from routing_replay.store.spill import SpillFile
+from routing_replay.store.tables import lent_rows
 
 if TYPE_CHECKING:
     from routing_replay.store.core import StoreCore
@@ -270,7 +270,11 @@ class ReadPlan:
         src = request.copies[:, 2]
         first, last = _union(src, src + request.copies[:, 3])
         spans = list(zip(first.tolist(), last.tolist(), strict=True))
-        routes, tokens = self._stored_routes(), self._stored_tokens()
+        # `ship` gets views of a memoryview lent for this call: if any view of it (or one
+        # made from one, or an Arrow array over one) outlives `ship`, its release fails.
+        lent = memoryview(self.core.segment.mmap)
+        data, token_rows = lent_rows(self.core.tables, lent)
+        routes, tokens = self._stored(data, "routes"), self._stored(token_rows, "tokens")
         at = np.concatenate([[0], np.cumsum(last - first)])
         k = np.searchsorted(first, src, side="right") - 1
         copies = request.copies.copy()
@@ -280,15 +284,18 @@ class ReadPlan:
             [_read_only(routes[a:b]) for a, b in spans],
             [_read_only(tokens[a:b]) for a, b in spans] if request.has_tokens.any() else [],
         )
-        handed = [weakref.ref(a) for a in (*views.routes, *views.tokens)]
-        shipped = (ship or WireBatch.gathered)(views)
-        del views, routes, tokens  # no view of the segment outlives the read...
-        if any(view() is not None for view in handed):  # ... unless `ship` kept one
+        try:
+            shipped = (ship or WireBatch.gathered)(views)
+        finally:
+            del views, routes, tokens, data, token_rows  # no view of the loan outlives it...
+        try:
+            lent.release()
+        except BufferError:  # ... unless `ship` kept one (returned, wrapped, queued, derived)
             raise InvalidArgumentError(
-                "read_wire: `ship` kept views of the store's shared memory (returned, wrapped "
-                "or queued), which a release and a later put may overwrite: it must copy "
-                "them before it returns (ray.put does, WireBatch.gathered does)"
-            )
+                "read_wire: `ship` kept views of the store's shared memory (returned, wrapped, "
+                "queued or made from them), which a release and a later put may overwrite: it "
+                "must copy them before it returns (ray.put does, WireBatch.gathered does)"
+            ) from None
         self.check_unchanged()
         return shipped
 

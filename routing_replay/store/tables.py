@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from routing_replay.errors import CorruptStoreError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
@@ -64,6 +65,18 @@ def uid_on_node(name: str) -> int | None:
     if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
         return 0
     return int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"])
+
+
+def lent_rows(tables: Tables, lent: memoryview) -> tuple[np.ndarray, np.ndarray]:
+    """The stored ids `[pages * P, L * K]` and token ids `[pages * P, 1]` as views of `lent`,
+    a memoryview of the segment made for one loan: once `lent.release()` succeeds, no view
+    of them (nor any view made from one) is alive anywhere."""
+    values = tables.layout.values_per_token
+    rows = tables.num_pages * tables.page_tokens
+    held = pa.py_buffer(lent)  # holds an export of `lent` (numpy's frombuffer would not)
+    data = np.frombuffer(held, tables.layout.dtype, rows * values, tables.offsets["data"])
+    tokens = np.frombuffer(held, TOKEN_DTYPE, rows, tables.offsets["tokens"])
+    return data.reshape(rows, values), tokens.reshape(rows, 1)
 
 
 def corrupt_error(store: str, what: str) -> CorruptStoreError:
@@ -149,6 +162,7 @@ class Tables:
         self.tokens = view(buf, TOKEN_DTYPE, (self.num_pages, self.page_tokens), offsets["tokens"])
         page_values = self.page_tokens * self.layout.values_per_token
         self.data = view(buf, self.layout.dtype, (self.num_pages, page_values), offsets["data"])
+        self.offsets = {f: offsets[f] for f in ("data", "tokens")}  # (`lent_rows`)
         # One view per field, made once: field lookups are on every put's path.
         for field in PAGE_DTYPE.names:
             setattr(self, f"p_{field}", self.pages[field])
