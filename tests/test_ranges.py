@@ -202,6 +202,25 @@ def test_a_ship_that_keeps_views_of_the_store_is_refused(group):
     store.verify()
 
 
+def test_a_ship_that_raises_leaves_nothing_that_keeps_the_store_open(name):
+    # `ray.put` failing (the object store full) or a Ctrl-C inside `ship`: its error can be
+    # kept and the store closed meanwhile (before: the views in `ship`'s frame kept the
+    # mapping, close() raised a raw BufferError, and an owner's block left it mapped).
+    class Full(Exception):
+        pass
+
+    def full(views):
+        raise Full("object store full")
+
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=64 * P, page_tokens=P) as store:
+        store.put("a", LAYOUT.random_routes(np.random.default_rng(0), 10))
+        with pytest.raises(Full) as raised:
+            store.read_wire(["a"], ship=full)
+        kept = raised.value  # (a retry loop that collects its errors)
+        store.close()  # the owner's block then removes it: nothing stays mapped
+    assert kept.__traceback__ is not None
+
+
 def test_the_wire_form_of_ranges_ships_only_their_tokens(group):
     store, refs, _ = group
     ranges = [[(0, 3), (10, 14)], (2, 5), (12, 22), (0, 0), (4, 9)]

@@ -223,8 +223,11 @@ class NodeStoreActor:
     def _retire_if_empty(self, store: RoutingStore) -> None:
         """Give back a retired store once it holds nothing: marked removed first (under its
         lock: handles of it take no puts from then on), closed if still empty then."""
-        if store.name not in self.retired or store is self.__dict__.get("store") or len(store):
-            return  # (the current store too: no new one could be made yet)
+        try:
+            if store.name not in self.retired or store is self.__dict__.get("store") or len(store):
+                return  # (the current store too: no new one could be made yet)
+        except StoreUnavailableError:  # closed meanwhile by another call's give-back
+            return
         store.unlink()
         if not len(store):  # (else a put committed before the mark: served until shutdown)
             try:
@@ -309,7 +312,7 @@ class NodeStoreActor:
             **counters,
             "store": store.name,
             "retired_stores": len(retired),  # (given back once empty)
-            "retired_samples": sum(s.stats().samples for s in retired),
+            "retired_samples": sum(_samples(s) for s in retired),
         }
 
     def shutdown(self) -> None:
@@ -323,6 +326,14 @@ class NodeStoreActor:
     def __ray_shutdown__(self) -> None:
         """Ray's graceful-exit hook: unlink the segment if `shutdown` was not called."""
         self.shutdown()
+
+
+def _samples(store: RoutingStore) -> int:
+    """Samples a retired store holds (0 if another call gave it back meanwhile)."""
+    try:
+        return len(store)
+    except StoreUnavailableError:
+        return 0
 
 
 def _check_refs_in(refs: list[RoutingRef | str], store: str, node_id: str) -> None:

@@ -22,6 +22,7 @@ stored tokens it needs, each once, as `ship` (`ray.put`) copies them out of the 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -286,6 +287,13 @@ class ReadPlan:
         )
         try:
             shipped = (ship or WireBatch.gathered)(views)
+        except BaseException as e:  # `ship`'s ended frames hold the views: cleared, so that
+            tb = e.__traceback__.tb_next if e.__traceback__ else None  # the error can be kept
+            while tb is not None:
+                with contextlib.suppress(RuntimeError):  # (a frame still running: left)
+                    tb.tb_frame.clear()
+                tb = tb.tb_next
+            raise
         finally:
             del views, routes, tokens, data, token_rows  # no view of the loan outlives it...
         try:
