@@ -212,13 +212,23 @@ def test_a_ship_that_raises_leaves_nothing_that_keeps_the_store_open(name):
     def full(views):
         raise Full("object store full")
 
-    with RoutingStore.create(name, LAYOUT, capacity_tokens=64 * P, page_tokens=P) as store:
-        store.put("a", LAYOUT.random_routes(np.random.default_rng(0), 10))
-        with pytest.raises(Full) as raised:
-            store.read_wire(["a"], ship=full)
-        kept = raised.value  # (a retry loop that collects its errors)
-        store.close()  # the owner's block then removes it: nothing stays mapped
-    assert kept.__traceback__ is not None
+    def serialize(views):
+        raise MemoryError
+
+    def wrapped(views):  # the views in a helper's frame, on the chained error (round 17)
+        try:
+            serialize(views)
+        except MemoryError as e:
+            raise Full("could not serialise") from e
+
+    for ship in (full, wrapped):
+        with RoutingStore.create(name, LAYOUT, capacity_tokens=64 * P, page_tokens=P) as store:
+            store.put("a", LAYOUT.random_routes(np.random.default_rng(0), 10))
+            with pytest.raises(Full) as raised:
+                store.read_wire(["a"], ship=ship)
+            kept = raised.value  # (a retry loop that collects its errors)
+            store.close()  # the owner's block then removes it: nothing stays mapped
+        assert kept.__traceback__ is not None
 
 
 def test_the_wire_form_of_ranges_ships_only_their_tokens(group):

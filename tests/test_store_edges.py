@@ -877,6 +877,35 @@ def test_two_threads_closing_one_handle_close_each_descriptor_once(name):
     owner.unlink()
 
 
+def test_a_signal_handler_closing_the_handle_inside_its_put_is_refused(name):
+    # `store.close(); sys.exit(0)` in a SIGTERM handler runs in the thread it interrupts.
+    # Before: close unmapped the handle under the running put (raw AttributeError or
+    # BufferError, the exit swallowed, a committed put without its ref).
+    store = RoutingStore.create(name, TINY, 8 * P, page_tokens=P)
+    rows = TINY.random_routes(np.random.default_rng(0), 3)
+    said = []
+
+    def handler(frame, event, arg):
+        if event == "line" and frame.f_code.co_name == "_publish" and not said:
+            try:
+                store.close()
+                said.append("closed")
+            except StoreBusyError as e:
+                said.append(e)
+        return handler
+
+    sys.settrace(handler)
+    try:
+        ref = store.put("a", rows)
+    finally:
+        sys.settrace(None)
+    (error,) = said
+    assert isinstance(error, StoreBusyError) and "inside a call of this handle" in str(error)
+    np.testing.assert_array_equal(store.get(ref), rows)
+    store.close()
+    store.unlink()
+
+
 def test_every_call_on_a_closed_handle_says_it_is_closed(name):
     store = RoutingStore.create(name, TINY, 8 * P, page_tokens=P)
     store.put("s", TINY.random_routes(np.random.default_rng(0), 3))

@@ -226,15 +226,13 @@ class NodeStoreActor:
         try:
             if store.name not in self.retired or store is self.__dict__.get("store") or len(store):
                 return  # (the current store too: no new one could be made yet)
-        except StoreUnavailableError:  # closed meanwhile by another call's give-back
-            return
-        store.unlink()
-        if not len(store):  # (else a put committed before the mark: served until shutdown)
-            try:
-                store.close(timeout=0)
-            except (BufferError, OSError):  # another call still on it: at a later call
+            store.unlink()
+            if len(store):  # a put committed before the mark: served until shutdown
                 return
-            self.retired.pop(store.name, None)
+            store.close(timeout=0)
+        except (BufferError, OSError):  # closed meanwhile by another call's give-back
+            return  # (StoreUnavailableError), or another call still on it: at a later one
+        self.retired.pop(store.name, None)
 
     def info(self) -> dict[str, Any]:
         """Store name, node, pid and layout: what `node_store` needs to attach."""

@@ -79,10 +79,10 @@ def others_in_flight(calls: dict[object, int]) -> bool:
     return any(ident != me and ident in alive for ident in list(calls.values()))
 
 
-def forget_frames(error: BaseException) -> None:
-    """Clear the locals of routing_replay's frames that `error` (and the errors chained to
-    it) carry: the frames are done, and their locals may view the segment. Frames still
-    running, the caller's among them, are left as they are."""
+def forget_frames(error: BaseException, every: bool = False) -> None:
+    """Clear the locals of routing_replay's frames (`every`: of all frames) that `error` and
+    the errors chained to it carry: the frames are done, and their locals may view the
+    segment. Frames still running, the caller's among them, are left as they are."""
     todo, seen = [error], set()
     while todo:
         e = todo.pop()
@@ -91,11 +91,21 @@ def forget_frames(error: BaseException) -> None:
         seen.add(id(e))
         tb = e.__traceback__
         while tb is not None:
-            if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+            if every or tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
                 with contextlib.suppress(RuntimeError):  # a frame still running
                     tb.tb_frame.clear()
             tb = tb.tb_next
         todo += [e.__cause__, e.__context__]
+
+
+def inside_call(handle: object, frame: Any) -> bool:
+    """Whether `frame` or one below it on this thread's stack runs a store call of `handle`
+    (a signal handler interrupting it, for one)."""
+    while frame is not None:
+        if frame.f_code in _CALLS and frame.f_locals.get("self") is handle:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def closed_error(name: str, closed: bool = False) -> StoreUnavailableError:

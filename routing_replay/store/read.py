@@ -22,7 +22,6 @@ stored tokens it needs, each once, as `ship` (`ray.put`) copies them out of the 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -39,6 +38,7 @@ from routing_replay.errors import (
 )
 from routing_replay.layout import RoutingLayout
 from routing_replay.schema import output_buffer, routes_batch
+from routing_replay.store.calls import forget_frames
 from routing_replay.store.format import NO_DIGEST, NOT_SPILLED, TOKEN_DTYPE
 from routing_replay.store.prefix import runs
 from routing_replay.store.refs import (
@@ -287,12 +287,8 @@ class ReadPlan:
         )
         try:
             shipped = (ship or WireBatch.gathered)(views)
-        except BaseException as e:  # `ship`'s ended frames hold the views: cleared, so that
-            tb = e.__traceback__.tb_next if e.__traceback__ else None  # the error can be kept
-            while tb is not None:
-                with contextlib.suppress(RuntimeError):  # (a frame still running: left)
-                    tb.tb_frame.clear()
-                tb = tb.tb_next
+        except BaseException as e:  # `ship`'s ended frames (of chained errors too) hold the
+            forget_frames(e, every=True)  # views: cleared, so that the error can be kept
             raise
         finally:
             del views, routes, tokens, data, token_rows  # no view of the loan outlives it...

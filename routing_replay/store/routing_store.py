@@ -14,6 +14,7 @@ import contextlib
 import numbers
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
-from routing_replay.store.calls import others_in_flight, store_call
+from routing_replay.store.calls import inside_call, others_in_flight, store_call
 from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
@@ -302,6 +303,12 @@ class RoutingStore:
         other threads on this handle end first: a waiting one at once, a working one within
         `timeout` (default the put timeout), else StoreBusyError and the handle stays open."""
         core = self._core
+        if inside_call(self, sys._getframe(1)):
+            raise StoreBusyError(
+                f"store {self.name!r}: close() inside a call of this handle on the same thread "
+                "(a signal handler interrupting it?): the call would lose its memory under it. "
+                "Close once the call returned (e.g. set a flag in the handler)"
+            )
         if core.segment.fd < 0:  # closed, or a close stopped after unmapping: finish it
             core.segment.close()
             core.spill.close()
@@ -331,7 +338,8 @@ class RoutingStore:
             raise BufferError(
                 f"store {self.name!r} cannot be closed: numpy arrays that view its shared "
                 "memory are still alive (get/read return copies; views come from store "
-                "internals). Drop them, then close again"
+                "internals, or an error a read_wire `ship` raised with one in it). Drop "
+                "them, then close again"
             ) from None
 
     def owner_alive(self) -> bool:
