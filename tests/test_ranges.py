@@ -221,6 +221,26 @@ def test_a_ship_that_raises_leaves_nothing_that_keeps_the_store_open(name):
         except MemoryError as e:
             raise Full("could not serialise") from e
 
+    def sending():  # a long-lived generator sender, which keeps the error it met
+        views = None
+        while True:
+            views = yield
+            try:
+                serialize(views)
+            except MemoryError as e:
+                sender.last = e
+
+    class Sender:
+        pass
+
+    sender = Sender()
+    gen = sending()
+    next(gen)
+
+    def through_a_generator(views):
+        gen.send(views)
+        raise Full("not sent") from sender.last
+
     for ship in (full, wrapped):
         with RoutingStore.create(name, LAYOUT, capacity_tokens=64 * P, page_tokens=P) as store:
             store.put("a", LAYOUT.random_routes(np.random.default_rng(0), 10))
@@ -229,6 +249,15 @@ def test_a_ship_that_raises_leaves_nothing_that_keeps_the_store_open(name):
             kept = raised.value  # (a retry loop that collects its errors)
             store.close()  # the owner's block then removes it: nothing stays mapped
         assert kept.__traceback__ is not None
+    # A generator of the caller's that keeps the views is left running (round 18: clearing
+    # its frame closed it); the store closes once it lets go of them.
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=64 * P, page_tokens=P) as store:
+        store.put("a", LAYOUT.random_routes(np.random.default_rng(0), 10))
+        with pytest.raises(Full):
+            store.read_wire(["a"], ship=through_a_generator)
+        assert gen.gi_frame is not None
+        gen.send(None)  # the sender lets go of them
+        store.close()
 
 
 def test_the_wire_form_of_ranges_ships_only_their_tokens(group):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import interrupted_at
+from line_stops import PACKAGE, interrupted_at
 
 from routing_replay import Episode, RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
@@ -904,6 +904,50 @@ def test_a_signal_handler_closing_the_handle_inside_its_put_is_refused(name):
     np.testing.assert_array_equal(store.get(ref), rows)
     store.close()
     store.unlink()
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 11])
+def test_a_signal_handler_removing_the_store_inside_its_put_leaves_it_whole(name, stride):
+    # `store.unlink()` in a SIGTERM handler at each line of the owner's put on the same
+    # thread. Before: inside the put's holding, the removal took the lock again as a holding
+    # cut short, repaired the tables under the put and released its lock (corrupt at 91 of
+    # 547 lines). The put stores or is refused; the store stays whole either way.
+    rows = TINY.random_routes(np.random.default_rng(0), 3)
+    stop, runs = 1, 0
+    while True:
+        store = RoutingStore.create(f"{name}-{stop}", TINY, 8 * P, page_tokens=P)
+        other = RoutingStore.attach(f"{name}-{stop}")
+        store.put("z", rows)
+        seen = 0
+
+        def handler(frame, event, arg, store=store, stop=stop):
+            nonlocal seen
+            if not frame.f_code.co_filename.startswith(PACKAGE):
+                return None
+            if event == "line":
+                seen += 1
+                if seen == stop:
+                    store.unlink()
+            return handler
+
+        sys.settrace(handler)
+        try:
+            store.put("a", rows)
+        except StoreUnavailableError:
+            pass  # refused: removed before its commit check
+        finally:
+            sys.settrace(None)
+        other.verify()
+        np.testing.assert_array_equal(other.get("z"), rows)
+        assert "a" not in other or np.array_equal(other.get("a"), rows)
+        other.close()
+        store.close()
+        store.unlink()
+        runs += 1
+        if seen < stop:
+            break
+        stop += stride
+    assert runs > 20
 
 
 def test_every_call_on_a_closed_handle_says_it_is_closed(name):

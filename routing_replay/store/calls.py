@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import operator
 import os
 import sys
@@ -91,11 +92,18 @@ def forget_frames(error: BaseException, every: bool = False) -> None:
         seen.add(id(e))
         tb = e.__traceback__
         while tb is not None:
-            if every or tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+            code = tb.tb_frame.f_code
+            mine = every or code.co_filename.startswith(_PACKAGE)
+            if mine and not code.co_flags & _RESUMABLE:  # (clearing one would close it)
                 with contextlib.suppress(RuntimeError):  # a frame still running
                     tb.tb_frame.clear()
             tb = tb.tb_next
         todo += [e.__cause__, e.__context__]
+
+
+# Generators, coroutines and async generators: their frames are left (a suspended one
+# would be closed by frame.clear(), a side effect on the caller's code).
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def inside_call(handle: object, frame: Any) -> bool:

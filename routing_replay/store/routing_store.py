@@ -369,7 +369,10 @@ class RoutingStore:
         """The owner removes the store: marked first, under the lock, so that no put commits
         after (a put checks the mark under the lock at its commit)."""
         core = self._core
-        if core.segment.fd >= 0:
+        if core.segment.fd >= 0 and inside_call(self, sys._getframe(1)):
+            core.tables.hdr["unlinked"] = 1  # (a signal handler inside this handle's call,
+            # which holds the lock or takes it later: its commit check sees the mark)
+        elif core.segment.fd >= 0:
             try:
                 with core.lock.held("unlink", core.deadline(0)):
                     core.tables.hdr["unlinked"] = 1
