@@ -131,7 +131,10 @@ def test_stored_history_rows_win_over_recomputed_ones(model, name):
         assert episode.conflicts >= 1
 
 
-def test_a_turn_stopped_at_each_line_can_be_added_again_and_close_leaves_one_sample(model, name):
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 5])
+def test_a_turn_stopped_at_each_line_can_be_added_again_and_close_leaves_one_sample(
+    model, name, stride
+):
     # Ctrl-C inside add_turn after its put committed left the turn stored but not in the
     # episode: the turn could never be added again, and close() kept its sample for good.
     # Then a third turn, whose engine returns no routes for the history (a prefix cache):
@@ -164,8 +167,8 @@ def test_a_turn_stopped_at_each_line_can_be_added_again_and_close_leaves_one_sam
             store.release([episode.ref])
             if seen < stop:
                 break
-            stop += 1
-        assert stop > 20
+            stop += stride
+        assert stop > 20 * stride
         store.verify()
 
 
@@ -269,7 +272,7 @@ def in_thread(call):
     return out[0]
 
 
-@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 13])
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 23])
 @pytest.mark.parametrize("error", [KeyboardInterrupt, Boom])
 def test_a_turn_or_close_stopped_at_any_line_then_used_from_another_thread(name, error, stride):
     # Stopped at a line of add_turn (turn 2) or of close, by Ctrl-C or by an error raised
@@ -334,8 +337,8 @@ def test_a_signal_handler_closing_the_episode_inside_its_turn_is_refused(name):
                         sys.settrace(None)
                         try:
                             said.append(episode.close())
-                        except RoutingReplayError as e:
-                            said.append(e)
+                        except RoutingReplayError as e:  # (its frames: the handler's, which
+                            said.append(str(e))  # views the traced frame: not kept)
                 return handler if frame.f_code.co_filename.startswith(PACKAGE) else None
 
             sys.settrace(handler)
@@ -343,7 +346,8 @@ def test_a_signal_handler_closing_the_episode_inside_its_turn_is_refused(name):
                 ref = episode.add_turn(tokens, routes)
             finally:
                 sys.settrace(None)
-            if said and isinstance(said[0], RoutingReplayError):
+            if said and isinstance(said[0], str):
+                assert "another call is inside add_turn" in said[0]
                 refused += 1
             if not said:  # ran to its end before the stop: every line was tried
                 break

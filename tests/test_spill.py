@@ -223,7 +223,7 @@ def test_a_spill_file_truncated_at_each_line_of_a_read_raises_or_reads_exact(nam
         path = os.path.join(store.spill_dir, file)
         whole = Path(path).read_bytes()
         outcomes = []
-        for stop in range(1, 40, 2):  # (the constructor runs ~25 lines)
+        for stop in range(1, 40, 3):  # (the constructor runs ~25 lines)
             child = FORK.Process(target=_read_while_truncated, args=(name, path, stop, a))
             child.start()
             child.join(60)

@@ -230,7 +230,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=40,
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
