@@ -12,9 +12,15 @@ import routing_replay
 PACKAGE = os.path.dirname(routing_replay.__file__)
 
 
-def interrupted_at(stop: int, call: Callable[[], Any]) -> tuple[int, Any]:
-    """Run `call`, raising KeyboardInterrupt at its `stop`-th line event in package code (0:
-    never). Returns the line events seen and what `call` returned (None if stopped)."""
+def interrupted_at(
+    stop: int,
+    call: Callable[[], Any],
+    error: type[BaseException] = KeyboardInterrupt,
+    action: Callable[[], Any] | None = None,
+) -> tuple[int, Any]:
+    """Run `call`, raising `error` at its `stop`-th line event in package code (0: never),
+    or with `action` running it there instead (a signal handler; `call`'s own errors then
+    propagate). Returns the line events seen and what `call` returned (None if stopped)."""
     seen = 0
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -24,15 +30,18 @@ def interrupted_at(stop: int, call: Callable[[], Any]) -> tuple[int, Any]:
         if event == "line":
             seen += 1
             if seen == stop:
-                raise KeyboardInterrupt
+                if action is None:
+                    raise error
+                action()
         return tracer
 
     result = None
     sys.settrace(tracer)
     try:
         result = call()
-    except KeyboardInterrupt:
-        pass
+    except error:
+        if action is not None:
+            raise
     finally:
         sys.settrace(None)
     return seen, result

@@ -232,30 +232,6 @@ class Boom(Exception):
     """An error raised inside a library call (not an interruption)."""
 
 
-def stopped(stop: int, call, error: type[BaseException]) -> int:
-    """Run `call`, raising `error` at its `stop`-th line event in package code; line events."""
-    seen = 0
-
-    def tracer(frame, event, arg):
-        nonlocal seen
-        if not frame.f_code.co_filename.startswith(PACKAGE):
-            return None
-        if event == "line":
-            seen += 1
-            if seen == stop:
-                raise error
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        call()
-    except (KeyboardInterrupt, Boom):
-        pass
-    finally:
-        sys.settrace(None)
-    return seen
-
-
 def in_thread(call):
     """`call()` in another thread (the main one stays alive); its result or error."""
     out = []
@@ -291,7 +267,7 @@ def test_a_turn_or_close_stopped_at_any_line_then_used_from_another_thread(name,
                 episode = Episode(store, f"{step[0]}{stop}")
                 episode.add_turn(tokens[:10], routes[:10])
                 if step == "turn":
-                    seen = stopped(
+                    seen, _ = interrupted_at(
                         stop, lambda e=episode: e.add_turn(tokens[:20], routes[:20]), error
                     )
                     if episode.num_turns == 1:
@@ -300,7 +276,7 @@ def test_a_turn_or_close_stopped_at_any_line_then_used_from_another_thread(name,
                 else:
                     episode.add_turn(tokens[:20], routes[:20])
                     episode.add_turn(tokens, routes)
-                    seen = stopped(stop, episode.close, error)
+                    seen, _ = interrupted_at(stop, episode.close, error)
                 ref = in_thread(episode.close)
                 assert isinstance(ref, RoutingRef), (step, stop, ref)
                 assert in_thread(episode.close) == ref

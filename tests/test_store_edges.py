@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import PACKAGE, interrupted_at
+from line_stops import interrupted_at
 
 from routing_replay import Episode, RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
@@ -918,25 +918,10 @@ def test_a_signal_handler_removing_the_store_inside_its_put_leaves_it_whole(name
         store = RoutingStore.create(f"{name}-{stop}", TINY, 8 * P, page_tokens=P)
         other = RoutingStore.attach(f"{name}-{stop}")
         store.put("z", rows)
-        seen = 0
-
-        def handler(frame, event, arg, store=store, stop=stop):
-            nonlocal seen
-            if not frame.f_code.co_filename.startswith(PACKAGE):
-                return None
-            if event == "line":
-                seen += 1
-                if seen == stop:
-                    store.unlink()
-            return handler
-
-        sys.settrace(handler)
         try:
-            store.put("a", rows)
+            seen, _ = interrupted_at(stop, lambda s=store: s.put("a", rows), action=store.unlink)
         except StoreUnavailableError:
-            pass  # refused: removed before its commit check
-        finally:
-            sys.settrace(None)
+            seen = stop  # refused: removed before its commit check
         other.verify()
         np.testing.assert_array_equal(other.get("z"), rows)
         assert "a" not in other or np.array_equal(other.get("a"), rows)
