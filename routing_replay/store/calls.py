@@ -106,11 +106,12 @@ def forget_frames(error: BaseException, every: bool = False) -> None:
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
-def inside_call(handle: object, frame: Any) -> bool:
-    """Whether `frame` or one below it on this thread's stack runs a store call of `handle`
-    (a signal handler interrupting it, for one)."""
+def inside_call(handle: object, frame: Any, calls: Any = None) -> bool:
+    """Whether `frame` or one below it on its thread's stack runs a method of `handle` whose
+    code is in `calls` (default: the store calls; a signal handler interrupting one, say)."""
+    calls = _CALLS if calls is None else calls
     while frame is not None:
-        if frame.f_code in _CALLS and frame.f_locals.get("self") is handle:
+        if frame.f_code in calls and frame.f_locals.get("self") is handle:
             return True
         frame = frame.f_back
     return False

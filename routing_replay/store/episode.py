@@ -30,6 +30,7 @@ from routing_replay.errors import (
     TokenMismatchError,
 )
 from routing_replay.layout import MISSING
+from routing_replay.store.calls import inside_call
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
 from routing_replay.store.refs import RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
@@ -157,17 +158,14 @@ class Episode:
         threads' stacks, not from a registry a stopped call could leave behind."""
         me, caller = threading.get_ident(), sys._getframe(1)  # (add_turn's or close's)
         for ident, frame in sys._current_frames().items():
-            if ident == me:  # this thread: a call below the caller (a signal handler) too
-                frame = caller.f_back
-            while frame is not None:
-                if frame.f_code in _CALLS and frame.f_locals.get("self") is self:
-                    raise RoutingReplayError(
-                        f"episode {self.episode_id!r}: another call is inside add_turn or close "
-                        "of this episode (another thread's, or this thread's, interrupted by a "
-                        "signal handler); its calls come one after another: call again once "
-                        "it returned"
-                    )
-                frame = frame.f_back
+            # (this thread: a call below the caller, which a signal handler interrupted)
+            if inside_call(self, caller.f_back if ident == me else frame, _CALLS):
+                raise RoutingReplayError(
+                    f"episode {self.episode_id!r}: another call is inside add_turn or close "
+                    "of this episode (another thread's, or this thread's, interrupted by a "
+                    "signal handler); its calls come one after another: call again once it "
+                    "returned"
+                )
 
     def _drop_unrecorded(self) -> None:
         """Release the sample of a turn whose put committed but never reached `refs` (an
