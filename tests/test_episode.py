@@ -21,7 +21,12 @@ from routing_replay import (
     capture,
     replay,
 )
-from routing_replay.errors import InvalidArgumentError, InvalidRoutesError, TokenMismatchError
+from routing_replay.errors import (
+    DuplicateSampleError,
+    InvalidArgumentError,
+    InvalidRoutesError,
+    TokenMismatchError,
+)
 from routing_replay.model.adapters import find_routers
 from routing_replay.model.agreement import routing_agreement
 from routing_replay.testing import tiny_moe
@@ -226,6 +231,40 @@ def test_an_episode_id_without_room_for_its_turns_is_refused_at_once(name):
         for bad in ("e" * 121, 5, "a/b"):
             with pytest.raises(InvalidArgumentError):
                 Episode(store, bad)
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 17])
+def test_an_episode_reusing_a_stored_id_never_releases_that_sample(name, stride):
+    # Before: a second episode under a closed one's id (an agent loop restarted) failed its
+    # turn with DuplicateSampleError, then released the other's sample at its next call:
+    # the trainer's ref was lost. Also stopped by Ctrl-C at each line of that turn.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    routes = layout.random_routes(np.random.default_rng(0), 10)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        first = Episode(store, "agent7", prompt_len=4)
+        first.add_turn(np.arange(10), routes)
+        trainer = first.close()
+        stop = 0
+        while True:
+            retry = Episode(store, "agent7", prompt_len=4)
+            try:  # stopped at line event `stop`, or (0, or past its end) refused
+                interrupted_at(stop, lambda e=retry: e.add_turn(np.arange(10), routes))
+                refused = False
+            except DuplicateSampleError as e:
+                assert "'agent7-t1' is already in" in str(e)
+                refused = True
+            with pytest.raises(RoutingReplayError, match="has no turns"):
+                retry.close()
+            with pytest.raises(DuplicateSampleError):
+                retry.add_turn(np.arange(10), routes)
+            assert trainer in store, f"line event {stop}"
+            if refused and stop:
+                break
+            stop += stride if stop else 1
+        assert stop > 5
+        np.testing.assert_array_equal(store.get(trainer), routes)
+        assert len(store) == 1
+        store.verify()
 
 
 class Boom(Exception):

@@ -625,8 +625,24 @@ def test_refs_of_two_stores_in_any_order_are_placed_row_by_row(cluster):
             assert got["token_ids"][i] == want_tokens, ref.sample_id
             prompt_len = ref.prompt_len
             assert got["prompt_len"][i] == sum(max(0, min(b, prompt_len) - a) for a, b in pairs)
-    assert ray.get(reader.release.remote(refs)) == 6
+    # One id in two stores: a dataset's rows could not be told apart (before: two "h1" rows).
+    (twin,) = ray.get(on_other.put.remote([1], "h"))
+    with pytest.raises(InvalidArgumentError, match=r"sample ids \['h1'\] are in more than one"):
+        read_dataset([plain_h[0], twin])
+    assert ray.get(reader.release.remote([*refs, twin])) == 7
     shutdown_node_stores(job)
+
+
+def test_fetch_batch_of_a_plain_stores_refs_says_to_attach_it(cluster):
+    # Before: refs of a store made with RoutingStore.create were called lost ("roll those
+    # samples out again") while the store held them.
+    from routing_replay import RoutingStore
+
+    with RoutingStore.create(f"plain-{uuid.uuid4().hex[:6]}", LAYOUT, 1024) as store:
+        ref = store.put("x", sample_routes(1))
+        with pytest.raises(StoreUnavailableError, match=r"no node store actor made.*attach"):
+            fetch_batch([ref])
+        np.testing.assert_array_equal(store.get(ref), sample_routes(1))
 
 
 WIDE = RoutingLayout(num_layers=3, top_k=4, num_experts=256)  # DeepSeek-V3's 256 experts

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import stat
 import subprocess
@@ -561,7 +564,50 @@ def test_refs_and_handles_of_a_removed_store_are_refused(name):
         with pytest.raises(StoreUnavailableError, match=r"removed .* or re-created"):
             attached.put("t", routes)
         assert "t" not in again
+        assert ref not in again and new_ref in again  # by ref: that very put, in this store
     attached.close()
+
+
+def test_a_ref_is_in_its_own_store_only(name):
+    # Before: `ref in store` matched id and put serial only, so a ref of another store filled
+    # the same way was "in" it, while get/read/release of that ref refused it.
+    with (
+        RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as a,
+        RoutingStore.create(f"{name}-b", LAYOUT, capacity_tokens=1000) as b,
+    ):
+        ref_a, ref_b = a.put("s", sample(1)[0]), b.put("s", sample(1)[0])
+        assert ref_a.serial == ref_b.serial and ref_a in a and ref_b in b
+        assert ref_b not in a and ref_a not in b
+        assert "s" in a and "s" in b
+
+
+def test_a_handle_cannot_be_pickled_or_copied(name):
+    # Before: pickle (Ray task arguments) raised a builtin TypeError about mmap, and
+    # copy.copy made a second handle sharing the first one's internals.
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as store:
+        for how in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(InvalidArgumentError, match=r"RoutingStore.attach\("):
+                how(store)
+        store.put("s", sample(1)[0])
+        assert "s" in store
+
+
+def test_handles_dropped_unclosed_give_their_leases_back(name):
+    # Before: a handle dropped without close() kept its descriptors and writer lease for the
+    # life of the process: after max_writers of them every put was refused.
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, max_writers=2) as store:
+        gc.collect()  # (what earlier tests dropped)
+        before = fds()
+        for i in range(4):  # e.g. a task body: attach, put, return the ref
+            with pytest.warns(ResourceWarning, match="without close"):
+                RoutingStore.attach(name).put(f"w{i}", sample(i)[0])
+                gc.collect()
+        assert fds() == before
+        store.put("mine", sample(9)[0])  # a lease is free for the owner
+        for i in range(4):
+            assert np.array_equal(store.get(f"w{i}"), sample(i)[0])
+        store.verify()
 
 
 def test_a_segment_removed_by_others_than_its_owner_still_takes_puts(name):

@@ -30,9 +30,8 @@ LAYOUT = RoutingLayout(num_layers=3, moe_layers=(0, 2), num_experts=8, top_k=2)
 
 @pytest.fixture
 def store():
-    s = RoutingStore.create(f"test-tok-{uuid.uuid4().hex[:8]}", LAYOUT, 4096, page_tokens=4)
-    yield s
-    s.unlink()
+    with RoutingStore.create(f"test-tok-{uuid.uuid4().hex[:8]}", LAYOUT, 4096, page_tokens=4) as s:
+        yield s
 
 
 def _sample(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:

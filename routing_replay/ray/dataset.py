@@ -58,8 +58,8 @@ def _is_driver() -> bool:
 
 def _actor_for(group: list[RoutingRef]) -> Any:
     ref = group[0]
+    job, ray_job = job_of(ref)  # (a store no node store actor made: read it on its node)
     try:
-        job, ray_job = job_of(ref)
         return store_actor(job, node_id=ref.node_id, ray_job=ray_job)
     except StoreUnavailableError:
         raise lost_error(group, "no store actor runs for it") from None
@@ -235,7 +235,8 @@ def read_dataset(
     Each node's samples are read by that node's store actor into Arrow tables that stay in
     that node's object store until a consumer pulls them (once). Called in a worker rather
     than the driver, samples on the caller's node are read straight from shm and `ray.put`
-    here. Rows are grouped by store (order within a store kept): align on `sample_id`.
+    here. Rows are grouped by store (order within a store kept): align on `sample_id`, which must
+    tell the refs apart (one id in two stores is refused).
     With `release=True` the samples are released from their stores once every one of them
     was read (the dataset holds copies); a failed read leaves all of them stored. The copies
     are Ray objects owned by the calling process (Ray's ownership): if it may die before the
@@ -254,6 +255,7 @@ def read_dataset(
         )
     samples_per_block = int(samples_per_block)
     refs = _refs_list(refs, "read_dataset")
+    _check_ids_tell_rows_apart(refs)
     ranges = ranges_per_ref(ranges, len(refs))
     if release:
         _check_once(refs, "read_dataset")
@@ -327,6 +329,21 @@ def _check_once(refs: list[RoutingRef], caller: str) -> None:
         raise InvalidArgumentError(
             f"{caller}(..., release=True) names samples {twice[:5]} more than once: a sample "
             "is released once; pass each ref once (nothing was read or released)"
+        )
+
+
+def _check_ids_tell_rows_apart(refs: list[RoutingRef]) -> None:
+    """A dataset's rows carry their sample id only: one id in two stores is refused."""
+    stores: dict[str, set[str]] = defaultdict(set)
+    for r in refs:
+        stores[r.sample_id].add(r.store)
+    shared = sorted(sid for sid, names in stores.items() if len(names) > 1)
+    if shared:
+        raise InvalidArgumentError(
+            f"read_dataset: sample ids {shared[:5]} are in more than one store, and a "
+            "dataset's rows name their sample by id only: give samples ids unique across "
+            "the job (e.g. with the worker's rank), or read each store's refs with its own "
+            "call (nothing was read)"
         )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from routing_replay.errors import (
+    DuplicateSampleError,
     InvalidArgumentError,
     InvalidRoutesError,
     RoutingReplayError,
@@ -137,14 +138,25 @@ class Episode:
                 "this one has none; pass policy_version for every turn or for none"
             )
         self._drop_unrecorded()
-        self._putting = f"{self.episode_id}-t{turn}"  # (cleared by the next call once settled)
-        ref = self.store.put(
-            self._putting,
-            rows,
-            prompt_len=self.prompt_len,
-            token_ids=tokens,
-            policy_version=versions or None,
-        )
+        sample_id = f"{self.episode_id}-t{turn}"
+        if sample_id in self.store:  # another's (a restarted loop's): never ours to release
+            raise DuplicateSampleError(
+                f"episode {self.episode_id!r} turn {turn}: sample {sample_id!r} is already in "
+                f"store {self.store.name!r} (another episode with this id?): give every "
+                "episode a unique id; nothing of this turn was stored"
+            )
+        self._putting = sample_id  # (cleared by the next call once settled)
+        try:
+            ref = self.store.put(
+                sample_id,
+                rows,
+                prompt_len=self.prompt_len,
+                token_ids=tokens,
+                policy_version=versions or None,
+            )
+        except RoutingReplayError:
+            self._putting = None  # a put that raises stored nothing of itself
+            raise
         turns = [*self.refs, ref]
         # One line, no call in it: a stop lands before or after, never between the turn's
         # ref and the state the next turn builds on.

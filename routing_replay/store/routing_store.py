@@ -72,7 +72,7 @@ from routing_replay.store.spill import (
     spill_slots,
     sweep_spill_dirs,
 )
-from routing_replay.store.tables import initialise
+from routing_replay.store.tables import initialise, uid_on_node
 from routing_replay.store.verify import verify
 
 
@@ -397,6 +397,14 @@ class RoutingStore:
                 if exc_type is None:
                     raise
 
+    def __reduce__(self) -> Any:
+        """Refused (pickle, copy, Ray task arguments): a handle is this process's mapping."""
+        raise InvalidArgumentError(
+            f"a RoutingStore handle (store {self.name!r}) cannot be pickled or copied: it is "
+            "this process's mapping of the store. Pass the store's name (and refs) and call "
+            f"RoutingStore.attach({self.name!r}) on the other side"
+        )
+
     def __repr__(self) -> str:
         return f"RoutingStore({self.name!r}, {self.layout}, capacity_tokens={self.capacity_tokens})"
 
@@ -537,8 +545,14 @@ class RoutingStore:
 
     @store_call
     def __contains__(self, sample_id: object) -> bool:
-        """Whether the id is stored (for a ref: whether the very put it names is)."""
+        """Whether the id is stored (for a ref: whether the very put it names is, here)."""
         raw_id = sample_id_bytes(sample_id)
+        if isinstance(sample_id, RoutingRef) and (
+            sample_id.store != self.name or sample_id.store_uid not in (0, self.store_uid)
+        ):
+            if sample_id.store == self.name and uid_on_node(self.name) == sample_id.store_uid:
+                check_store([sample_id], self.name, self.store_uid)  # raises: handle is stale
+            return False  # another store's put, or an earlier store's of this name
         with self._core.lock.held("contains", self._core.deadline()):
             slot = self._core.samples.find(raw_id)
             if slot == NO_PAGE:

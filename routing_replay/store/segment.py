@@ -31,6 +31,7 @@ import os
 import pwd
 import re
 import stat
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -167,6 +168,9 @@ class Segment:
         st = os.fstat(fd)
         self._inode = (st.st_dev, st.st_ino)  # the file this mapping is, for unlink()
         _SEGMENTS.add(self)
+        # A handle dropped unclosed gives back its descriptors, so its leases (kernel locks
+        # on them) with them, as a file does; at exit the process's end gives them back.
+        weakref.finalize(self, _dropped, name, self._to_close).atexit = False
 
     @property
     def owner(self) -> bool:
@@ -327,6 +331,18 @@ def close_each(fds: list[int]) -> None:
     while fds:
         with contextlib.suppress(IndexError):  # another thread took the last one
             os.close(fds.pop())
+
+
+def _dropped(name: str, fds: list[int]) -> None:
+    """A segment garbage-collected unclosed: close what it still holds, and say so."""
+    if fds:
+        close_each(fds)
+        warnings.warn(
+            f"store {name!r}: a handle was garbage-collected without close(); its writer "
+            "lease went with it. Close handles (or use `with`)",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
 
 def _discard(path: str, mm: mmap.mmap | None, fds: Sequence[int]) -> None:
