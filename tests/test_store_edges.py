@@ -7,7 +7,6 @@ from __future__ import annotations
 import _thread
 import contextlib
 import functools
-import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -21,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import interrupted_at
+from line_stops import collect_until, interrupted_at
 
 from routing_replay import Episode, RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
@@ -735,8 +734,9 @@ def test_a_create_stopped_at_any_line_leaves_nothing(name, tmp_path):
         where = f"stopped at line event {stop}"
         assert not os.path.exists(segment_path(name)), where
         assert store_dirs(tmp_path) == [], where
-        if open_fds(name, str(tmp_path)):  # a handle cut short in its constructor: mmap's
-            gc.collect()  # own fd goes once the cycle of its half-made objects is collected
+        # A handle cut short in its constructor: mmap's own fd goes with the cycle of its
+        # half-made objects.
+        collect_until(lambda: not open_fds(name, str(tmp_path)))
         assert open_fds(name, str(tmp_path)) == {}, where
     with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
         store.put("a", TINY.random_routes(np.random.default_rng(0), P))
@@ -762,8 +762,9 @@ def test_an_attach_stopped_at_any_line_holds_nothing_and_raises_the_interrupt(
     for stop in range(1, events + 1, stride):
         seen, handle = interrupted_at(stop, lambda: RoutingStore.attach(name))
         assert handle is None and seen == stop, f"line event {stop} of {events}"
-        if open_fds(name, str(tmp_path)) != before:  # mmap's own fd goes with the cycle of
-            gc.collect()  # a half-made handle that a view in the traceback kept alive
+        # mmap's own fd goes with the cycle of a half-made handle that a view in the
+        # traceback kept alive.
+        collect_until(lambda: open_fds(name, str(tmp_path)) == before)
         assert open_fds(name, str(tmp_path)) == before, f"stopped at line event {stop}"
     with RoutingStore.attach(name) as again:
         np.testing.assert_array_equal(again.get("a"), rows)

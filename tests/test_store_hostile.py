@@ -43,6 +43,7 @@ from routing_replay.store.segment import SHM_DIR, segment_path
 SOAK = 10 if os.environ.get("ROUTING_REPLAY_SOAK") else 1
 LAYOUT = RoutingLayout(4, 2, 8)
 FORK = mp.get_context("fork")
+LEAN = mp.get_context("forkserver")  # workers forked from a process that imported little
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become a second user")
 
@@ -568,6 +569,45 @@ def run_child(name: str, samples, check_routes: bool) -> list[dict]:
         receive.close()
 
 
+def _send_result(send, call, args) -> None:
+    send.send(call(*args))
+
+
+def in_lean_workers(call, args_per_worker: list[tuple]) -> list:
+    """`call(*args)` in one lean worker per args, at once (workers that fork children of
+    their own: not a Pool's daemons); their results, in order."""
+    workers = []
+    for args in args_per_worker:
+        receive, send = LEAN.Pipe(duplex=False)
+        p = LEAN.Process(target=_send_result, args=(send, call, args))
+        p.start()
+        send.close()
+        workers.append((p, receive))
+    results = []
+    for p, receive in workers:
+        results.append(receive.recv())  # EOFError: the worker died
+        p.join(30)
+    return results
+
+
+def fuzz_trials(name, samples, raw, spans, live, data_at, trials) -> list:
+    """Each trial's damaged copy of `raw` at `<name>.f<trial>`, exercised by a child:
+    (trial, changes, outcomes) per trial. The copies stay for the caller to remove."""
+    out = []
+    for trial in trials:
+        rng = np.random.default_rng([7, trial])
+        data, changes = corrupt(raw, spans, live, rng)
+        check_routes = trial % 8 != 7
+        if not check_routes:  # page data is not checksummed: routes may change, no more
+            data = bytearray(data)
+            for i in data_at + rng.integers(0, len(raw) - data_at, 4):
+                data[i] = int(rng.integers(256))
+            changes.append("4 bytes of page data")
+        write_segment(segment_path(f"{name}.f{trial:04d}"), bytes(data))
+        out.append((trial, changes, run_child(f"{name}.f{trial:04d}", samples, check_routes)))
+    return out
+
+
 def make_fuzz_store(name: str, samples) -> bytes:
     store = RoutingStore.create(
         name, LAYOUT, capacity_tokens=160, page_tokens=P, max_samples=16, max_writers=4
@@ -604,18 +644,11 @@ def test_corrupted_tables_never_crash_hang_or_serve_wrong_routes(name):
     started = time.monotonic()
     violations, counts, kept = [], {}, []
     try:
-        for trial in range(FUZZ_TRIALS):
-            rng = np.random.default_rng([7, trial])
-            data, changes = corrupt(raw, spans, live, rng)
-            check_routes = trial % 8 != 7
-            if not check_routes:  # page data is not checksummed: routes may change, no more
-                data = bytearray(data)
-                for i in data_at + rng.integers(0, len(raw) - data_at, 4):
-                    data[i] = int(rng.integers(256))
-                changes.append("4 bytes of page data")
-            path = segment_path(f"{name}.f{trial:04d}")
-            write_segment(path, bytes(data))
-            outcomes = run_child(f"{name}.f{trial:04d}", samples, check_routes)
+        # Two lean workers (a fork of this pytest process costs 3x more), trials interleaved.
+        fuzz = (name, samples, raw, spans, live, data_at)
+        args = [(*fuzz, range(i, FUZZ_TRIALS, 2)) for i in (0, 1)]
+        trials = sorted(t for part in in_lean_workers(fuzz_trials, args) for t in part)
+        for trial, changes, outcomes in trials:
             for o in outcomes:
                 result = "VIOLATION" if "violation" in o else o.get("error", "ok")
                 op = counts.setdefault(o["op"].split(" ")[0], {})
@@ -623,6 +656,7 @@ def test_corrupted_tables_never_crash_hang_or_serve_wrong_routes(name):
                 if "violation" in o:
                     violations.append((trial, changes, o["op"], o["violation"]))
             raised = any(o.get("error") == "CorruptStoreError" for o in outcomes)
+            path = segment_path(f"{name}.f{trial:04d}")
             if raised and "error" not in outcomes[0] and len(kept) < 6:
                 kept.append(path)  # attaches, but corrupt: for the real CLI below
             else:
