@@ -581,6 +581,20 @@ def test_a_ref_is_in_its_own_store_only(name):
         assert "s" in a and "s" in b
 
 
+def test_a_ref_of_a_same_named_store_of_another_node_is_sent_there(name):
+    # Plain stores of one name on two nodes (two nodes' /dev/shm, played here one after the
+    # other): before, a ref of node B's read on node A was "in an earlier store named ...:
+    # its routes are gone; re-run the rollout", while node B held them.
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=1000, node_id="node-b") as b:
+        ref = b.put("s", sample(1)[0])
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=1000, node_id="node-a") as a:
+        a.put("s", sample(1)[0])
+        for call in (a.get, lambda r: a.read([r]), lambda r: a.release([r])):
+            with pytest.raises(SampleNotFoundError, match="on node 'node-b'.*on its node"):
+                call(ref)
+        assert ref not in a and "s" in a
+
+
 def test_a_handle_cannot_be_pickled_or_copied(name):
     # Before: pickle (Ray task arguments) raised a builtin TypeError about mmap, and
     # copy.copy made a second handle sharing the first one's internals.

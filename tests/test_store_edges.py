@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import collect_until, interrupted_at
+from line_stops import PACKAGE, collect_until, interrupted_at
 
 from routing_replay import Episode, RoutingLayout, RoutingStore, cli
 from routing_replay.errors import (
@@ -990,6 +990,63 @@ def test_a_close_interrupted_while_waiting_for_another_thread_leaves_the_handle_
     store.put("t", rows)
     store.close()
     store.unlink()
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 7])
+def test_an_unlink_paused_at_each_line_while_another_thread_closes_removes_everything(
+    name, tmp_path, stride
+):
+    # Before: close() did not wait for unlink (not a counted call) and unmapped the handle
+    # under it: unlink raised a raw AttributeError and left the segment and spill dir.
+    def unlink_paused_at(stop, store, inside, go, errors):
+        seen = 0
+
+        def tracer(frame, event, arg):
+            nonlocal seen
+            if not frame.f_code.co_filename.startswith(PACKAGE):
+                return None
+            if event == "line":
+                seen += 1
+                if seen == stop:
+                    inside.set()
+                    go.wait(10)
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            store.unlink()
+        except BaseException as e:  # the test's answer
+            errors.append(e)
+        finally:
+            sys.settrace(None)
+            inside.set()
+        return seen
+
+    def fresh():
+        store = RoutingStore.create(name, TINY, 8 * P, page_tokens=P, spill_dir=tmp_path)
+        store.put("s", TINY.random_routes(np.random.default_rng(0), 3))
+        return store
+
+    store = fresh()
+    events = unlink_paused_at(0, store, threading.Event(), threading.Event(), [])
+    store.close()
+    assert events > 10
+    for stop in range(1, events + 1, stride):
+        store, inside, go, errors = fresh(), threading.Event(), threading.Event(), []
+        spill = store.spill_dir
+        unlinker = threading.Thread(target=unlink_paused_at, args=(stop, store, inside, go, errors))
+        unlinker.start()
+        inside.wait(10)
+        closer = threading.Thread(target=store.close, kwargs={"timeout": 10})
+        closer.start()
+        closer.join(0.05)  # closed at once, or waiting for the unlink
+        go.set()
+        unlinker.join(10)
+        closer.join(10)
+        where = f"line event {stop} of {events}"
+        assert errors == [] and not closer.is_alive(), where
+        assert not os.path.exists(segment_path(name)) and not os.path.exists(spill), where
+        store.close()  # (closed: a no-op)
 
 
 def test_bad_inputs_are_routing_replay_errors_that_store_nothing(name):

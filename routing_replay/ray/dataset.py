@@ -316,7 +316,7 @@ def _release_each_store(refs: list[RoutingRef]) -> list[tuple[list[RoutingRef], 
     for obj, group in zip(pending, pending_groups, strict=True):
         try:
             _get([obj], [group])
-        except RoutingReplayError as e:
+        except Exception as e:  # whatever a store actor raised: the others still release
             failed.append((group, e))
     return failed
 

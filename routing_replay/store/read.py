@@ -68,7 +68,7 @@ class ReadPlan:
         self.core = core
         self.started = time.monotonic_ns() if started is None else started  # a retry's first
         refs = as_list(sample_ids)
-        check_store(refs, core.name, core.store_uid)
+        check_store(refs, core.name, core.store_uid, core.node_id)
         raw_ids = [sample_id_bytes(r) for r in refs]
         samples = core.samples
         self.chains: list[np.ndarray] = []

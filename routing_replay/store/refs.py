@@ -211,15 +211,16 @@ def check_distinct(raw_ids: list[bytes], action: str) -> None:
         )
 
 
-def check_store(refs: list[Any], name: str, store_uid: int) -> None:
-    """Raise unless every ref belongs to the store `name` of incarnation `store_uid`."""
+def check_store(refs: list[Any], name: str, store_uid: int, node_id: str) -> None:
+    """Raise unless every ref belongs to the store `name` of incarnation `store_uid` on
+    node `node_id`."""
     for r in refs:
         if not isinstance(r, RoutingRef):
             continue
-        if r.store != name:
+        if r.store != name or r.node_id != node_id:
             raise SampleNotFoundError(
-                f"ref {r.sample_id!r} belongs to store {r.store!r} (node {r.node_id}), "
-                f"not {name!r}: read it from that store"
+                f"ref {r.sample_id!r} belongs to store {r.store!r} on node {r.node_id!r}, "
+                f"not to {name!r} on node {node_id!r}: read it from that store, on its node"
             )
         if r.store_uid and r.store_uid != store_uid:
             if uid_on_node(name) == r.store_uid:

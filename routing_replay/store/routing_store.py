@@ -15,6 +15,7 @@ import numbers
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -368,18 +369,34 @@ class RoutingStore:
     def _remove(self) -> None:
         """The owner removes the store: marked first, under the lock, so that no put commits
         after (a put checks the mark under the lock at its commit)."""
+        core, token = self._core, object()
+        try:
+            while True:  # counted as in flight, so that a close of another thread waits
+                core.calls[token] = threading.get_ident()
+                if not core.closing:
+                    self._mark_removed()
+                    break
+                del core.calls[token]
+                if core.segment.fd < 0:  # closed: its owner lease went, no put commits
+                    break
+                time.sleep(0.001)  # another thread's close: it ends or gives up
+            core.segment.unlink()
+            remove_spill_dir(core.spill.dir)
+        finally:
+            core.calls.pop(token, None)
+
+    def _mark_removed(self) -> None:
+        """Mark the store removed in its header (this handle is open and counted)."""
         core = self._core
-        if core.segment.fd >= 0 and inside_call(self, sys._getframe(1)):
+        if inside_call(self, sys._getframe(2)):
             core.tables.hdr["unlinked"] = 1  # (a signal handler inside this handle's call,
             # which holds the lock or takes it later: its commit check sees the mark)
-        elif core.segment.fd >= 0:
-            try:
-                with core.lock.held("unlink", core.deadline(0)):
-                    core.tables.hdr["unlinked"] = 1
-            except (RoutingReplayError, OSError):  # wedged or corrupt: marked all the same
+            return
+        try:
+            with core.lock.held("unlink", core.deadline(0)):
                 core.tables.hdr["unlinked"] = 1
-        self._core.segment.unlink()
-        remove_spill_dir(self._core.spill.dir)
+        except (RoutingReplayError, OSError):  # wedged or corrupt: marked all the same
+            core.tables.hdr["unlinked"] = 1
 
     def __enter__(self) -> RoutingStore:
         return self
@@ -474,7 +491,7 @@ class RoutingStore:
         and put again since (`SampleReplacedError`), raises before anything is released.
         """
         refs = as_list(sample_ids)
-        check_store(refs, self.name, self.store_uid)
+        check_store(refs, self.name, self.store_uid, self.node_id)
         raw_ids = [sample_id_bytes(s) for s in refs]
         check_distinct(raw_ids, "release")
         core, files = self._core, []
@@ -547,11 +564,12 @@ class RoutingStore:
     def __contains__(self, sample_id: object) -> bool:
         """Whether the id is stored (for a ref: whether the very put it names is, here)."""
         raw_id = sample_id_bytes(sample_id)
-        if isinstance(sample_id, RoutingRef) and (
-            sample_id.store != self.name or sample_id.store_uid not in (0, self.store_uid)
-        ):
-            if sample_id.store == self.name and uid_on_node(self.name) == sample_id.store_uid:
-                check_store([sample_id], self.name, self.store_uid)  # raises: handle is stale
+        ref = sample_id if isinstance(sample_id, RoutingRef) else None
+        if ref is not None and (ref.store, ref.node_id) != (self.name, self.node_id):
+            return False  # another store's put
+        if ref is not None and ref.store_uid not in (0, self.store_uid):
+            if uid_on_node(self.name) == ref.store_uid:
+                check_store([sample_id], self.name, self.store_uid, self.node_id)  # raises: stale
             return False  # another store's put, or an earlier store's of this name
         with self._core.lock.held("contains", self._core.deadline()):
             slot = self._core.samples.find(raw_id)
