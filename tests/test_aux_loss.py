@@ -243,3 +243,68 @@ def test_errors_say_what_to_pass():
         load_balancing_loss(
             out.router_logits, routes, num_experts=E, top_k=K, attention_mask=MASK[:, :5]
         )
+
+
+def product_key_routes(router_logits, num_keys, top_k) -> torch.Tensor:
+    """[B, S, L, K]: Doge's native experts written out: expert x * num_keys + y scores
+    logits[0][x] + logits[1][y]; the top-k of all num_keys ** 2 scores, by sorting."""
+    ids = []
+    for layer in router_logits:
+        scores = (layer[0][:, :, None] + layer[1][:, None, :]).reshape(layer.shape[1], -1)
+        ids.append(torch.argsort(scores, dim=-1, descending=True, stable=True)[:, :top_k])
+    return torch.stack(ids, dim=1).view(B, S, len(ids), top_k)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["attention-mask", "no-mask"])
+def test_doge_product_keys_count_the_replayed_experts(padded):
+    # Before: Doge's router logits ([2, tokens, num_keys] per layer, the key halves) were
+    # refused. Native routes give Doge's own aux_loss bitwise; forced ones are counted.
+    model = tiny_family_model("doge")
+    E, K = sizes(model)
+    num_keys = 4
+    assert num_keys**2 == E
+    mask = MASK if padded else None
+    out = model(input_ids=IDS, attention_mask=mask, output_router_logits=True)
+    L = len(out.router_logits)
+    assert out.router_logits[0].shape == (2, B * S, num_keys)
+    native = product_key_routes(out.router_logits, num_keys, K)
+    half = torch.rand(B, S, L, 1, generator=torch.Generator().manual_seed(0)) < 0.5
+    missing = torch.full((B, S, L, K), -1)
+    for routes in (missing, native, torch.where(half, missing, native)):
+        ours = load_balancing_loss(
+            out.router_logits, routes, num_experts=E, top_k=K, attention_mask=mask
+        )
+        assert torch.equal(ours, out.aux_loss)
+    # Forced ids: E * sum_e f_e * P_e written out (f over every counted id, P the mean
+    # softmax of the product scores), with a gradient into every router.
+    routes = forced_routes(E, K, L, seed=7)
+    ours = load_balancing_loss(
+        out.router_logits, routes, num_experts=E, top_k=K, attention_mask=mask
+    )
+    w = torch.ones(B * S) if mask is None else mask.reshape(-1).float()
+    ids = routes.reshape(B * S, L, K)
+    counts = sum(
+        torch.bincount(ids[:, j].reshape(-1), weights=w.repeat_interleave(K), minlength=E)
+        for j in range(L)
+    )
+    probs = sum(
+        (
+            torch.softmax((t[0][:, :, None] + t[1][:, None, :]).reshape(B * S, E), -1) * w[:, None]
+        ).sum(0)
+        for t in out.router_logits
+    )
+    ref = E * ((counts / (w.sum() * L * K)) * (probs / (w.sum() * L))).sum()
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
+    assert abs(ours.item() - out.aux_loss.item()) > 1e-3
+    # Under replay (Doge's own block modifies its routing softmax in place, so its native
+    # forward has no backward in transformers 5.25; replay recomputes the block).
+    model.zero_grad(set_to_none=True)
+    with replay(model, routes, layout=RoutingLayout.from_hf_config(model.config)):
+        again = model(input_ids=IDS, attention_mask=mask, output_router_logits=True)
+    load_balancing_loss(
+        again.router_logits, routes, num_experts=E, top_k=K, attention_mask=mask
+    ).backward()
+    gates = [p.grad for n, p in model.named_parameters() if "router_gate" in n]
+    assert len(gates) == L and all(g.abs().sum() > 0 for g in gates)
+    with pytest.raises(InvalidRoutesError, match="num_keys \\*\\* 2"):
+        load_balancing_loss(out.router_logits, routes, num_experts=20, top_k=K)

@@ -590,7 +590,7 @@ def test_a_ref_of_a_same_named_store_of_another_node_is_sent_there(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=1000, node_id="node-a") as a:
         a.put("s", sample(1)[0])
         for call in (a.get, lambda r: a.read([r]), lambda r: a.release([r])):
-            with pytest.raises(SampleNotFoundError, match="on node 'node-b'.*on its node"):
+            with pytest.raises(SampleNotFoundError, match=r"on node 'node-b'.*on its node"):
                 call(ref)
         assert ref not in a and "s" in a
 

@@ -42,7 +42,8 @@ def load_balancing_loss(
 
     A (token, layer) row with a -1 routed natively under replay, and counts the top-k of
     the softmax of its logits, as transformers does; with routes equal to the native top-k
-    the result equals transformers' `load_balancing_loss_func` bitwise. The probabilities
+    the result equals transformers' `load_balancing_loss_func` bitwise. Doge's product-key
+    logits (`[2, tokens, num_keys]` per layer) get Doge's own formula. The probabilities
     are the softmax of the live logits, so the loss is differentiable in the router weights
     (the counts, as in transformers, are not). Families whose transformers model has no
     aux loss (DeepSeek-V2/V3, GLM-4-MoE, ...; `aux_loss` is None) still get this Switch
@@ -54,6 +55,8 @@ def load_balancing_loss(
             "router_logits must be the model output's router_logits, one tensor per MoE layer: "
             "run the forward with output_router_logits=True"
         )
+    if all(t.dim() == 3 and t.shape[0] == 2 for t in logits):  # Doge's product keys
+        return _product_keys_loss(logits, routes, num_experts, top_k, attention_mask)
     device = logits[0].device
     rows = logits[0].shape[0]
     if any(t.dim() != 2 or t.shape != (rows, num_experts) for t in logits):
@@ -102,6 +105,61 @@ def load_balancing_loss(
     router_prob_per_expert = router_prob_sum / total_rows
     overall_loss = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
     return overall_loss * num_experts
+
+
+def _product_keys_loss(
+    logits: tuple[Tensor, ...],
+    routes: Tensor,
+    num_experts: int,
+    top_k: int,
+    attention_mask: Tensor | None,
+) -> Tensor:
+    """Doge's aux loss (its modeling module's `load_balancing_loss_func`, same arithmetic in
+    the same order), counting the replayed experts. Each layer's logits are `[2, rows,
+    num_keys]`, the two key halves: expert `x * num_keys + y` scores `logits[0][x] +
+    logits[1][y]`; `P_e` is the softmax over those `num_keys ** 2` scores."""
+    num_keys, rows = logits[0].shape[-1], logits[0].shape[1]
+    if any(t.shape != logits[0].shape for t in logits) or num_keys * num_keys != num_experts:
+        shapes = [tuple(t.shape) for t in logits]
+        raise InvalidRoutesError(
+            f"product-key router_logits must each be [2, tokens, num_keys] with num_keys ** 2 "
+            f"= num_experts={num_experts}, got {shapes}: pass the layout's num_experts "
+            "(Doge: floor(sqrt(config.num_experts)) ** 2)"
+        )
+    device, dtype = logits[0].device, logits[0].dtype
+    ids = _routes_rows(routes, rows, len(logits), top_k, num_experts).to(device)
+    experts_per_layer, weights_per_layer = [], []
+    for j, layer_logits in enumerate(logits):
+        (scores_x, scores_y), (keys_x, keys_y) = layer_logits.to(device).topk(num_keys, dim=-1)
+        scores_RE = (scores_x.unsqueeze(-1) + scores_y.unsqueeze(-2)).flatten(-2)
+        experts_RE = (keys_x.unsqueeze(-1) * num_keys + keys_y.unsqueeze(-2)).flatten(-2)
+        _, at_RK = scores_RE.topk(top_k, dim=-1)
+        forced_RK = ids[:, j]
+        missing = (forced_RK == MISSING).any(dim=-1, keepdim=True)
+        experts_per_layer.append(torch.where(missing, experts_RE.gather(-1, at_RK), forced_RK))
+        probs_RE = torch.nn.functional.softmax(scores_RE, dim=-1)
+        weights_per_layer.append(torch.zeros_like(scores_RE).scatter(-1, experts_RE, probs_RE))
+    selected = torch.cat(experts_per_layer, dim=0).reshape(-1)  # (layer, row, k)
+    weights = torch.cat(weights_per_layer, dim=0)  # [layers * rows, E]
+    counts = torch.zeros(num_experts, dtype=dtype, device=device)
+    if attention_mask is None:
+        ones = torch.ones_like(selected, dtype=dtype, device=device)
+        tokens_per_expert = counts.scatter_add_(0, selected, ones) / selected.shape[0]
+        router_prob_per_expert = torch.mean(weights, dim=0)
+    else:
+        if attention_mask.numel() != rows:
+            raise InvalidRoutesError(
+                f"attention_mask has {attention_mask.numel()} positions for {rows} router "
+                f"rows: pass the [B, S] mask of the forward ({tuple(attention_mask.shape)} given)"
+            )
+        mask = attention_mask.reshape(1, rows, 1).to(device)
+        per_id = mask.expand(len(logits), rows, top_k).reshape(-1)
+        kept = selected[per_id.bool()]
+        ones = torch.ones_like(kept, dtype=dtype, device=device)
+        tokens_per_expert = counts.scatter_add_(0, kept, ones) / torch.sum(per_id)
+        per_prob = mask.expand(len(logits), rows, num_experts).reshape(-1, num_experts)
+        router_prob_per_expert = torch.sum(weights * per_prob, dim=0) / torch.sum(per_prob, dim=0)
+    return torch.sum(tokens_per_expert * router_prob_per_expert) * num_experts
 
 
 def _routes_rows(routes: Tensor, rows: int, layers: int, top_k: int, num_experts: int) -> Tensor:
