@@ -606,11 +606,14 @@ def test_a_handle_cannot_be_pickled_or_copied(name):
         assert "s" in store
 
 
-def test_handles_dropped_unclosed_give_their_leases_back(name):
+def test_handles_dropped_unclosed_give_their_leases_back(name, tmp_path):
     # Before: a handle dropped without close() kept its descriptors and writer lease for the
-    # life of the process: after max_writers of them every put was refused.
+    # life of the process: after max_writers of them every put was refused; and its shared
+    # lock on the spill directory, which then outlived its dead owner's sweep.
     fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
-    with RoutingStore.create(name, LAYOUT, capacity_tokens=10_000, max_writers=2) as store:
+    with RoutingStore.create(
+        name, LAYOUT, capacity_tokens=10_000, max_writers=2, spill_dir=tmp_path
+    ) as store:
         gc.collect()  # (what earlier tests dropped)
         before = fds()
         for i in range(4):  # e.g. a task body: attach, put, return the ref

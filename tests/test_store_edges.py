@@ -31,7 +31,7 @@ from routing_replay.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from routing_replay.store import sweep_spill_dirs, sweep_stores
+from routing_replay.store import list_stores, sweep_spill_dirs, sweep_stores
 from routing_replay.store.segment import segment_path
 from routing_replay.store.spill import page_file_bytes
 
@@ -704,6 +704,32 @@ def open_fds(*about: str) -> dict[int, str]:
             if any(a in target for a in about):
                 fds[int(f)] = target
     return fds
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 29])
+def test_a_listing_stopped_at_any_line_holds_no_store_while_its_error_is_kept(
+    name, tmp_path, stride
+):
+    # Before: Ctrl-C between a listing's attach and close kept that handle, and its shared
+    # lock on the spill directory, as long as the error was kept (a notebook keeps the last
+    # one): a sweep then kept the directory of the store's dead owner.
+    def interrupt():
+        raise KeyboardInterrupt
+
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
+        store.put("a", TINY.random_routes(np.random.default_rng(0), P))
+        before = open_fds(name, str(tmp_path))
+        events, _ = interrupted_at(0, lambda: list_stores(name))
+        kept = []
+        for stop in range(1, events + 1, stride):
+            try:
+                interrupted_at(stop, lambda: list_stores(name), action=interrupt)
+            except KeyboardInterrupt as e:
+                kept.append(e)  # as sys.last_value holds it
+            # (a handle cut short while attaching: its mapping goes with its cycle)
+            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before, f"line event {stop} of {events}"
+        assert len(kept) == len(range(1, events + 1, stride)) and events > 100
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
-from routing_replay.store.calls import inside_call, others_in_flight, store_call
+from routing_replay.store.calls import forget_frames, inside_call, others_in_flight, store_call
 from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
@@ -229,7 +229,8 @@ class RoutingStore:
                 spill_path = make_spill_dir(spill_root, name, uid, users)
             initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
             return cls(seg, put_timeout, users)
-        except BaseException:
+        except BaseException as e:
+            forget_frames(e)  # views of the half-made handle in the error: the mapping goes
             close_each(users)  # made or not, its lock on the directory goes
             if seg is not None:
                 seg.discard()  # nothing half-made stays behind, no descriptor stays open
@@ -272,7 +273,9 @@ class RoutingStore:
                     "without a layout to use the store's, or use a store of this model"
                 )
             return store
-        except BaseException:
+        except BaseException as e:
+            forget_frames(e)  # views of the half-made handle in the error: the mapping goes
+            store = None  # (and this frame's, which the error keeps)
             close_each(users)
             if seg is not None:
                 seg.abandon()  # whatever views a traceback holds: no BufferError here

@@ -42,6 +42,7 @@ import re
 import shutil
 import stat
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -262,6 +263,7 @@ class Spiller:
         # taken here, in the caller's list: whatever stops the handle's making, the caller
         # closes it; once made, close() does (one `pop` each: closed once).
         self._to_close = users
+        weakref.finalize(self, close_each, users).atexit = False  # (a handle dropped unclosed)
         self.core = core
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()

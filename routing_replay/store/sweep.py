@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from routing_replay.errors import CorruptStoreError, RoutingReplayError
 from routing_replay.layout import RoutingLayout
+from routing_replay.store.calls import forget_frames
 from routing_replay.store.format import HEADER_DTYPE, OWNER_LEASE, VERSION
 from routing_replay.store.routing_store import RoutingStore, StoreStats
 from routing_replay.store.segment import (
@@ -69,12 +70,10 @@ def _read_info(path: str) -> StoreInfo:
             **base, owner_pid=0, owner_alive=True, node_id="", layout=None, stats=None,
             owner_uid=st.st_uid, problem=problem,
         )  # fmt: skip
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        alive = lease_held(fd, OWNER_LEASE)
-        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
-    finally:
-        os.close(fd)
+    # (a file object's exit runs no line of Python: a stop cannot land between open and close)
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", 0) as f:
+        alive = lease_held(f.fileno(), OWNER_LEASE)
+        raw = os.pread(f.fileno(), HEADER_DTYPE.itemsize, 0)
     info = header_info(raw)
     if info is None:  # half-made (or not a store)
         return StoreInfo(
@@ -96,6 +95,11 @@ def _read_info(path: str) -> StoreInfo:
         problem, corrupt = str(e), isinstance(e, CorruptStoreError)
     except OSError as e:
         problem = f"not readable: {e}"
+    except BaseException:  # (Ctrl-C): the handle goes now, not when the error is dropped
+        if store is not None:
+            with contextlib.suppress(BufferError, RoutingReplayError):
+                store.close()
+        raise
     if store is not None:
         store.close()  # after the error is gone: its frames may still view the segment
     return StoreInfo(
@@ -114,8 +118,13 @@ def list_stores(prefix: str = "") -> list[StoreInfo]:
     )
     infos = []
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):  # unlinked meanwhile
+        try:
             infos.append(_read_info(path))
+        except FileNotFoundError:  # unlinked meanwhile
+            continue
+        except BaseException as e:  # (Ctrl-C): a kept error keeps no handle, no file open
+            forget_frames(e)
+            raise
     return infos
 
 
