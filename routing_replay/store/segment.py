@@ -58,7 +58,7 @@ def fork_epoch() -> int:
 
 def is_store_name(name: str) -> bool:
     """Whether `name` may name a store (its segment is SEGMENT_PREFIX + name)."""
-    return bool(NAME_PATTERN.fullmatch(name)) and not name.startswith(".")
+    return isinstance(name, str) and bool(NAME_PATTERN.fullmatch(name)) and name[0] != "."
 
 
 def segment_path(name: str) -> str:
@@ -170,7 +170,8 @@ class Segment:
         _SEGMENTS.add(self)
         # A handle dropped unclosed gives back its descriptors, so its leases (kernel locks
         # on them) with them, as a file does; at exit the process's end gives them back.
-        weakref.finalize(self, _dropped, name, self._to_close).atexit = False
+        self._finalizer = weakref.finalize(self, _dropped, name, self._to_close)
+        self._finalizer.atexit = False
 
     @property
     def owner(self) -> bool:
@@ -286,6 +287,7 @@ class Segment:
             self.fd = self._lock_fd = -1
             _SEGMENTS.discard(self)
         close_each(self._to_close)  # (also what a close stopped here left): leases, lock go
+        self._finalizer.detach()  # (nothing left for it: no code runs at collection)
 
     def unlink(self) -> None:
         """Remove the segment file, if the path still names it (not a store made under the
@@ -310,6 +312,7 @@ class Segment:
         self.fd = self._lock_fd = -1
         _SEGMENTS.discard(self)
         close_each(self._to_close)
+        self._finalizer.detach()
         with contextlib.suppress(BufferError):
             self.mmap.close()
 

@@ -263,7 +263,8 @@ class Spiller:
         # taken here, in the caller's list: whatever stops the handle's making, the caller
         # closes it; once made, close() does (one `pop` each: closed once).
         self._to_close = users
-        weakref.finalize(self, close_each, users).atexit = False  # (a handle dropped unclosed)
+        self._finalizer = weakref.finalize(self, close_each, users)  # (dropped unclosed)
+        self._finalizer.atexit = False
         self.core = core
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
@@ -299,6 +300,7 @@ class Spiller:
     def close(self) -> None:
         """The handle closes: its shared lock on the directory goes with it."""
         close_each(self._to_close)  # (also what a close stopped here left)
+        self._finalizer.detach()  # (nothing left for it: no code runs at collection)
 
     def settle(self) -> None:
         """At the end of a store call: release the spill mutex if an interruption left this
