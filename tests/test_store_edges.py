@@ -22,7 +22,7 @@ import pytest
 import torch
 from line_stops import PACKAGE, collect_until, interrupted_at
 
-from routing_replay import Episode, RoutingLayout, RoutingStore, cli
+from routing_replay import Episode, RoutingLayout, RoutingStore, cli, load_routes, save_routes
 from routing_replay.errors import (
     CorruptStoreError,
     InvalidArgumentError,
@@ -1081,6 +1081,7 @@ def test_bad_inputs_are_routing_replay_errors_that_store_nothing(name):
     assert layout == TINY and type(layout.num_layers) is int
     store = RoutingStore.create(name, layout, 8 * P, page_tokens=P)  # its JSON takes them
     rows = TINY.random_routes(np.random.default_rng(0), 3)
+    ref = store.put("z", rows)  # (for the archive's calls)
     bad = [
         (lambda: store.put("a", [[[0, 1]] * 3, [[0, 1]] * 2]), InvalidRoutesError),  # ragged
         (lambda: store.put("b", rows, token_ids=[[1], [2, 3], [4]]), InvalidArgumentError),
@@ -1102,11 +1103,20 @@ def test_bad_inputs_are_routing_replay_errors_that_store_nothing(name):
             lambda: Episode(store, "i").add_turn([1, 2, 3], rows, policy_version="3"),
             InvalidArgumentError,
         ),
+        # Round 22: arguments of the wrong type (before: builtin TypeError, AttributeError).
+        (lambda: RoutingStore.create(5, TINY, 64), InvalidArgumentError),
+        (lambda: RoutingStore.attach(5), InvalidArgumentError),
+        (lambda: RoutingStore.create(f"{name}-n", TINY, 64, node_id=5), InvalidArgumentError),
+        (lambda: RoutingStore.create(f"{name}-l", None, 64), InvalidArgumentError),
+        (lambda: save_routes(5, [ref], read=store.read), InvalidArgumentError),
+        (lambda: save_routes(f"/tmp/{name}.arrow", [ref], read=None), InvalidArgumentError),
+        (lambda: load_routes(None, store), InvalidArgumentError),
     ]
     for call, error in bad:
         with pytest.raises(error):
             call()
-    assert len(store) == 0
+    store.release([ref])
+    assert len(store) == 0 and not os.path.exists(f"/tmp/{name}.arrow")
     store.verify()
     store.close()
     store.unlink()

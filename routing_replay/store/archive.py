@@ -153,6 +153,17 @@ def _span(buf: pa.Buffer | None, start: int, stop: int) -> memoryview | bytes:
     return b"" if buf is None or stop <= start else memoryview(buf)[start:stop]
 
 
+def _file_path(path: Any, what: str) -> str:
+    """`path` as a str, or InvalidArgumentError."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what}: path must be a str or os.PathLike naming the archive file, got "
+            f"{type(path).__name__} {path!r}"
+        ) from None
+
+
 def save_routes(
     path: str | os.PathLike,
     refs: Sequence[RoutingRef],
@@ -183,7 +194,12 @@ def save_routes(
     ):
         raise InvalidArgumentError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     chunk_tokens = int(chunk_tokens)
-    path = os.fspath(path)
+    if not callable(read):
+        raise InvalidArgumentError(
+            f"save_routes: read must be the function that reads refs into their Arrow batch "
+            f"(store.read, or routing_replay.ray.fetch_batch), got {read!r}"
+        )
+    path = _file_path(path, "save_routes")
     if os.path.isdir(path):
         raise InvalidArgumentError(
             f"save_routes: {path} is a directory: name the archive file in it, e.g. "
@@ -446,7 +462,7 @@ class RouteArchive:
     and fully validated by Arrow before any of its columns is decoded."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
+        self.path = _file_path(path, "load_routes")
         if os.path.isdir(self.path):
             raise InvalidArgumentError(f"load_routes: {self.path} is a directory, not an archive")
         try:

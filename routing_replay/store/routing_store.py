@@ -182,9 +182,16 @@ class RoutingStore:
         `spill_dir` (a local disk): when a put finds the store full, it moves samples, unread
         first, oldest put first, into files there instead of waiting (`store.spill`), up to
         `spill_budget` bytes (default: half the disk's free space); reads of spilled samples
-        map their files. The store's files live in a directory of their own, removed with it.
+        read their files. The store's files live in a directory of their own, removed with it.
         """
         timeout_seconds(put_timeout, "put_timeout")
+        if not isinstance(layout, RoutingLayout):
+            raise InvalidArgumentError(
+                f"layout must be a RoutingLayout (e.g. RoutingLayout.from_hf_config(config)), "
+                f"got {type(layout).__name__}"
+            )
+        if node_id is not None and not isinstance(node_id, str):
+            raise InvalidArgumentError(f"node_id must be a str or None, got {node_id!r}")
         capacity_tokens, page_tokens, max_samples, spill_budget, max_writers = check_sizes(
             capacity_tokens, page_tokens, max_samples, spill_budget, max_writers, spill_dir
         )
