@@ -633,6 +633,36 @@ def test_refs_of_two_stores_in_any_order_are_placed_row_by_row(cluster):
     shutdown_node_stores(job)
 
 
+def test_a_remote_stores_samples_read_in_pieces_land_exact(cluster, monkeypatch):
+    # One remote store's refs read in several calls (pieces of consecutive refs, each
+    # pulled while the store actor serves the next), with ranges and into `out`; a shared
+    # prompt's group split across pieces.
+    from routing_replay.ray import dataset
+
+    monkeypatch.setattr(dataset, "REMOTE_PIECE_TOKENS", 200)
+    _, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    on_other = ray.remote(Writer).options(**on(other)).remote(job)
+    refs = ray.get(on_other.put.remote(list(range(12)), "p", 150))
+    refs += ray.get(on_other.put_group.remote("g", 40, [10, 25, 7]))
+    assert len(dataset._pieces(list(range(len(refs))), refs)) == dataset.REMOTE_PIECES
+    want = [sample_routes(i, 150) for i in range(12)]
+    prompt = sample_routes(100, 40)
+    want += [np.concatenate([prompt, sample_routes(200 + j, n)]) for j, n in enumerate((10, 25, 7))]
+    ranges = [(i, 150 - 2 * i) for i in range(12)] + [(0, 50), (30, 65), (39, 47)]
+    for rng in (None, ranges):
+        size = sum(b - a for a, b in rng) if rng else sum(len(w) for w in want)
+        out = torch.empty(size * LAYOUT.bytes_per_token, dtype=torch.uint8)
+        batch = fetch_batch(refs, out=out, ranges=rng)
+        assert batch.column("sample_id").to_pylist() == [r.sample_id for r in refs]
+        assert to_torch(batch).data_ptr() == out.data_ptr()  # built in `out`
+        for i, (w, got) in enumerate(zip(want, _split(batch), strict=True)):
+            a, b = rng[i] if rng else (0, len(w))
+            np.testing.assert_array_equal(got.numpy(), w[a:b])
+    assert release_refs(refs) == len(refs)
+    shutdown_node_stores(job)
+
+
 def test_fetch_batch_of_a_plain_stores_refs_says_to_attach_it(cluster):
     # Before: refs of a store made with RoutingStore.create were called lost ("roll those
     # samples out again") while the store held them.

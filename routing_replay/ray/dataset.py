@@ -20,6 +20,7 @@ Ray is imported inside the functions: `import routing_replay` works without Ray.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -40,6 +41,10 @@ from routing_replay.store.refs import ranges_per_ref, whole_number
 
 if TYPE_CHECKING:
     import ray.data
+
+
+REMOTE_PIECES = 4  # calls a read of one remote store's samples takes, at most
+REMOTE_PIECE_TOKENS = 1 << 16  # and tokens each call reads, at least
 
 
 def _by_store(refs: Sequence[RoutingRef]) -> dict[str, list[int]]:
@@ -84,13 +89,42 @@ def _get(object_refs: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
 
 
 def _get_wires(calls: list[Any], groups: list[list[RoutingRef]]) -> list[WireBatch]:
-    """The wire batches the store actors' `read` calls shipped, pulled here in parallel."""
+    """The wire batches the store actors' `read` calls shipped, pulled here in parallel:
+    each pull starts as soon as its call returned."""
     import ray
 
-    shipped = _get(calls, groups)
+    shipped: list[Any] = [None] * len(calls)
+    waiting = dict(zip(calls, range(len(calls)), strict=True))
+    try:
+        while waiting:
+            done, _ = ray.wait(list(waiting), num_returns=1)
+            for call in done:
+                i = waiting.pop(call)
+                (shipped[i],) = _get([call], [groups[i]])
+                ray.wait([shipped[i]], timeout=0, fetch_local=True)  # (starts its pull)
+    except BaseException:
+        for call in waiting:  # collected: no "unhandled error" of theirs in the logs
+            with contextlib.suppress(Exception):
+                ray.get(call)
+        raise
     if shipped:
         ray.wait(shipped, num_returns=len(shipped), fetch_local=True)
     return _get(shipped, groups)
+
+
+def _pieces(indices: list[int], refs: list[RoutingRef]) -> list[list[int]]:
+    """A remote store's refs (their indices) in up to REMOTE_PIECES runs of consecutive refs,
+    each of REMOTE_PIECE_TOKENS tokens or more (a GRPO group's shared prompt pages then
+    travel once per run it spans)."""
+    tokens = [refs[i].num_tokens for i in indices]
+    count = min(REMOTE_PIECES, len(indices), max(1, sum(tokens) // REMOTE_PIECE_TOKENS))
+    out, start, seen, total = [], 0, 0, sum(tokens)
+    for j, n in enumerate(tokens):
+        seen += n
+        if seen * count >= total * (len(out) + 1) and len(out) < count - 1:
+            out.append(indices[start : j + 1])
+            start = j + 1
+    return [*out, indices[start:]] if start < len(indices) else out
 
 
 def _local(ref: RoutingRef, here: str | None) -> RoutingStore | None:
@@ -189,30 +223,33 @@ def fetch_batch(
         return None if ranges is None else [ranges[i] for i in indices]
 
     local = {s: _local(refs[groups[s][0]], here) for s in groups}
-    remote = [s for s in groups if local[s] is None]
-    remote_groups = [[refs[i] for i in groups[s]] for s in remote]
+    # A remote store's samples in a few pieces, one call each: the pull of one overlaps
+    # the store actor's work on the next.
+    pieces = [p for s in groups if local[s] is None for p in _pieces(groups[s], refs)]
+    remote_groups = [[refs[i] for i in piece] for piece in pieces]
     # Every remote read is in flight before the local ones run.
     pending = [
-        _actor_for(g).read.remote(g, part=part, ranges=ranges_of(groups[s]))
-        for s, g in zip(remote, remote_groups, strict=True)
+        _actor_for(g).read.remote(g, part=part, ranges=ranges_of(piece))
+        for piece, g in zip(pieces, remote_groups, strict=True)
     ]
-    parts: dict[str, pa.RecordBatch | WireBatch] = {}
+    parts: list[tuple[list[int], pa.RecordBatch | WireBatch]] = []
     direct = out if len(groups) == 1 else None  # one store: its rows go straight into `out`
     try:
         for store, indices in groups.items():
             if local[store] is not None:
                 group = [refs[i] for i in indices]
-                parts[store] = local[store].read(  # type: ignore[union-attr]
+                batch = local[store].read(  # type: ignore[union-attr]
                     group, part=part, out=direct, ranges=ranges_of(indices)
                 )
+                parts.append((indices, batch))
     finally:
         # Collected (or raised) even if a local read failed.
         wires = _get_wires(pending, remote_groups)
-    parts.update(zip(remote, wires, strict=True))
-    if len(groups) > 1:  # each row copied once, straight to its place (in `out` if given)
-        batch = assemble(len(refs), [(groups[s], parts[s]) for s in groups], out)
+    parts += zip(pieces, wires, strict=True)
+    if len(parts) > 1:  # each row copied once, straight to its place (in `out` if given)
+        batch = assemble(len(refs), parts, out)
     else:
-        (batch,) = parts.values()
+        ((_, batch),) = parts
         if isinstance(batch, WireBatch):
             batch = batch.batch(out)  # the rows rebuilt here, in this process's memory
     if release:
