@@ -2,7 +2,7 @@
 
 - `fetch_batch(refs)`: inside a trainer worker, one `pa.RecordBatch` in the refs' order.
   Samples on this worker's node are read straight from shared memory; each other node's
-  samples come from that node's store actor in one call, in their wire form (each stored
+  samples come from that node's store actor in a few calls, in their wire form (each stored
   token once) through Ray's object store (one network crossing); each row is then copied
   once, straight to its place (`assemble`).
 - `read_dataset(refs)`: a `ray.data.Dataset` of the same schema, built from the Arrow
