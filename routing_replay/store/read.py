@@ -529,9 +529,10 @@ def _read_only(view: np.ndarray) -> np.ndarray:
 
 
 def _narrow(run: np.ndarray, marker: int) -> tuple[np.ndarray, np.ndarray]:
-    """`run` with each id in one byte (the marker's low byte where it was), and the flat
-    indices of its marker values. Chunk by chunk, into Arrow's pool: no temporary the size
-    of the read, whose fresh pages cost more than the copy."""
+    """`run` (ids below 256, or the two-byte `marker`) with each id in one byte (the
+    marker's low byte where it was), and the flat indices of its marker values. Chunk by
+    chunk, into Arrow's pool: no temporary the size of the read, whose fresh pages cost
+    more than the copy; a chunk's markers are looked for only if its largest value is one."""
     narrow = np.frombuffer(pa.allocate_buffer(run.size), np.uint8).reshape(run.shape)
     rows = max(1, NARROW_CHUNK // max(1, run.shape[1]))
     hits = np.empty((min(rows, len(run)), run.shape[1]), dtype=bool)
@@ -539,8 +540,8 @@ def _narrow(run: np.ndarray, marker: int) -> tuple[np.ndarray, np.ndarray]:
     for a in range(0, len(run), rows):
         chunk, hit = run[a : a + rows], hits[: len(run[a : a + rows])]
         np.copyto(narrow[a : a + rows], chunk, casting="unsafe")
-        np.equal(chunk, marker, out=hit)
-        if hit.any():
+        if chunk.size and chunk.max() > 255:
+            np.equal(chunk, marker, out=hit)
             found.append(np.flatnonzero(hit) + a * run.shape[1])
     return narrow, np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
