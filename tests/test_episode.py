@@ -267,6 +267,40 @@ def test_an_episode_reusing_a_stored_id_never_releases_that_sample(name, stride)
         store.verify()
 
 
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 13])
+def test_a_turn_stopped_at_any_line_never_releases_a_later_episodes_sample(name, stride):
+    # Before: a turn stopped inside its put before the commit kept its id pending; another
+    # episode under that id (a restarted loop) then stored it, and the stopped episode's
+    # next call released that other episode's sample.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    routes = layout.random_routes(np.random.default_rng(0), 10)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        stop = 1
+        while True:
+            first, second = Episode(store, f"r{stop}"), Episode(store, f"r{stop}")
+            seen, _ = interrupted_at(stop, lambda e=first: e.add_turn(np.arange(10), routes))
+            if seen < stop:  # ran to its end: every line was a stop point
+                break
+            try:
+                theirs = second.add_turn(np.arange(10), routes)  # the first's put did not commit
+            except DuplicateSampleError:
+                theirs = None  # it did: the first episode's own
+            if first.num_turns:  # stopped after its state was updated
+                assert theirs is None and first.close() in store
+            elif theirs is not None:
+                with pytest.raises(DuplicateSampleError):
+                    first.add_turn(np.arange(10), routes)
+                assert theirs in store, f"line event {stop}"
+            else:
+                mine = first.add_turn(np.arange(10), routes)  # its stranded put released
+                assert mine in store and len(store) == 1, f"line event {stop}"
+            store.release([r for r in (theirs, first.ref) if r is not None and r in store])
+            assert len(store) == 0, f"line event {stop}"
+            stop += stride
+        assert stop > 10 * stride
+        store.verify()
+
+
 class Boom(Exception):
     """An error raised inside a library call (not an interruption)."""
 

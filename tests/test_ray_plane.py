@@ -660,6 +660,8 @@ def test_a_remote_stores_samples_read_in_pieces_land_exact(cluster, monkeypatch)
             a, b = rng[i] if rng else (0, len(w))
             np.testing.assert_array_equal(got.numpy(), w[a:b])
     assert release_refs(refs) == len(refs)
+    with pytest.raises(SampleNotFoundError):  # released: every piece fails, one error
+        fetch_batch(refs)
     shutdown_node_stores(job)
 
 

@@ -17,6 +17,7 @@ trainer gets.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from typing import Any
@@ -28,6 +29,8 @@ from routing_replay.errors import (
     InvalidArgumentError,
     InvalidRoutesError,
     RoutingReplayError,
+    SampleNotFoundError,
+    SampleReplacedError,
     TokenMismatchError,
 )
 from routing_replay.layout import MISSING
@@ -64,7 +67,9 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
-        self._putting: str | None = None  # a turn sample put, until it is in `refs`
+        # A turn's put until it is in `refs`: (sample id, store's next serial before it,
+        # and after it was stopped).
+        self._putting: tuple[str, int, int | None] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
 
     @property
@@ -145,23 +150,29 @@ class Episode:
                 f"store {self.store.name!r} (another episode with this id?): give every "
                 "episode a unique id; nothing of this turn was stored"
             )
-        self._putting = sample_id  # (cleared by the next call once settled)
+        floor = self.store._next_serial()  # this put's serial, if it commits, is >= floor
+        self._putting = (sample_id, floor, None)  # (cleared by the next call once settled)
         try:
-            ref = self.store.put(
-                sample_id,
-                rows,
-                prompt_len=self.prompt_len,
-                token_ids=tokens,
-                policy_version=versions or None,
-            )
-        except RoutingReplayError:
-            self._putting = None  # a put that raises stored nothing of itself
+            try:
+                ref = self.store.put(
+                    sample_id,
+                    rows,
+                    prompt_len=self.prompt_len,
+                    token_ids=tokens,
+                    policy_version=versions or None,
+                )
+            except RoutingReplayError:
+                self._putting = None  # a put that raises stored nothing of itself
+                raise
+            turns = [*self.refs, ref]
+            # One line, no call in it: a stop lands before or after, never between the
+            # turn's ref and the state the next turn builds on.
+            self.refs, self._tokens, self._routes, self._versions = turns, tokens, rows, versions
+            self._putting = None
+        except BaseException:  # stopped (Ctrl-C): committed or not, below this serial
+            if self._putting is not None:
+                self._putting = (sample_id, floor, self.store._next_serial())
             raise
-        turns = [*self.refs, ref]
-        # One line, no call in it: a stop lands before or after, never between the turn's
-        # ref and the state the next turn builds on.
-        self.refs, self._tokens, self._routes, self._versions = turns, tokens, rows, versions
-        self._putting = None
         return ref
 
     def _alone(self) -> None:
@@ -181,14 +192,22 @@ class Episode:
 
     def _drop_unrecorded(self) -> None:
         """Release the sample of a turn whose put committed but never reached `refs` (an
-        interruption in between, or an error raised after the commit), so that the turn can
-        be added again and `close` leaves nothing. Cleared only once settled."""
-        pending = self._putting
-        if pending is None:
+        interruption in between), so that the turn can be added again and `close` leaves
+        nothing: the sample under its id if its put serial lies between the store's next
+        serial before the put and after the stop (a later put of that id is another's).
+        Cleared only once settled."""
+        if self._putting is None:
             return
-        recorded = bool(self.refs) and self.refs[-1].sample_id == pending
-        if not recorded and pending in self.store:
-            self.store.release([pending])
+        sample_id, floor, ceiling = self._putting
+        recorded = bool(self.refs) and self.refs[-1].sample_id == sample_id
+        serial = self.store._serial_of(sample_id) if ceiling is not None else None
+        if not recorded and serial is not None and floor <= serial < ceiling:
+            ours = RoutingRef(
+                sample_id, self.store.name, self.store.node_id, 0, None, self.store.store_uid,
+                serial=serial,
+            )  # fmt: skip
+            with contextlib.suppress(SampleReplacedError, SampleNotFoundError):
+                self.store.release([ours])  # (that very put only)
         self._putting = None
 
     def check_history(self, token_ids: Any, turn: int | None = None) -> None:
