@@ -665,6 +665,16 @@ def test_a_remote_stores_samples_read_in_pieces_land_exact(cluster, monkeypatch)
     shutdown_node_stores(job)
 
 
+def test_refs_of_one_store_name_on_two_nodes_are_two_stores():
+    # Plain stores of one name on two nodes: before, grouped as one store (read through one
+    # node's handle or actor, and refused there).
+    from routing_replay import RoutingRef
+    from routing_replay.ray.dataset import _by_store
+
+    refs = [RoutingRef(f"s{i}", "rollouts", node, 5) for i, node in enumerate("abab")]
+    assert list(_by_store(refs).values()) == [[0, 2], [1, 3]]
+
+
 def test_fetch_batch_of_a_plain_stores_refs_says_to_attach_it(cluster):
     # Before: refs of a store made with RoutingStore.create were called lost ("roll those
     # samples out again") while the store held them.

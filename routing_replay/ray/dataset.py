@@ -47,11 +47,12 @@ REMOTE_PIECES = 4  # calls a read of one remote store's samples takes, at most
 REMOTE_PIECE_TOKENS = 1 << 16  # and tokens each call reads, at least
 
 
-def _by_store(refs: Sequence[RoutingRef]) -> dict[str, list[int]]:
-    """Indices of `refs` grouped by store, stores in first-seen order."""
-    groups: dict[str, list[int]] = defaultdict(list)
+def _by_store(refs: Sequence[RoutingRef]) -> dict[tuple[str, str], list[int]]:
+    """Indices of `refs` grouped by store (name and node: plain stores of one name may run
+    on several nodes), stores in first-seen order."""
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
     for i, ref in enumerate(refs):  # (checked RoutingRefs: `_refs`)
-        groups[ref.store].append(i)
+        groups[ref.store, ref.node_id].append(i)
     return groups
 
 
