@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import PACKAGE, collect_until, interrupted_at
+from line_stops import collect_until, interrupted_at
 
 from routing_replay import Episode, RoutingLayout, RoutingStore, cli, load_routes, save_routes
 from routing_replay.errors import (
@@ -1025,26 +1025,16 @@ def test_an_unlink_paused_at_each_line_while_another_thread_closes_removes_every
     # Before: close() did not wait for unlink (not a counted call) and unmapped the handle
     # under it: unlink raised a raw AttributeError and left the segment and spill dir.
     def unlink_paused_at(stop, store, inside, go, errors):
+        def pause():
+            inside.set()
+            go.wait(10)
+
         seen = 0
-
-        def tracer(frame, event, arg):
-            nonlocal seen
-            if not frame.f_code.co_filename.startswith(PACKAGE):
-                return None
-            if event == "line":
-                seen += 1
-                if seen == stop:
-                    inside.set()
-                    go.wait(10)
-            return tracer
-
-        sys.settrace(tracer)
         try:
-            store.unlink()
+            seen, _ = interrupted_at(stop, store.unlink, action=pause)
         except BaseException as e:  # the test's answer
             errors.append(e)
         finally:
-            sys.settrace(None)
             inside.set()
         return seen
 
