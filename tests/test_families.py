@@ -11,9 +11,14 @@ Each family is a tiny model built from its own config class (`tiny_families.py`)
 
 from __future__ import annotations
 
+import queue
+import traceback
+
 import numpy as np
 import pytest
 import torch
+from compiling import Graphs, reset_dynamo
+from lean_workers import LEAN, in_lean_workers
 from tiny_families import random_routes, router_weight, tiny_family_model
 
 from routing_replay import capture, replay
@@ -89,8 +94,9 @@ FAST = {
     "phimoe",
     "zaya",
 }
-# Checkpointing and compile (slow): one family of each score function or output form new here.
-COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx"}
+# Checkpointing and compile with AOT autograd (slow): one family of each score function or
+# output form new here; every other family under Dynamo alone.
+COMPILED = FAST | {"openai_privacy_filter", "beam", "afmoe", "kolibri1", "dbrx", "longcat_flash"}
 # Looped layers (each pass its own layout layer): checkpointing and compile see every pass.
 COMPILED |= {"inkling2_loop_text"}
 PARAMS = [
@@ -619,7 +625,10 @@ def test_ernie_vl_both_routers_get_gradients_and_checkpointing_and_compile_see_t
         ckpt, calls_ckpt = run(lambda **kw: output(model, kw))
     finally:
         model.gradient_checkpointing_disable()
-    compiled, calls_c = run(torch.compile(lambda **kw: output(model, kw), backend="aot_eager"))
+    reset_dynamo()
+    graphs = Graphs()
+    compiled, calls_c = run(torch.compile(lambda **kw: output(model, kw), backend=graphs))
+    assert graphs.count > 0
     assert torch.equal(eager, ckpt)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for calls, count in ((calls_ckpt, 2), (calls_c, 1)):  # checkpointed: forward, recompute
@@ -644,17 +653,51 @@ def test_router_weights_get_gradients(family):
             assert weight.grad[router.module.num_experts :].abs().sum() > 0, router.name
 
 
-def chosen(spy: ExpertsSpy, j: int) -> list[torch.Tensor]:
+def chosen(spy: ExpertsSpy, j: int, family: str) -> list[torch.Tensor]:
     """Per call of layer j's MoE block, the experts each token went to, sorted."""
     if isinstance(spy.moe.routers[j].output, outputs.Scatter):  # the nonzero scores
         k = spy.moe.layout.top_k
         return [out[0].topk(k, dim=1).indices.sort(dim=1).values for out in spy.outs[j]]
+    if family in ZERO_EXPERTS:  # as the block gets them: zero experts reach no experts module
+        return [out[2].sort(dim=1).values for out in spy.outs[j]]
     return [ids.sort(dim=1).values for ids, _ in spy.calls[j]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(COMPILED))
-def test_checkpointing_and_compile_see_the_forced_ids(family):
+def test_every_family_under_checkpointing_and_compile_sees_the_forced_ids():
+    # AOT autograd (aot_eager) on one family of each form, Dynamo alone (its graph breaks,
+    # our forcing in its graphs) on every other: in two lean workers, both cores.
+    todo = LEAN.Queue()  # each worker takes the next family as it finishes one
+    for family in sorted(COMPILED, key=lambda f: f != "inkling2_loop_text"):  # longest first
+        todo.put((family, "aot_eager"))
+    for family in sorted(set(FAMILIES) - COMPILED):
+        todo.put((family, "eager"))
+    parts = in_lean_workers(checked, [(todo,), (todo,)])
+    assert sorted(f for part in parts for f in part) == sorted(FAMILIES)
+    failed = {f: tb for part in parts for f, tb in part.items() if tb}
+    assert not failed, "\n".join(f"{f}:\n{tb}" for f, tb in failed.items())
+
+
+def checked(todo) -> dict[str, str]:
+    """`check_checkpointing_and_compile` of each (family, backend) taken from `todo` until it
+    is empty: per family checked, its traceback if it failed, else ""."""
+    torch.set_num_threads(1)  # one core per worker
+    done = {}
+    while True:
+        try:
+            family, backend = todo.get(timeout=1)
+        except queue.Empty:
+            return done
+        try:
+            check_checkpointing_and_compile(family, backend)
+            done[family] = ""
+        except Exception:
+            done[family] = traceback.format_exc()
+
+
+def check_checkpointing_and_compile(family: str, backend: str) -> None:
+    """Under gradient checkpointing (forward and recompute) and compiled with `backend`, the
+    experts see the forced ids; the loss is eager's."""
     model = tiny_family_model(family).train()
     layout = find_routers(model).layout
     kwargs = inputs(model, seed=6)
@@ -685,17 +728,19 @@ def test_checkpointing_and_compile_see_the_forced_ids(family):
             model.gradient_checkpointing_disable()
         assert torch.equal(eager, ckpt)
         for j, (forced_T, want_TK) in enumerate(zip(forced_L, want_L, strict=True)):
-            calls = chosen(spy_ckpt, j)
+            calls = chosen(spy_ckpt, j, family)
             assert len(calls) == 2  # the forward and its recompute
             for got_TK in calls:
                 assert torch.equal(got_TK[forced_T], want_TK[forced_T])
     if family in EAGER_ATTENTION:
         for layer in model.model.layers:
             layer.self_attn.forward = torch.compiler.disable(layer.self_attn.forward)
-    compiled = torch.compile(lambda **kw: output(model, kw), backend="aot_eager")
-    loss_c, spy_c = run(compiled)
+    reset_dynamo()  # past Dynamo's recompile limit a frame would run eagerly
+    graphs = Graphs(backend)
+    loss_c, spy_c = run(torch.compile(lambda **kw: output(model, kw), backend=graphs))
+    assert graphs.count > 0
     if family != "phimoe":  # its draws differ compiled
         torch.testing.assert_close(loss_c, eager, rtol=1e-5, atol=1e-6)
     for j, (forced_T, want_TK) in enumerate(zip(forced_L, want_L, strict=True)):
-        (got_TK,) = chosen(spy_c, j)
+        (got_TK,) = chosen(spy_c, j, family)
         assert torch.equal(got_TK[forced_T], want_TK[forced_T])

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from compiling import Graphs, reset_dynamo
 from moe_models import tiny_model
 from torch._dynamo.utils import counters
 
@@ -38,24 +39,11 @@ prepare_replay, is_prepared = replay_mod.prepare_replay, replay_mod.is_prepared
 B, S = 2, 6
 
 
-class Graphs:
-    """A torch.compile backend that counts the graphs it is given, then compiles them."""
-
-    def __init__(self, backend: str = "aot_eager") -> None:
-        self.count = 0
-        self.backend = torch._dynamo.lookup_backend(backend)
-
-    def __call__(self, gm, example_inputs):
-        self.count += 1
-        return self.backend(gm, example_inputs)
-
-
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
+    reset_dynamo()
     yield
-    torch._dynamo.reset()
+    reset_dynamo()
 
 
 def layout_of(model) -> RoutingLayout:

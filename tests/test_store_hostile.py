@@ -26,6 +26,7 @@ import warnings
 
 import numpy as np
 import pytest
+from lean_workers import in_lean_workers
 
 from routing_replay import RoutingLayout, RoutingStore
 from routing_replay import cli as cli_module
@@ -43,7 +44,6 @@ from routing_replay.store.segment import SHM_DIR, segment_path
 SOAK = 10 if os.environ.get("ROUTING_REPLAY_SOAK") else 1
 LAYOUT = RoutingLayout(4, 2, 8)
 FORK = mp.get_context("fork")
-LEAN = mp.get_context("forkserver")  # workers forked from a process that imported little
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become a second user")
 
@@ -567,27 +567,6 @@ def run_child(name: str, samples, check_routes: bool) -> list[dict]:
             p.kill()
         p.join(5)
         receive.close()
-
-
-def _send_result(send, call, args) -> None:
-    send.send(call(*args))
-
-
-def in_lean_workers(call, args_per_worker: list[tuple]) -> list:
-    """`call(*args)` in one lean worker per args, at once (workers that fork children of
-    their own: not a Pool's daemons); their results, in order."""
-    workers = []
-    for args in args_per_worker:
-        receive, send = LEAN.Pipe(duplex=False)
-        p = LEAN.Process(target=_send_result, args=(send, call, args))
-        p.start()
-        send.close()
-        workers.append((p, receive))
-    results = []
-    for p, receive in workers:
-        results.append(receive.recv())  # EOFError: the worker died
-        p.join(30)
-    return results
 
 
 def fuzz_trials(name, samples, raw, spans, live, data_at, trials) -> list:

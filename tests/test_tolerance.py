@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from compiling import Graphs, reset_dynamo
 from moe_models import tiny_model
 from tiny_families import random_routes
 
@@ -123,7 +124,9 @@ def test_tolerance_under_compile_refills_as_eager():
     routes = random_routes(layout, seed=4, missing=0.25)
     input_ids = batch(5)
     results = []
-    for fn in (model, torch.compile(model, backend="aot_eager")):
+    reset_dynamo()
+    graphs = Graphs()
+    for fn in (model, torch.compile(model, backend=graphs)):
         calls, handles = spy(model)
         try:
             with replay(model, routes, layout=layout, tolerance=0.6) as block, torch.no_grad():
@@ -134,4 +137,5 @@ def test_tolerance_under_compile_refills_as_eager():
         results.append(([c["ids"] for c in calls], block.metrics()))
     (eager_ids, eager_m), (compiled_ids, compiled_m) = results
     assert all(torch.equal(a, b) for a, b in zip(eager_ids, compiled_ids, strict=True))
+    assert graphs.count > 0
     assert eager_m == compiled_m and eager_m["replay/replace_rate"] > 0
