@@ -299,3 +299,27 @@ def test_one_thread_captures_a_model_at_a_time():
     with capture(model) as cap:  # the mark is gone after the blocks
         model(input_ids=torch.tensor([[3, 4, 5]]))
     assert len(cap.routes()) == 1
+
+
+def test_a_forward_over_positions_already_forwarded_starts_a_new_sample():
+    # A loop that crops its cache and forwards the same positions again (a rejected draft; a
+    # diffusion decoder's next step): before, its routes ran on after the first forwards'
+    # as one longer sample, every row from there on at the wrong position.
+    model = tiny_model("qwen3_moe")
+    width = FULL.shape[1]
+    first, again = FULL[:, :2] + 1, FULL[:, :3] + 2
+    cache = transformers.DynamicCache(config=model.config)
+    with capture(model) as cap, torch.no_grad():
+        model(input_ids=FULL, cache=cache, use_cache=True)
+        model(input_ids=first, cache=cache, use_cache=True)  # continues: one sample
+        cache.crop(-first.shape[1])  # back to the prompt
+        model(input_ids=again, cache=cache, use_cache=True)  # positions width.. again
+    tokens = [t.tolist() for t in cap.token_ids()]
+    assert tokens == torch.cat([FULL, first], 1).tolist() + again.tolist()
+    with capture(model) as alone, torch.no_grad():  # the same positions, forwarded once
+        cache = transformers.DynamicCache(config=model.config)
+        model(input_ids=FULL, cache=cache, use_cache=True)
+        model(input_ids=again, cache=cache, use_cache=True)
+    batch = FULL.shape[0]
+    for got, want in zip(cap.routes()[batch:], alone.routes(), strict=True):
+        assert np.array_equal(got, want[width:])

@@ -62,6 +62,7 @@ _SCORES: dict[str, ScoreFunction] = {
     "Mistral4TopkRouter": scores.softmax_eps_renorm_scaled,
     "MistralLarge4TextTopkRouter": scores.softmax_eps_renorm_scaled,
     "Gemma4TextRouter": scores.probs_renorm_per_expert_scale,
+    "DiffusionGemmaTextRouter": scores.probs_renorm_per_expert_scale,
     **dict.fromkeys(
         (
             "GptOssTopKRouter",
@@ -148,11 +149,18 @@ _SUBLAYERS: dict[str, tuple[str, ...]] = {"JetMoeTopKGating": ("self_attention."
 _ROW_SPLITS: dict[str, tuple[str, tuple[str, str]]] = {
     "Ernie4_5_VLMoeMoeTopKRouter": ("moe_mm_token_type_ids", ("text_moe.", "vision_moe."))
 }
+# Router classes of models with two stacks that route different tokens (DiffusionGemma: its
+# encoder the prompt, its decoder the canvas it denoises, once per step): each stack is
+# replayed and captured as a model of its own, with routes of its own tokens.
+_STACKS: dict[str, tuple[str, ...]] = {"DiffusionGemmaTextRouter": ("encoder", "decoder")}
+# What a stack is called with: its tokens (a diffusion decoder's canvas: decoder_input_ids)
+# and the mask of their padding.
+TOKEN_KWARGS = ("input_ids", "decoder_input_ids")
+MASK_KWARGS = ("attention_mask", "decoder_attention_mask")
 # The method that routes, where it is not the router module's forward: DBRX's MoE block
 # picks its experts from its router's logits in a method of its own.
 _METHODS: dict[str, str] = {"DbrxFFN": "route_tokens_to_experts"}
 
-_NOT_YET = "not supported yet: "
 # Router classes of transformers 5.25 replay refuses, and why: their forward is not a
 # token-choice top-k that a forced choice can replace.
 REFUSED: dict[str, str] = {
@@ -164,11 +172,6 @@ REFUSED: dict[str, str] = {
     "patches inside the vision tower, not the language model's tokens, which are what engines "
     "record (and a RoutingLayout holds one expert count, theirs differ per layer); replay the "
     "language model (its Dots3NoteTextTopkRouter routers replay)",
-    # Not yet: it needs more than a score function (issue 32 lists it).
-    "DiffusionGemmaTextRouter": _NOT_YET + "its encoder routes the prompt tokens (input_ids) "
-    "and its decoder, once per denoising step, the canvas tokens (decoder_input_ids, another "
-    "length): no token goes through both stacks, so routes shaped input_ids.shape + (L, K) "
-    "hold only one of them",
 }
 
 # Classes named like routers that are not MoE routers (gates of linear attention, of looped or
@@ -321,6 +324,15 @@ def find_routers(model: nn.Module) -> MoeModel:
                 f"{type(model).__name__}: replay cannot force {name!r} ({type(module).__name__}): "
                 f"{why}"
             )
+    stacks = _stacks(modules)
+    if len(stacks) > 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} routes two sets of tokens, one per stack "
+            f"({', '.join(stacks)}): no token goes through both, so no routes shaped by one "
+            "input fit the model. Replay (and capture) each stack as a model of its own, with "
+            "routes of its own tokens: "
+            + ", ".join(f"replay(model.{path}, routes_of_its_tokens)" for path in stacks)
+        )
     try:
         layout = RoutingLayout.from_hf_config(config)
     except (ValueError, AttributeError) as err:
@@ -389,6 +401,31 @@ def find_routers(model: nn.Module) -> MoeModel:
     prefix = routers[0].name[: _LAYER.search(routers[0].name).start()]
     decoder = model.get_submodule(prefix) if prefix else model
     return MoeModel(layout, routers, decoder, tuple(extra))
+
+
+def _stacks(modules: list[tuple[str, nn.Module]]) -> list[str]:
+    """The paths of the stacks holding routers of a two-stack model (`_STACKS`), in order."""
+    found: dict[str, None] = {}
+    for name, module in modules:
+        parts = name.split(".")
+        names = _STACKS.get(type(module).__name__, ())
+        at = [i for i, part in enumerate(parts) if part in names]
+        if at:
+            found[".".join(parts[: at[0] + 1])] = None
+    return list(found)
+
+
+def input_tokens(args: tuple, kwargs: dict) -> Any:
+    """What a stack's forward was given as its tokens (`TOKEN_KWARGS`, else its first argument)."""
+    for name in TOKEN_KWARGS:
+        if name in kwargs:
+            return kwargs[name]
+    return args[0] if args else None
+
+
+def input_mask(kwargs: dict) -> Any:
+    """The padding mask a stack's forward was given (`MASK_KWARGS`), if any."""
+    return next((kwargs[name] for name in MASK_KWARGS if name in kwargs), None)
 
 
 def _passes(

@@ -12,7 +12,15 @@ from torch import Tensor, nn
 
 from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
-from routing_replay.model.adapters import MoeModel, Router, find_routers, rows_of, split_rows
+from routing_replay.model.adapters import (
+    MoeModel,
+    Router,
+    find_routers,
+    input_mask,
+    input_tokens,
+    rows_of,
+    split_rows,
+)
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 
@@ -123,7 +131,7 @@ class Capture:
         self._outer_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 else None
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        input_ids = input_tokens(args, kwargs)
         outer, self._outer_ids = self._outer_ids, None
         if isinstance(input_ids, Tensor):
             shape = tuple(input_ids.shape)
@@ -140,7 +148,7 @@ class Capture:
         self._calls = {}
         kwarg = self.moe.row_kwarg
         self._split = split_rows(kwargs.get(kwarg)) if kwarg is not None else None
-        mask = kwargs.get("attention_mask")
+        mask = input_mask(kwargs)
         group = self._generating
         if group is not None:  # this forward's 2-D mask, before a compilable cache made it 4-D
             if not is_2d_mask(mask):
@@ -246,9 +254,13 @@ class Capture:
             if fwd.past == 0:  # prefill, or generate(use_cache=False) recomputing everything
                 group.forwards.clear()
             return group
-        last = self._groups[-1] if self._groups else None
-        if fwd.past > 0 and last is not None and last.forwards[-1].shape[0] == fwd.shape[0]:
-            return last  # a hand-written decode loop over a cache
+        last = self._groups[-1].forwards[-1] if self._groups else None
+        # A hand-written decode loop over a cache continues the last forward's positions;
+        # anything else is a new sample: a plain forward, or one over positions already
+        # forwarded (a diffusion decoder's next denoising step of the same canvas).
+        continues = last is not None and fwd.past > 0 and fwd.past == last.past + last.shape[1]
+        if continues and last.shape[0] == fwd.shape[0]:
+            return self._groups[-1]
         self._groups.append(Group())
         return self._groups[-1]
 

@@ -19,7 +19,14 @@ from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward
 from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
-from routing_replay.model.adapters import MoeModel, Router, find_routers, rows_of, split_rows
+from routing_replay.model.adapters import (
+    MoeModel,
+    Router,
+    find_routers,
+    input_tokens,
+    rows_of,
+    split_rows,
+)
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -295,7 +302,7 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
 
 
 def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    input_ids = input_tokens(args, kwargs)
     if isinstance(input_ids, Tensor):
         return tuple(input_ids.shape)
     embeds = kwargs.get("inputs_embeds")
