@@ -1,5 +1,5 @@
-"""The two-node read in phases: the store actor's call, the pull of what it shipped, the
-rebuild into the reader's reused memory.
+"""The two-node read in phases: the writer's put, the store actor's call, the pull of what
+it shipped, the rebuild into the reader's reused memory.
 
     python benchmarks/remote_profile.py deepseek-v3 grpo     # or qwen3-30b-a3b, long
 
@@ -58,7 +58,9 @@ def main() -> None:
         writer = cluster.actor(Writer, cluster.nodes[1], job, args.model, args.kind)
         out, totals = None, []
         for step in range(args.steps):
+            tp = time.perf_counter()
             refs = ray.get(writer.put.remote(step))
+            put_s = time.perf_counter() - tp
             tokens = sum(r.num_tokens for r in refs)
             if out is None:  # a trainer's reused output (step 0 pays its page faults)
                 out = np.empty(tokens * layout.bytes_per_token, dtype=np.uint8)
@@ -73,8 +75,8 @@ def main() -> None:
             t3 = time.perf_counter()
             totals.append(t3 - t0)
             print(
-                f"step {step}: actor {t1 - t0:.3f} s, pull {t2 - t1:.3f} s, rebuild "
-                f"{t3 - t2:.3f} s; {wire.nbytes / MB:.0f} MB in {len(wire.routes)} runs, "
+                f"step {step}: put {put_s:.3f} s, actor {t1 - t0:.3f} s, pull {t2 - t1:.3f} s, "
+                f"rebuild {t3 - t2:.3f} s; {wire.nbytes / MB:.0f} MB in {len(wire.routes)} runs, "
                 f"{tokens:,} tokens",
                 flush=True,
             )

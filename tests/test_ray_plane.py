@@ -734,6 +734,22 @@ def test_256_expert_ids_cross_nodes_in_one_byte_and_read_exact(cluster):
     shutdown_node_stores(job)
 
 
+def test_concurrent_256_expert_reads_through_one_store_actor_each_read_exact(cluster):
+    # The store actor narrows each read into a buffer it reuses (`Scratch`): readers served
+    # at once, round after round, each get their own samples' routes exact.
+    job, (head, other) = f"wide-{uuid.uuid4().hex[:6]}", cluster
+    put = ray.remote(put_wide).options(**on(other))
+    far = ray.get([put.remote(job, f"r{i}-", 10 + i) for i in range(4)])
+    readers = [ray.remote(Reader).options(**on(head)).remote() for _ in far]
+    for _ in range(5):
+        got = ray.get([r.fetch.remote(refs) for r, refs in zip(readers, far, strict=True)])
+        for i, (refs, routes) in enumerate(zip(far, got, strict=True)):
+            want = wide_samples(f"r{i}-", 10 + i)
+            for ref, r in zip(refs, routes, strict=True):
+                np.testing.assert_array_equal(r, want[ref.sample_id])
+    shutdown_node_stores(job)
+
+
 def test_a_groups_shared_prompt_crosses_the_network_once(cluster):
     # A GRPO group on the other node: its prompt's full pages are stored once, and a reader
     # on the head node receives them once per call, however many samples share them.

@@ -40,6 +40,7 @@ from routing_replay.errors import InvalidArgumentError, RoutingReplayError, Stor
 from routing_replay.layout import RoutingLayout
 from routing_replay.ray.metrics import EXPORT_EVERY_S, StoreMetrics
 from routing_replay.ray.options import StoreOptions, store_options
+from routing_replay.ray.scratch import Scratch
 from routing_replay.store import (
     RoutingRef,
     RoutingStore,
@@ -57,6 +58,7 @@ _LOG = logging.getLogger(__name__)
 START_ATTEMPTS = 3
 KILL_GRACE_S = 10.0  # Ray force-kills a worker that did not exit a few seconds after ray.kill
 CONCURRENT_CALLS = 16  # threads serving reads at once: every rank of a trainer node, and more
+SCRATCH_KEEP_BYTES = 256 << 20  # narrowing buffers a store actor keeps between reads
 NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
 JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
@@ -127,6 +129,7 @@ class NodeStoreActor:
         self.store = self._create()
         self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
         self._lock = threading.Lock()
+        self._scratch = Scratch(SCRATCH_KEEP_BYTES)
         self.metrics = StoreMetrics(job, self.node_id)
         exporter = threading.Thread(target=self._export_metrics, daemon=True)
         exporter.start()
@@ -261,9 +264,10 @@ class NodeStoreActor:
         shipped: list[int] = []
 
         def ship(wire: WireBatch) -> ObjectRef:
-            wire = wire.narrowed()
-            shipped.append(wire.nbytes)
-            return ray.put(wire)
+            with self._scratch.lease() as take:  # free again once ray.put copied it
+                wire = wire.narrowed(take)
+                shipped.append(wire.nbytes)
+                return ray.put(wire)
 
         ref = store.read_wire(refs, part=part, ranges=ranges, ship=ship)  # type: ignore[arg-type]
         self._count(len(refs), shipped[-1])

@@ -473,17 +473,22 @@ class WireBatch(NamedTuple):
         routes, tokens = (_joined(runs) for runs in (self.routes, self.tokens))
         return self._replace(routes=routes, tokens=tokens)
 
-    def narrowed(self) -> WireBatch:
+    def narrowed(self, take: Callable[[int], np.ndarray] | None = None) -> WireBatch:
         """The route runs copied with ids in one byte where the layout stores two only for
         its missing marker (256 experts: DeepSeek-V3's family), the marker's places listed
         apart (a whole row once): about half the route bytes cross. Otherwise (or if the
-        list would cost more than it saves) itself: views still, which `ship` copies."""
+        list would cost more than it saves) itself: views still, which `ship` copies.
+        `take(n)` gives the n bytes the ids are narrowed into (a store actor's reused
+        `Scratch`, valid until its `ray.put` copied them); default fresh ones."""
         layout = self.request.layout
         if self.missing is not None or layout.dtype.itemsize != 2 or layout.num_experts > 256:
             return self
+        size = sum(run.size for run in self.routes)
+        into = take(size) if take is not None else np.frombuffer(pa.allocate_buffer(size), np.uint8)
         low, found, at, V = [], [], 0, layout.values_per_token
         for run in self.routes:
-            narrow, flat = _narrow(run, layout.missing)
+            narrow = into[at * V : (at + len(run)) * V].reshape(run.shape)
+            flat = _narrow(run, layout.missing, narrow)
             if len(flat):
                 rows, cols = np.divmod(flat, V)
                 whole = np.flatnonzero(np.bincount(rows, minlength=len(run)) == V)
@@ -528,12 +533,11 @@ def _read_only(view: np.ndarray) -> np.ndarray:
     return view
 
 
-def _narrow(run: np.ndarray, marker: int) -> tuple[np.ndarray, np.ndarray]:
-    """`run` (ids below 256, or the two-byte `marker`) with each id in one byte (the
-    marker's low byte where it was), and the flat indices of its marker values. Chunk by
-    chunk, into Arrow's pool: no temporary the size of the read, whose fresh pages cost
-    more than the copy; a chunk's markers are looked for only if its largest value is one."""
-    narrow = np.frombuffer(pa.allocate_buffer(run.size), np.uint8).reshape(run.shape)
+def _narrow(run: np.ndarray, marker: int, narrow: np.ndarray) -> np.ndarray:
+    """`run` (ids below 256, or the two-byte `marker`) copied into `narrow` with each id in
+    one byte (the marker's low byte where it was); returns the flat indices of its marker
+    values. Chunk by chunk: no temporary the size of the read, whose fresh pages cost more
+    than the copy; a chunk's markers are looked for only if its largest value is one."""
     rows = max(1, NARROW_CHUNK // max(1, run.shape[1]))
     hits = np.empty((min(rows, len(run)), run.shape[1]), dtype=bool)
     found = []
@@ -543,7 +547,7 @@ def _narrow(run: np.ndarray, marker: int) -> tuple[np.ndarray, np.ndarray]:
         if chunk.size and chunk.max() > 255:
             np.equal(chunk, marker, out=hit)
             found.append(np.flatnonzero(hit) + a * run.shape[1])
-    return narrow, np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def _joined(runs: list[np.ndarray]) -> list[np.ndarray]:
