@@ -27,6 +27,12 @@ LOSSY_FAMILIES = {
     "longcat_flash": "a pick of a zero-computation expert (ZeroExpertRouter._compute_routing)",
     "zaya": "a pick of the skip expert (its router's 'no expert')",
 }
+# Families whose routed_experts vLLM fills in a way not checked here: refused, with why.
+UNVERIFIED_FAMILIES = {
+    "diffusion_gemma": "a block-diffusion model: each denoising step and each commit route "
+    "the canvas again, and which pass a generated token's row keeps is not verified "
+    "(docs/engines.md)",
+}
 # Environment the worker sets (if unset) before importing vLLM: in-process engine core.
 DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # Threads the async servers run store calls in: a put may wait `put_timeout` for room.
@@ -166,8 +172,14 @@ _unclosed_lock = threading.Lock()
 
 
 def check_family(config: Any) -> None:
-    """Refuse a model whose vLLM routes lose a choice (`LOSSY_FAMILIES`), saying what to do."""
+    """Refuse a model whose vLLM routes lose a choice (`LOSSY_FAMILIES`) or are not known to
+    mean what replay needs (`UNVERIFIED_FAMILIES`), saying what to do."""
     family = getattr(config, "model_type", None)
+    if family in UNVERIFIED_FAMILIES:
+        raise UnsupportedModelError(
+            f"vLLM's routed_experts of {family}: {UNVERIFIED_FAMILIES[family]}; record the "
+            "routes in the trainer instead (R2, docs/replay.md)"
+        )
     if family in LOSSY_FAMILIES:
         raise UnsupportedModelError(
             f"vLLM records {LOSSY_FAMILIES[family]} of a {family} model as expert 0 in its "

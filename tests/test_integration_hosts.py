@@ -382,6 +382,12 @@ def test_a_host_refuses_a_family_whose_vllm_routes_lose_choices(tmp_path, family
         StoreHost()._host("job", str(tmp_path), "never-made", None)
 
 
+def test_a_host_refuses_a_block_diffusion_model_whose_vllm_routes_are_unverified(tmp_path):
+    transformers.AutoConfig.for_model("diffusion_gemma").save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="of diffusion_gemma: a block-diffusion"):
+        StoreHost()._host("job", str(tmp_path), "never-made", None)
+
+
 @pytest.mark.parametrize(
     "config",
     [transformers.LongcatFlashConfig(), transformers.ZayaConfig()],
