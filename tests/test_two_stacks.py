@@ -218,8 +218,8 @@ def test_router_gradients_checkpointing_and_compile_see_each_stacks_ids():
 
 
 def test_capture_while_generating_gives_each_denoising_step_its_own_sample():
-    # Each step forwards the whole canvas again at the same positions (after the prompt in
-    # the cache): a sample per step and prompt, never the steps run together as one sequence.
+    # Each step forwards the whole canvas again at the same positions (after what the cache
+    # holds): a sample per step and prompt, never the steps run together as one sequence.
     model = tiny_diffusion_gemma(canvas=4)
     encoder, decoder = stacks(model)
     canvases = []
@@ -229,13 +229,16 @@ def test_capture_while_generating_gives_each_denoising_step_its_own_sample():
     spy = Spy(model)
     try:
         with capture(encoder) as cap_e, capture(decoder) as cap_d, torch.no_grad():
-            model.generate(input_ids=tokens(1, S), max_new_tokens=4, max_denoising_steps=3)
+            out = model.generate(input_ids=tokens(1, S), max_new_tokens=8, max_denoising_steps=2)
     finally:
         hook.remove()
         spy.remove()
     steps = len(canvases)
     assert steps >= 2
-    assert [r.shape for r in cap_e.routes()] == [(S, 3, 2)] * B
+    # The encoder forwards the prompt, then each committed block but the last (two blocks
+    # of 4 here): one sample per prompt, its tokens the output's first S + 4.
+    assert [r.shape for r in cap_e.routes()] == [(S + 4, 3, 2)] * B
+    assert [t.tolist() for t in cap_e.token_ids()] == out.sequences[:, : S + 4].tolist()
     assert [r.shape for r in cap_d.routes()] == [(4, 3, 2)] * (B * steps)
     want_tokens = [c[b].tolist() for c in canvases for b in range(B)]
     assert [t.tolist() for t in cap_d.token_ids()] == want_tokens

@@ -154,8 +154,11 @@ _ROW_SPLITS: dict[str, tuple[str, tuple[str, str]]] = {
 # replayed and captured as a model of its own, with routes of its own tokens.
 _STACKS: dict[str, tuple[str, ...]] = {"DiffusionGemmaTextRouter": ("encoder", "decoder")}
 # What a stack is called with: its tokens (a diffusion decoder's canvas: decoder_input_ids)
-# and the mask of their padding.
+# and the mask of their padding. A canvas is denoised whole in each forward: never a
+# continuation of the forward before it (the next block's first step starts where the
+# last block ended, yet routes another canvas).
 TOKEN_KWARGS = ("input_ids", "decoder_input_ids")
+CANVAS_KWARG = "decoder_input_ids"
 MASK_KWARGS = ("attention_mask", "decoder_attention_mask")
 # The method that routes, where it is not the router module's forward: DBRX's MoE block
 # picks its experts from its router's logits in a method of its own.
@@ -421,6 +424,11 @@ def input_tokens(args: tuple, kwargs: dict) -> Any:
         if name in kwargs:
             return kwargs[name]
     return args[0] if args else None
+
+
+def is_canvas(kwargs: dict) -> bool:
+    """Whether a stack's forward was given a canvas to denoise (`CANVAS_KWARG`) as its tokens."""
+    return CANVAS_KWARG in kwargs and "input_ids" not in kwargs
 
 
 def input_mask(kwargs: dict) -> Any:

@@ -29,6 +29,7 @@ class Forward:
     past: int  # tokens already in the cache: this forward's first column position
     ids_L: list[Tensor | None]  # per MoE layer, the router's ids [B*S, K], on the device
     routes_BSLK: Tensor | None = None  # host copy, filled at the end of the forward
+    canvas: bool = False  # a diffusion decoder's canvas: a sample of its own, never continued
     done: Any = None  # CUDA event recorded after the asynchronous copies
 
 

@@ -18,6 +18,7 @@ from routing_replay.model.adapters import (
     find_routers,
     input_mask,
     input_tokens,
+    is_canvas,
     rows_of,
     split_rows,
 )
@@ -167,6 +168,7 @@ class Capture:
             valid_BS=_to_host(mask[:, -width:] if mask is not None else None, copy=True),
             past=past,
             ids_L=[None] * self.layout.num_moe_layers,
+            canvas=is_canvas(kwargs),
         )
 
     def _counted_past(self, cache: Any) -> int:
@@ -256,10 +258,10 @@ class Capture:
             return group
         last = self._groups[-1].forwards[-1] if self._groups else None
         # A hand-written decode loop over a cache continues the last forward's positions;
-        # anything else is a new sample: a plain forward, or one over positions already
-        # forwarded (a diffusion decoder's next denoising step of the same canvas).
+        # anything else is a new sample: a plain forward, one over positions already
+        # forwarded, or a diffusion decoder's canvas (each denoising step its own).
         continues = last is not None and fwd.past > 0 and fwd.past == last.past + last.shape[1]
-        if continues and last.shape[0] == fwd.shape[0]:
+        if continues and not fwd.canvas and last.shape[0] == fwd.shape[0]:
             return self._groups[-1]
         self._groups.append(Group())
         return self._groups[-1]
