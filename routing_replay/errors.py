@@ -72,3 +72,12 @@ class ConcurrentReleaseError(RoutingReplayError, RuntimeError):
 
 class UnsupportedModelError(RoutingReplayError, TypeError):
     """A model has an MoE layer whose router no replay/capture adapter knows."""
+
+
+class UnsupportedGenerationError(RoutingReplayError, NotImplementedError):
+    """A `generate` mode capture cannot follow token by token (beam search, assisted or
+    speculative decoding): nothing of that call is recorded."""
+
+
+class CaptureAlignmentError(RoutingReplayError, RuntimeError):
+    """Captured forwards cannot be aligned with what `generate` returned."""

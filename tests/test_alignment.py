@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, StaticCache
 from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 from routing_replay import MISSING, RoutingLayout
+from routing_replay.errors import CaptureAlignmentError
 from routing_replay.model.alignment import (
     Forward,
     Group,
@@ -143,14 +144,14 @@ def test_one_forward_without_ids_drops_the_token_ids_of_the_group():
 def test_batch_size_change_raises():
     group = generate_group()
     group.forwards[1] = forward([[31]], [[1]], past=4)
-    with pytest.raises(RuntimeError, match="batch size changed within one generate call"):
+    with pytest.raises(CaptureAlignmentError, match="batch size changed within one generate call"):
         group_samples(group, LAYOUT)
 
 
 def test_fed_tokens_that_differ_from_the_output_raise():
     group = generate_group()
     group.sequences = torch.tensor([[41, 42, 43, 44], [31, EOS, PAD, PAD]])  # rows swapped
-    with pytest.raises(RuntimeError, match="do not match its output"):
+    with pytest.raises(CaptureAlignmentError, match="do not match its output"):
         group_samples(group, LAYOUT)
 
 

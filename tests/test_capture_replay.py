@@ -16,7 +16,12 @@ import torch.nn.functional as F
 from moe_models import FAMILIES, tiny_model
 
 from routing_replay import MISSING, RoutingLayout, capture, replay
-from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, UnsupportedModelError
+from routing_replay.errors import (
+    InvalidRoutesError,
+    LayoutMismatchError,
+    UnsupportedGenerationError,
+    UnsupportedModelError,
+)
 from routing_replay.model.adapters import find_routers
 from routing_replay.routes import with_layout
 
@@ -405,7 +410,7 @@ def test_capture_generate_settings():
         model(input_ids=torch.cat([input_ids, new], dim=1))
     for r, f in zip(cap.routes(), full.routes(), strict=True):
         assert r.shape == f.shape and np.array_equal(r[:-1], f[:-1]) and (r[-1] == -1).all()
-    with capture(model), pytest.raises(NotImplementedError, match="beam"):
+    with capture(model), pytest.raises(UnsupportedGenerationError, match="beam"):
         model.generate(input_ids, max_new_tokens=2, num_beams=2)
     assert "generate" not in vars(model)  # unwrapped on exit
     with capture(model) as outer:

@@ -295,7 +295,7 @@ def test_one_thread_captures_a_model_at_a_time():
     for t in threads:
         t.join()
     assert done == [1] and len(errors) == 1  # one block got in, and saw only its forward
-    assert "another thread has a capture block active" in errors[0]
+    assert "another thread or asyncio task has a capture block active" in errors[0]
     with capture(model) as cap:  # the mark is gone after the blocks
         model(input_ids=torch.tensor([[3, 4, 5]]))
     assert len(cap.routes()) == 1
@@ -323,3 +323,89 @@ def test_a_forward_over_positions_already_forwarded_starts_a_new_sample():
     batch = FULL.shape[0]
     for got, want in zip(cap.routes()[batch:], alone.routes(), strict=True):
         assert np.array_equal(got, want[width:])
+
+
+def test_loops_stepped_in_turn_over_two_caches_keep_their_samples_apart():
+    # Two hand-written decode loops, one cache each, stepped round-robin in one block: before,
+    # joined by position alone, loop B's prompt ran on with loop A's next token.
+    model = tiny_model("qwen3_moe")
+    caches = [transformers.DynamicCache(config=model.config) for _ in range(2)]
+    prompts = [FULL, FULL + 1]
+    steps = [[FULL[:, :1] + 3 * k + i for k in range(2)] for i in range(2)]
+    with capture(model) as cap, torch.no_grad():
+        for i in range(2):
+            model(input_ids=prompts[i], cache=caches[i], use_cache=True)
+        for k in range(2):
+            for i in range(2):
+                model(input_ids=steps[i][k], cache=caches[i], use_cache=True)
+    want = [torch.cat([prompts[i], *steps[i]], 1) for i in range(2)]
+    assert [t.tolist() for t in cap.token_ids()] == [row.tolist() for w in want for row in w]
+    for i in range(2):  # each loop's routes are those of its sequence forwarded at once
+        with capture(model) as alone, torch.no_grad():
+            model(input_ids=want[i])
+        for got, exact in zip(cap.routes()[2 * i : 2 * i + 2], alone.routes(), strict=True):
+            assert np.array_equal(got, exact)
+
+
+def test_assisted_decoding_is_refused_and_a_failed_generate_leaves_no_samples():
+    from routing_replay.errors import UnsupportedGenerationError
+
+    model = tiny_model("qwen3_moe")
+
+    class Fails(transformers.StoppingCriteria):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls += 1
+            if self.calls == 3:
+                raise MemoryError("out of memory at decode step 3")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    settings = {"max_new_tokens": 4, "eos_token_id": None, "do_sample": False}
+    with capture(model) as cap, torch.no_grad():
+        with pytest.raises(UnsupportedGenerationError, match="prompt_lookup_num_tokens"):
+            model.generate(FULL, prompt_lookup_num_tokens=2, **settings)
+        with pytest.raises(MemoryError):
+            model.generate(FULL, stopping_criteria=[Fails()], **settings)
+        assert cap.routes() == []  # nothing of either call
+        out = model.generate(FULL, **settings)  # the retry: its samples alone
+    with capture(model) as again, torch.no_grad():
+        assert torch.equal(model.generate(FULL, **settings), out)
+    assert [t.tolist() for t in cap.token_ids()] == out.tolist()
+    for got, want in zip(cap.routes(), again.routes(), strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_capture_blocks_of_two_asyncio_tasks_on_one_model_are_refused():
+    # Two coroutines on one event loop (an async actor or server), each with its own block:
+    # before, allowed as one thread's nested blocks, so each recorded the other's generate.
+    import asyncio
+
+    from routing_replay import RoutingReplayError
+
+    model = tiny_model("qwen3_moe")
+    entered = asyncio.Event()
+    outcome = {}
+
+    async def request(name, prompt, first):
+        try:
+            with capture(model) as cap, torch.no_grad():
+                if first:
+                    entered.set()
+                    await asyncio.sleep(0.05)  # the other request runs meanwhile
+                model.generate(prompt, max_new_tokens=2, eos_token_id=None, do_sample=False)
+            outcome[name] = [t.tolist() for t in cap.token_ids()]
+        except RoutingReplayError as e:
+            outcome[name] = str(e)
+
+    async def main():
+        a = asyncio.create_task(request("a", FULL, True))
+        await entered.wait()
+        await request("b", FULL + 1, False)
+        await a
+
+    asyncio.run(main())
+    assert "another thread or asyncio task has a capture block active" in outcome["b"]
+    assert [row[:6] for row in outcome["a"]] == FULL.tolist()  # a's own sample alone
+    assert len(outcome["a"]) == 2

@@ -217,6 +217,7 @@ def test_router_gradients_checkpointing_and_compile_see_each_stacks_ids():
                 assert torch.equal(ids[forced_T], forced_TK[forced_T])
 
 
+@pytest.mark.slow
 def test_capture_while_generating_gives_each_denoising_step_its_own_sample():
     # Each step forwards the whole canvas again at the same positions (after what the cache
     # holds): a sample per step and prompt, never the steps run together as one sequence.

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from routing_replay.errors import CaptureAlignmentError
 from routing_replay.layout import MISSING, RoutingLayout
 
 Sample = tuple[np.ndarray | None, np.ndarray]  # (token ids or None, routes [T, L, K])
@@ -30,6 +31,7 @@ class Forward:
     ids_L: list[Tensor | None]  # per MoE layer, the router's ids [B*S, K], on the device
     routes_BSLK: Tensor | None = None  # host copy, filled at the end of the forward
     canvas: bool = False  # a diffusion decoder's canvas: a sample of its own, never continued
+    cache_key: int | None = None  # id() of the cache it was given: only that cache continues
     done: Any = None  # CUDA event recorded after the asynchronous copies
 
 
@@ -49,7 +51,7 @@ def group_samples(group: Group, layout: RoutingLayout) -> list[Sample]:
     forwards = group.forwards
     batch = forwards[0].shape[0]
     if any(f.shape[0] != batch for f in forwards):
-        raise RuntimeError("capture: the batch size changed within one generate call")
+        raise CaptureAlignmentError("capture: the batch size changed within one generate call")
     # The whole group at once: [B, columns, L, K] and [B, columns], one slice per sample.
     routes_BTLK = torch.cat([f.routes_BSLK for f in forwards], dim=1).numpy()
     valid_BT = torch.cat([valid_mask(f) for f in forwards], dim=1).numpy()
@@ -95,7 +97,7 @@ def with_generated(
     if tokens is not None:
         fed = tokens[prompt_tokens:]  # generated tokens that were fed back as inputs
         if not np.array_equal(fed[: len(generated)], generated[: len(fed)]):
-            raise RuntimeError(
+            raise CaptureAlignmentError(
                 "capture: the tokens forwarded during generate do not match its output; "
                 "routes cannot be aligned (was the batch reordered, e.g. by beam search?)"
             )

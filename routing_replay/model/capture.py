@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.errors import RoutingReplayError, UnsupportedModelError
+from routing_replay.errors import (
+    RoutingReplayError,
+    UnsupportedGenerationError,
+    UnsupportedModelError,
+)
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import (
     MoeModel,
@@ -25,8 +31,9 @@ from routing_replay.model.adapters import (
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 
-_ACTIVE = "_routing_replay_capture"  # on the decoder: (thread, open blocks) recording it
-_ACTIVE_LOCK = threading.Lock()
+_ACTIVE = "_routing_replay_capture"  # on the decoder: [owner, open blocks] recording it
+# generate settings that turn on assisted (speculative) decoding: refused while capturing
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
 class Capture:
@@ -47,21 +54,32 @@ class Capture:
         self._split: tuple[Tensor, Tensor] | None = None
         self._parts: dict[int, dict[int, Tensor]] = {}
         self._calls: dict[int, int] = {}  # per looped router module: its calls this forward
+        # Set while the block is open: every hook and wrapper does nothing once it is not, so
+        # an exit stopped after its first line leaves nothing recording.
+        self._open = False
 
     # -- context --------------------------------------------------------------------
 
     def __enter__(self) -> Capture:
         decoder = self.moe.decoder
-        with _ACTIVE_LOCK:  # check and mark at once: two threads may enter together
-            thread, blocks = decoder.__dict__.get(_ACTIVE, (threading.get_ident(), 0))
-            if thread != threading.get_ident():
+        owner = _owner()
+        # One mark per model, set and read with single dict and list operations (no lock a
+        # stop could leave held): [owner, its blocks]. A mark whose blocks are all closed (or
+        # gone: an exit that was stopped) is taken over.
+        mark = decoder.__dict__.setdefault(_ACTIVE, [owner, []])
+        still = [ref for ref in mark[1] if getattr(ref(), "_open", False)]
+        if mark[0] != owner:
+            if still:
                 raise RoutingReplayError(
-                    "capture: another thread has a capture block active on this model; each "
-                    "block's hooks would record the other's forwards, mixing samples' routes. "
-                    "Capture one model from one thread at a time: serialize generate calls "
-                    "(a Ray actor with max_concurrency=1), or give each thread its own model"
+                    "capture: another thread or asyncio task has a capture block active on "
+                    "this model; each block's hooks would record the other's forwards, mixing "
+                    "samples' routes. Capture one model from one thread or task at a time: "
+                    "serialize generate calls (a Ray actor with max_concurrency=1, an "
+                    "asyncio.Lock around the block), or give each its own model"
                 )
-            decoder.__dict__[_ACTIVE] = (thread, blocks + 1)  # nested blocks: one thread
+            mark[0] = owner
+        mark[1] = [*still, weakref.ref(self)]  # nested blocks: one thread and task
+        self._open = True
         try:
             self._install(decoder)
         except BaseException:
@@ -88,17 +106,10 @@ class Capture:
                 self._wrap("prepare_inputs_for_generation", self._wrap_prepare)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._open = False  # first: nothing records from here on, whatever stops the rest
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        with _ACTIVE_LOCK:
-            decoder = self.moe.decoder.__dict__
-            if _ACTIVE in decoder:
-                thread, blocks = decoder[_ACTIVE]
-                if blocks > 1:
-                    decoder[_ACTIVE] = (thread, blocks - 1)
-                else:
-                    del decoder[_ACTIVE]
         for name, own in self._own.items():
             if own is not None:
                 setattr(self.model, name, own)
@@ -128,10 +139,14 @@ class Capture:
     # -- hooks ------------------------------------------------------------------------
 
     def _outer_begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._open:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._outer_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 else None
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._open:
+            return
         input_ids = input_tokens(args, kwargs)
         outer, self._outer_ids = self._outer_ids, None
         if isinstance(input_ids, Tensor):
@@ -169,6 +184,7 @@ class Capture:
             past=past,
             ids_L=[None] * self.layout.num_moe_layers,
             canvas=is_canvas(kwargs),
+            cache_key=None if cache is None else id(cache),
         )
 
     def _counted_past(self, cache: Any) -> int:
@@ -194,7 +210,7 @@ class Capture:
         read, split = router.output, router.rows
 
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
-            if self._current is None:  # outside a forward (e.g. a checkpoint recompute)
+            if self._current is None or not self._open:  # outside a forward (a recompute)
                 return
             j = layers[0]
             if len(layers) > 1:  # a looped layer's router: its k-th call is pass k
@@ -228,8 +244,11 @@ class Capture:
 
     def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
         fwd, self._current = self._current, None
-        if fwd is None:
+        if fwd is None or not self._open:
             return
+        if fwd.cache_key is None:  # a cache the forward made: the one its decode loop passes
+            made = getattr(output, "past_key_values", None)
+            fwd.cache_key = None if made is None else id(made)
         self._parts = {}
         if any(ids is None for ids in fwd.ids_L):
             names = [
@@ -256,29 +275,45 @@ class Capture:
             if fwd.past == 0:  # prefill, or generate(use_cache=False) recomputing everything
                 group.forwards.clear()
             return group
-        last = self._groups[-1].forwards[-1] if self._groups else None
-        # A hand-written decode loop over a cache continues the last forward's positions;
-        # anything else is a new sample: a plain forward, one over positions already
+        # A hand-written decode loop over a cache continues the samples whose last forward
+        # ended where it starts, in that cache (loops over several caches may be stepped in
+        # turn); anything else is a new sample: a plain forward, one over positions already
         # forwarded, or a diffusion decoder's canvas (each denoising step its own).
-        continues = last is not None and fwd.past > 0 and fwd.past == last.past + last.shape[1]
-        if continues and not fwd.canvas and last.shape[0] == fwd.shape[0]:
-            return self._groups[-1]
+        if fwd.past > 0 and not fwd.canvas:
+            for group in reversed(self._groups):
+                last = group.forwards[-1]
+                if _continues(last, fwd):
+                    return group
+                if fwd.cache_key is None:  # no cache to tell loops apart: the last only
+                    break
         self._groups.append(Group())
         return self._groups[-1]
 
     def _wrap_generate(self, generate: Any) -> Any:
         def capturing_generate(*args: Any, **kwargs: Any) -> Any:
+            if not self._open:  # (left wrapped by a stopped exit)
+                return generate(*args, **kwargs)
             settings = _generation_setting(self.model, kwargs)
             if (settings("num_beams") or 1) > 1:
-                raise NotImplementedError(
+                raise UnsupportedGenerationError(
                     "capture() follows one token per step per sample: beam search reorders "
                     "samples, use greedy or sampling"
+                )
+            assisted = [n for n in _ASSISTED if settings(n) is not None]
+            if assisted:
+                raise UnsupportedGenerationError(
+                    f"capture() follows one token per step per sample: assisted decoding "
+                    f"({', '.join(assisted)}) forwards drafts it then rejects, so routes cannot "
+                    "be aligned with the output; generate without it while capturing"
                 )
             group = Group(eos=_eos_ids(settings("eos_token_id")))
             self._groups.append(group)
             self._generating = group
             try:
                 out = generate(*args, **kwargs)
+            except BaseException:  # a failed call leaves no partial samples behind
+                self._groups[:] = [g for g in self._groups if g is not group]
+                raise
             finally:
                 self._generating = None
                 group.mask = None
@@ -302,7 +337,7 @@ class Capture:
         @functools.wraps(prepare)  # generate inspects its signature (e.g. for inputs_embeds)
         def capturing_prepare(*args: Any, **kwargs: Any) -> Any:
             group = self._generating
-            if group is not None:  # the 2-D mask generate keeps, whatever the forward gets
+            if group is not None and self._open:  # the 2-D mask generate keeps
                 mask = kwargs.get("attention_mask")
                 group.mask = mask if is_2d_mask(mask) else None
             return prepare(*args, **kwargs)
@@ -327,6 +362,27 @@ class Capture:
 def capture(model: nn.Module) -> Capture:
     """Record the top-k expert ids of every MoE layer of `model` while in the `with` block."""
     return Capture(model)
+
+
+def _owner() -> tuple[int, int | None]:
+    """This thread, and the asyncio task it runs if any: blocks of two tasks on one event
+    loop would record each other's forwards as two threads' would."""
+    asyncio = sys.modules.get("asyncio")  # (not imported: no task runs)
+    try:
+        task = asyncio.current_task() if asyncio is not None else None
+    except RuntimeError:  # no running event loop in this thread
+        task = None
+    return threading.get_ident(), None if task is None else id(task)
+
+
+def _continues(last: Forward, fwd: Forward) -> bool:
+    """Whether `fwd` takes up where `last` ended, in the same cache, with the same batch."""
+    return (
+        last.cache_key == fwd.cache_key
+        and fwd.past == last.past + last.shape[1]
+        and last.shape[0] == fwd.shape[0]
+        and not last.canvas
+    )
 
 
 def _generation_setting(model: nn.Module, kwargs: dict) -> Any:

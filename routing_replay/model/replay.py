@@ -144,6 +144,8 @@ class Replay:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # First, in one line: native routing from here on, whatever stops the rest.
+        if self._state is not None: self._state.active = False  # fmt: skip  # noqa: E701
         if self._state is not None:
             self._state.deactivate()
             self._state = None

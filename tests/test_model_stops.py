@@ -1,0 +1,86 @@
+"""`capture` and `replay` blocks stopped as they exit (Ctrl-C, at each line of package code
+after the exit's first): the model routes natively and records nothing afterwards, and a new
+block of any thread or asyncio task works. A stop at the exit's very first line is the one
+left (docs/replay.md)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from line_stops import interrupted_at
+from moe_models import tiny_model
+
+from routing_replay import capture, replay
+from routing_replay.model.adapters import find_routers
+
+PROMPT = torch.tensor([[9, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+
+
+def forced_routes(layout, shape, seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.random((*shape, layout.num_moe_layers, layout.num_experts))
+    return torch.from_numpy(np.argsort(keys, -1)[..., : layout.top_k].astype(np.int32))
+
+
+def test_a_replay_block_stopped_at_each_line_of_its_exit_leaves_native_routing():
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = forced_routes(layout, PROMPT.shape, seed=1)
+    with torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+        with replay(model, routes, layout=layout):
+            forced = model(input_ids=PROMPT).logits
+    assert not torch.equal(forced, native)
+    stop, stops = 2, 0
+    while True:
+        block = replay(model, routes, layout=layout)
+        block.__enter__()
+        seen, _ = interrupted_at(stop, lambda b=block: b.__exit__(None, None, None))
+        if seen < stop:  # ran to its end: every line was a stop point
+            break
+        stops += 1
+        with torch.no_grad():  # outside any block: native, not the stopped block's routes
+            assert torch.equal(model(input_ids=PROMPT).logits, native), stop
+            with replay(model, routes, layout=layout):  # a new block enters and forces
+                assert torch.equal(model(input_ids=PROMPT).logits, forced), stop
+        stop += 1
+    assert stops >= 3
+
+
+def capture_in_thread(model, got: list[int]) -> None:
+    """A block of another thread (not refused): the samples it records."""
+    with capture(model) as fresh, torch.no_grad():
+        model(input_ids=PROMPT)
+    got.append(len(fresh.routes()))
+
+
+def test_a_capture_block_stopped_at_each_line_of_its_exit_records_nothing_after():
+    model = tiny_model("qwen3_moe").eval()
+    stop, stops = 2, 0
+    while True:
+        cap = capture(model)
+        cap.__enter__()
+        with torch.no_grad():
+            model(input_ids=PROMPT)
+        seen, _ = interrupted_at(stop, lambda c=cap: c.__exit__(None, None, None))
+        if seen < stop:
+            break
+        stops += 1
+        with torch.no_grad():
+            model(input_ids=PROMPT)  # recorded by nothing
+            out = model.generate(PROMPT, max_new_tokens=2, eos_token_id=None, do_sample=False)
+        assert len(cap.routes()) == 2, stop  # its own forward's samples only
+        got: list[int] = []
+        worker = threading.Thread(target=capture_in_thread, args=(model, got))
+        worker.start()
+        worker.join()
+        assert got == [2], stop
+        with capture(model) as fresh, torch.no_grad():
+            assert torch.equal(
+                model.generate(PROMPT, max_new_tokens=2, eos_token_id=None, do_sample=False), out
+            )
+        assert [t.tolist() for t in fresh.token_ids()] == out.tolist(), stop
+        stop += 1
+    assert stops >= 5
