@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import sys
-import threading
 import weakref
 from typing import Any
 
@@ -30,8 +29,9 @@ from routing_replay.model.adapters import (
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
+from routing_replay.model.owner import Owner, current_owner
 
-_ACTIVE = "_routing_replay_capture"  # on the decoder: [owner, open blocks] recording it
+_ACTIVE = "_routing_replay_capture"  # on the decoder: its capture blocks (`_Entry`), in order
 # generate settings that turn on assisted (speculative) decoding: refused while capturing
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
@@ -49,6 +49,7 @@ class Capture:
         self._handles: list[Any] = []
         self._own: dict[str, Any] = {}  # instance overrides of the wrapped methods, if any
         self._outer_ids: Tensor | None = None  # the token ids a wrapping model was called with
+        self._outer_mask: Tensor | None = None  # and its 2-D attention mask, if it had one
         # Layers whose routers split their tokens by type (ERNIE 4.5 VL): this forward's rows of
         # each part (`adapters.split_rows`), and per layer the parts recorded so far.
         self._split: tuple[Tensor, Tensor] | None = None
@@ -57,29 +58,38 @@ class Capture:
         # Set while the block is open: every hook and wrapper does nothing once it is not, so
         # an exit stopped after its first line leaves nothing recording.
         self._open = False
+        self._owner: Owner | None = None  # the thread and task that entered the block
 
     # -- context --------------------------------------------------------------------
 
     def __enter__(self) -> Capture:
+        if self._open:
+            raise RoutingReplayError(
+                "capture: this block is already open; enter a new capture(model) instead of "
+                "the same one twice (its exit would end both)"
+            )
         decoder = self.moe.decoder
-        owner = _owner()
-        # One mark per model, set and read with single dict and list operations (no lock a
-        # stop could leave held): [owner, its blocks]. A mark whose blocks are all closed (or
-        # gone: an exit that was stopped) is taken over.
-        mark = decoder.__dict__.setdefault(_ACTIVE, [owner, []])
-        still = [ref for ref in mark[1] if getattr(ref(), "_open", False)]
-        if mark[0] != owner:
-            if still:
-                raise RoutingReplayError(
-                    "capture: another thread or asyncio task has a capture block active on "
-                    "this model; each block's hooks would record the other's forwards, mixing "
-                    "samples' routes. Capture one model from one thread or task at a time: "
-                    "serialize generate calls (a Ray actor with max_concurrency=1, an "
-                    "asyncio.Lock around the block), or give each its own model"
-                )
-            mark[0] = owner
-        mark[1] = [*still, weakref.ref(self)]  # nested blocks: one thread and task
-        self._open = True
+        owner = current_owner()
+        # Blocks of one model queue in one list by atomic appends (no lock a stop could leave
+        # held): the first open block's owner has the model; another owner's block refuses.
+        # Closed blocks (an exit that was stopped among them) are skipped and dropped.
+        entry = _Entry(owner, weakref.ref(self))
+        blocks = decoder.__dict__.setdefault(_ACTIVE, [])
+        self._open, self._owner = True, owner
+        blocks.append(entry)
+        first = next(e for e in list(blocks) if e.is_open())
+        if first.owner != owner:
+            self._open = False
+            _drop(blocks, entry)
+            raise RoutingReplayError(
+                "capture: another thread or asyncio task has a capture block active on "
+                "this model; each block's hooks would record the other's forwards, mixing "
+                "samples' routes. Capture one model from one thread or task at a time: "
+                "serialize generate calls (a Ray actor with max_concurrency=1, an "
+                "asyncio.Lock around the block), or give each its own model"
+            )
+        for closed in [e for e in list(blocks) if not e.is_open()]:
+            _drop(blocks, closed)
         try:
             self._install(decoder)
         except BaseException:
@@ -91,6 +101,9 @@ class Capture:
         if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
             self._handles.append(
                 self.model.register_forward_pre_hook(self._outer_begin, with_kwargs=True)
+            )
+            self._handles.append(
+                self.model.register_forward_hook(self._outer_end, always_call=True)
             )
         self._handles.append(decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(self._end))
@@ -110,6 +123,9 @@ class Capture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        blocks = self.moe.decoder.__dict__.get(_ACTIVE, [])
+        for mine in [e for e in list(blocks) if e.capture() is self]:
+            _drop(blocks, mine)
         for name, own in self._own.items():
             if own is not None:
                 setattr(self.model, name, own)
@@ -139,16 +155,27 @@ class Capture:
     # -- hooks ------------------------------------------------------------------------
 
     def _outer_begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._open:
+        if not self._ours():
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._outer_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 else None
+        mask = input_mask(kwargs)  # the stack may get it as a dict of 4-D masks only
+        self._outer_mask = mask if is_2d_mask(mask) else None
+
+    def _outer_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._ours():  # (also when the forward failed before its stack ran)
+            self._outer_ids = self._outer_mask = None
+
+    def _ours(self) -> bool:
+        """Whether the running forward is this open block's (its thread and task)."""
+        return self._open and current_owner() == self._owner
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._open:
+        if not self._ours():  # another thread's or task's forward: not this block's
             return
         input_ids = input_tokens(args, kwargs)
         outer, self._outer_ids = self._outer_ids, None
+        outer_mask, self._outer_mask = self._outer_mask, None
         if isinstance(input_ids, Tensor):
             shape = tuple(input_ids.shape)
         else:
@@ -165,6 +192,8 @@ class Capture:
         kwarg = self.moe.row_kwarg
         self._split = split_rows(kwargs.get(kwarg)) if kwarg is not None else None
         mask = input_mask(kwargs)
+        if not is_2d_mask(mask) and outer_mask is not None and outer_mask.shape == shape:
+            mask = outer_mask  # the wrapping model's 2-D mask of the same tokens
         group = self._generating
         if group is not None:  # this forward's 2-D mask, before a compilable cache made it 4-D
             if not is_2d_mask(mask):
@@ -210,7 +239,7 @@ class Capture:
         read, split = router.output, router.rows
 
         def hook(module: nn.Module, args: tuple, output: tuple) -> None:
-            if self._current is None or not self._open:  # outside a forward (a recompute)
+            if self._current is None or not self._ours():  # outside its forward
                 return
             j = layers[0]
             if len(layers) > 1:  # a looped layer's router: its k-th call is pass k
@@ -243,8 +272,10 @@ class Capture:
         return hook
 
     def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._ours():
+            return
         fwd, self._current = self._current, None
-        if fwd is None or not self._open:
+        if fwd is None:
             return
         if fwd.cache_key is None:  # a cache the forward made: the one its decode loop passes
             made = getattr(output, "past_key_values", None)
@@ -291,7 +322,7 @@ class Capture:
 
     def _wrap_generate(self, generate: Any) -> Any:
         def capturing_generate(*args: Any, **kwargs: Any) -> Any:
-            if not self._open:  # (left wrapped by a stopped exit)
+            if not self._ours():  # another thread's or task's call, or a stopped exit's wrapper
                 return generate(*args, **kwargs)
             settings = _generation_setting(self.model, kwargs)
             if (settings("num_beams") or 1) > 1:
@@ -337,7 +368,7 @@ class Capture:
         @functools.wraps(prepare)  # generate inspects its signature (e.g. for inputs_embeds)
         def capturing_prepare(*args: Any, **kwargs: Any) -> Any:
             group = self._generating
-            if group is not None and self._open:  # the 2-D mask generate keeps
+            if group is not None and self._ours():  # the 2-D mask generate keeps
                 mask = kwargs.get("attention_mask")
                 group.mask = mask if is_2d_mask(mask) else None
             return prepare(*args, **kwargs)
@@ -364,15 +395,20 @@ def capture(model: nn.Module) -> Capture:
     return Capture(model)
 
 
-def _owner() -> tuple[int, int | None]:
-    """This thread, and the asyncio task it runs if any: blocks of two tasks on one event
-    loop would record each other's forwards as two threads' would."""
-    asyncio = sys.modules.get("asyncio")  # (not imported: no task runs)
-    try:
-        task = asyncio.current_task() if asyncio is not None else None
-    except RuntimeError:  # no running event loop in this thread
-        task = None
-    return threading.get_ident(), None if task is None else id(task)
+class _Entry:
+    """A capture block in its model's queue: who entered it, and the block (weakly)."""
+
+    def __init__(self, owner: Owner, capture: weakref.ref) -> None:
+        self.owner, self.capture = owner, capture
+
+    def is_open(self) -> bool:
+        return getattr(self.capture(), "_open", False)
+
+
+def _drop(blocks: list, entry: _Entry) -> None:
+    """Remove `entry` from the queue (another thread may have removed it already)."""
+    with contextlib.suppress(ValueError):
+        blocks.remove(entry)
 
 
 def _continues(last: Forward, fwd: Forward) -> bool:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward
-from routing_replay.errors import InvalidRoutesError, UnsupportedModelError
+from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
 from routing_replay.model.adapters import (
     MoeModel,
     Router,
@@ -27,6 +27,7 @@ from routing_replay.model.adapters import (
     rows_of,
     split_rows,
 )
+from routing_replay.model.owner import Owner, current_owner
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -51,6 +52,7 @@ class ReplayState:
         self.pass_handles: list[Any] = []  # looped layers' PassTrackers
         self.active = False
         self.owner: Replay | None = None
+        self.owner_key: Owner | None = None  # the thread and task whose block is active
         self.batch_shape: tuple[int, ...] = ()
         self.layer_routes: list[DeviceRoutes] | None = None  # per MoE layer (shared per device)
         self.any_missing_L: list[bool] = []  # eager fast paths only
@@ -62,10 +64,16 @@ class ReplayState:
         # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
         self.split: tuple[Tensor, Tensor] | None = None
 
+    def ours(self) -> bool:
+        """Whether the running forward is the active block's: its thread and task, a
+        checkpoint's recompute in autograd's thread, or compiled code (not checked there)."""
+        return torch.compiler.is_compiling() or in_backward() or current_owner() == self.owner_key
+
     def deactivate(self) -> None:
         """Back to native routing; drop every reference to the batch's routes."""
         self.active = False
         self.owner = None
+        self.owner_key = None
         self.layer_routes = None
         self.any_missing_L = []
         self.all_missing_L = []
@@ -109,7 +117,7 @@ class ReplayingForward:
             output = getattr(type(module), self.method)(module, *args, **kwargs)
         else:
             output = self.inner(*args, **kwargs)
-        if not self.state.active:
+        if not self.state.active or not self.state.ours():  # (another thread's forward)
             return output
         return _force(self, module, output, args)
 
@@ -269,6 +277,13 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     state: ReplayState = module.__dict__[_STATE]
     if not state.active:
         return
+    if not state.ours():
+        raise RoutingReplayError(
+            "replay: the model was called from a thread or asyncio task other than the one "
+            "whose replay block is active on it; its forwards would be forced with that "
+            "block's routes. Call the model inside the block, in the thread and task that "
+            "entered it (not through an executor), or give each thread its own model"
+        )
     state.ran_L = [False] * len(state.ran_L)
     kwarg = state.moe.row_kwarg
     if kwarg is not None:  # this forward's tokens of each type (ERNIE 4.5 VL)

@@ -40,6 +40,7 @@ from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
 from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
+from routing_replay.model.owner import current_owner
 from routing_replay.model.staging import (
     DeviceRoutes,
     check_mask_shape,
@@ -132,6 +133,7 @@ class Replay:
         state.all_missing_L = list(self._all_missing_L)
         state.ran_L = [False] * self.moe.layout.num_moe_layers
         state.owner = self
+        state.owner_key = current_owner()
         state.tolerance = self.tolerance
         if not self._tally_L:
             self._tally_L = [
