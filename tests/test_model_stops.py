@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 from line_stops import interrupted_at
 from moe_models import tiny_model
@@ -56,6 +57,7 @@ def capture_in_thread(model, got: list[int]) -> None:
     got.append(len(fresh.routes()))
 
 
+@pytest.mark.slow
 def test_a_capture_block_stopped_at_each_line_of_its_exit_records_nothing_after():
     model = tiny_model("qwen3_moe").eval()
     stop, stops = 2, 0
