@@ -86,3 +86,19 @@ def test_a_capture_block_stopped_at_each_line_of_its_exit_records_nothing_after(
         assert [t.tolist() for t in fresh.token_ids()] == out.tolist(), stop
         stop += 1
     assert stops >= 5
+
+
+def test_a_block_entered_while_another_exits_keeps_its_routes():
+    # Block b enters at a line of block a's exit after its first (a signal handler, another
+    # thread): before, a's exit then wiped the state b had just filled, and b routed natively.
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes_a, routes_b = (forced_routes(layout, PROMPT.shape, seed=s) for s in (1, 2))
+    with torch.no_grad(), replay(model, routes_b, layout=layout):
+        forced_b = model(input_ids=PROMPT).logits
+    a, b = replay(model, routes_a, layout=layout), replay(model, routes_b, layout=layout)
+    a.__enter__()
+    interrupted_at(2, lambda: a.__exit__(None, None, None), action=b.__enter__)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=PROMPT).logits, forced_b)
+    b.__exit__(None, None, None)

@@ -147,9 +147,10 @@ class Replay:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         # First, in one line: native routing from here on, whatever stops the rest.
-        if self._state is not None: self._state.active = False  # fmt: skip  # noqa: E701
+        if (s := self._state) is not None and s.owner is self: s.active = False  # fmt: skip  # noqa: E701
         if self._state is not None:
-            self._state.deactivate()
+            if self._state.owner is self:  # (not a block entered since, by another)
+                self._state.deactivate()
             self._state = None
         self._on_device.clear()  # the device copy is freed (unless a pending backward holds it)
         if (
