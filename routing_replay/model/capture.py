@@ -157,7 +157,7 @@ class Capture:
     def _outer_begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._ours():
             return
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = input_tokens(args, kwargs)
         self._outer_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 else None
         mask = input_mask(kwargs)  # the stack may get it as a dict of 4-D masks only
         self._outer_mask = mask if is_2d_mask(mask) else None
