@@ -13,7 +13,7 @@ import torch
 from line_stops import interrupted_at
 from moe_models import tiny_model
 
-from routing_replay import capture, replay
+from routing_replay import RoutingReplayError, capture, replay
 from routing_replay.model.adapters import find_routers
 
 PROMPT = torch.tensor([[9, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
@@ -88,17 +88,41 @@ def test_a_capture_block_stopped_at_each_line_of_its_exit_records_nothing_after(
     assert stops >= 5
 
 
-def test_a_block_entered_while_another_exits_keeps_its_routes():
-    # Block b enters at a line of block a's exit after its first (a signal handler, another
-    # thread): before, a's exit then wiped the state b had just filled, and b routed natively.
+def test_a_block_entered_while_another_exits_is_refused_or_keeps_its_routes():
+    # Block b tries to enter at each line of block a's exit (a signal handler): it is refused
+    # while a holds the model, or it enters and keeps its routes. Before: entered at a line
+    # after the exit's first, b had its state wiped by the rest of a's exit and routed
+    # natively.
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
     routes_a, routes_b = (forced_routes(layout, PROMPT.shape, seed=s) for s in (1, 2))
-    with torch.no_grad(), replay(model, routes_b, layout=layout):
-        forced_b = model(input_ids=PROMPT).logits
-    a, b = replay(model, routes_a, layout=layout), replay(model, routes_b, layout=layout)
-    a.__enter__()
-    interrupted_at(2, lambda: a.__exit__(None, None, None), action=b.__enter__)
     with torch.no_grad():
-        assert torch.equal(model(input_ids=PROMPT).logits, forced_b)
-    b.__exit__(None, None, None)
+        native = model(input_ids=PROMPT).logits
+        with replay(model, routes_b, layout=layout):
+            forced_b = model(input_ids=PROMPT).logits
+    stop, refused = 1, 0
+    while True:
+        a, b = replay(model, routes_a, layout=layout), replay(model, routes_b, layout=layout)
+        a.__enter__()
+        got: list = []
+
+        def enter_b(b=b, got=got):
+            try:
+                got.append(b.__enter__())
+            except RoutingReplayError as e:
+                got.append(e)
+
+        seen, _ = interrupted_at(stop, lambda a=a: a.__exit__(None, None, None), action=enter_b)
+        if seen < stop:
+            break
+        with torch.no_grad():
+            after = model(input_ids=PROMPT).logits
+        if got[0] is b:
+            assert torch.equal(after, forced_b), stop
+            b.__exit__(None, None, None)
+        else:
+            assert "already active" in str(got[0]), stop
+            assert torch.equal(after, native), stop
+            refused += 1
+        stop += 1
+    assert refused >= 3 and stop >= 5

@@ -29,7 +29,7 @@ from routing_replay.model.adapters import (
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
-from routing_replay.model.owner import Owner, current_owner
+from routing_replay.model.owner import Owner, current_owner, owns
 
 _ACTIVE = "_routing_replay_capture"  # on the decoder: its capture blocks (`_Entry`), in order
 # generate settings that turn on assisted (speculative) decoding: refused while capturing
@@ -47,7 +47,7 @@ class Capture:
         self._current: Forward | None = None
         self._generating: Group | None = None
         self._handles: list[Any] = []
-        self._own: dict[str, Any] = {}  # instance overrides of the wrapped methods, if any
+        self._actions: dict[int, Any] = {}  # per `_Dispatch` (by id): this block's action
         self._outer_ids: Tensor | None = None  # the token ids a wrapping model was called with
         self._outer_mask: Tensor | None = None  # and its 2-D attention mask, if it had one
         # Layers whose routers split their tokens by type (ERNIE 4.5 VL): this forward's rows of
@@ -75,27 +75,25 @@ class Capture:
         # Closed blocks (an exit that was stopped among them) are skipped and dropped.
         entry = _Entry(owner, weakref.ref(self))
         blocks = decoder.__dict__.setdefault(_ACTIVE, [])
-        self._open, self._owner = True, owner
-        blocks.append(entry)
-        first = next(e for e in list(blocks) if e.is_open())
-        if first.owner != owner:
-            self._open = False
-            _drop(blocks, entry)
-            raise RoutingReplayError(
-                "capture: another thread or asyncio task has a capture block active on "
-                "this model; each block's hooks would record the other's forwards, mixing "
-                "samples' routes. Capture one model from one thread or task at a time: "
-                "serialize generate calls (a Ray actor with max_concurrency=1, an "
-                "asyncio.Lock around the block), or give each its own model"
-            )
-        for closed in [e for e in list(blocks) if not e.is_open()]:
-            _drop(blocks, closed)
-        try:
+        try:  # whatever stops the entry (a refusal, Ctrl-C) leaves the block closed
+            self._open, self._owner = True, owner
+            blocks.append(entry)
+            first = next(e for e in list(blocks) if e.is_open())
+            if not owns(first.owner, owner):
+                raise RoutingReplayError(
+                    "capture: another thread or asyncio task has a capture block active on "
+                    "this model; each block's hooks would record the other's forwards, mixing "
+                    "samples' routes. Capture one model from one thread or task at a time: "
+                    "serialize generate calls (a Ray actor with max_concurrency=1, an "
+                    "asyncio.Lock around the block), or give each its own model"
+                )
+            for closed in [e for e in list(blocks) if not e.is_open()]:
+                _drop(blocks, closed)
             self._install(decoder)
+            return self
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        return self
 
     def _install(self, decoder: nn.Module) -> None:
         if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
@@ -111,32 +109,35 @@ class Capture:
             record = self._recorder(layers, router)
             if router.method == "forward":
                 self._handles.append(router.module.register_forward_hook(record))
-            else:  # a block's method that routes (DBRX): wrapped while the block is open
-                self._handles.append(_MethodHook(router.module, router.method, record))
+            else:  # a block's method that routes (DBRX)
+                self._act(router.module, router.method, _recording(router.module, record))
         if callable(getattr(self.model, "generate", None)):
-            self._wrap("generate", self._wrap_generate)
+            self._act(self.model, "generate", self._generate)
             if callable(getattr(self.model, "prepare_inputs_for_generation", None)):
-                self._wrap("prepare_inputs_for_generation", self._wrap_prepare)
+                self._act(self.model, "prepare_inputs_for_generation", self._prepare)
+
+    def _act(self, target: Any, name: str, action: Any) -> None:
+        """Run `action(method, *args, **kwargs)` for `target.name` while the block is open."""
+        self._actions[id(_dispatch(target, name, self.moe.decoder))] = action
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._open = False  # first: nothing records from here on, whatever stops the rest
+        try:
+            self._open = False  # first: nothing records from here on, whatever stops the rest
+            self._close()
+        finally:  # (stopped in the try, this runs in full; else it finds nothing left)
+            self._close()
+
+    def _close(self) -> None:
+        """Remove the block's hooks, its place in the model's queue and its actions."""
+        self._open = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         blocks = self.moe.decoder.__dict__.get(_ACTIVE, [])
         for mine in [e for e in list(blocks) if e.capture() is self]:
             _drop(blocks, mine)
-        for name, own in self._own.items():
-            if own is not None:
-                setattr(self.model, name, own)
-            elif name in vars(self.model):
-                delattr(self.model, name)
-        self._own.clear()
+        self._actions.clear()
         self._current = None
-
-    def _wrap(self, name: str, wrapper: Any) -> None:
-        self._own[name] = vars(self.model).get(name)  # an instance override, if any
-        setattr(self.model, name, wrapper(getattr(self.model, name)))
 
     # -- results ----------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class Capture:
 
     def _ours(self) -> bool:
         """Whether the running forward is this open block's (its thread and task)."""
-        return self._open and current_owner() == self._owner
+        return self._open and owns(self._owner, current_owner())
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._ours():  # another thread's or task's forward: not this block's
@@ -320,60 +321,55 @@ class Capture:
         self._groups.append(Group())
         return self._groups[-1]
 
-    def _wrap_generate(self, generate: Any) -> Any:
-        def capturing_generate(*args: Any, **kwargs: Any) -> Any:
-            if not self._ours():  # another thread's or task's call, or a stopped exit's wrapper
-                return generate(*args, **kwargs)
-            settings = _generation_setting(self.model, kwargs)
-            if (settings("num_beams") or 1) > 1:
-                raise UnsupportedGenerationError(
-                    "capture() follows one token per step per sample: beam search reorders "
-                    "samples, use greedy or sampling"
-                )
-            assisted = [n for n in _ASSISTED if settings(n) is not None]
-            if assisted:
-                raise UnsupportedGenerationError(
-                    f"capture() follows one token per step per sample: assisted decoding "
-                    f"({', '.join(assisted)}) forwards drafts it then rejects, so routes cannot "
-                    "be aligned with the output; generate without it while capturing"
-                )
-            group = Group(eos=_eos_ids(settings("eos_token_id")))
-            self._groups.append(group)
-            self._generating = group
-            try:
-                out = generate(*args, **kwargs)
-            except BaseException:  # a failed call leaves no partial samples behind
-                self._groups[:] = [g for g in self._groups if g is not group]
-                raise
-            finally:
-                self._generating = None
-                group.mask = None
-            prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-            sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
-            embeds = kwargs.get("inputs_embeds")
-            if isinstance(prompt, Tensor):
-                group.prompt_cols = prompt.shape[1]
-                group.sequences = sequences[:, group.prompt_cols :]
-            elif isinstance(embeds, Tensor):  # generate returns the new tokens alone
-                group.prompt_cols = embeds.shape[1]
-                group.sequences = sequences
-            elif group.forwards:  # no prompt: generate started from its own BOS column(s)
-                group.prompt_cols = group.forwards[0].shape[1]
-                group.sequences = sequences[:, group.prompt_cols :]
-            return out
+    def _generate(self, generate: Any, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate` while the block is open: one group of samples per call."""
+        if not self._ours():  # another thread's or task's call
+            return generate(*args, **kwargs)
+        settings = _generation_setting(self.model, kwargs)
+        if (settings("num_beams") or 1) > 1:
+            raise UnsupportedGenerationError(
+                "capture() follows one token per step per sample: beam search reorders "
+                "samples, use greedy or sampling"
+            )
+        assisted = [n for n in _ASSISTED if settings(n) is not None]
+        if assisted:
+            raise UnsupportedGenerationError(
+                f"capture() follows one token per step per sample: assisted decoding "
+                f"({', '.join(assisted)}) forwards drafts it then rejects, so routes cannot "
+                "be aligned with the output; generate without it while capturing"
+            )
+        group = Group(eos=_eos_ids(settings("eos_token_id")))
+        self._groups.append(group)
+        self._generating = group
+        try:
+            out = generate(*args, **kwargs)
+        except BaseException:  # a failed call leaves no partial samples behind
+            self._groups[:] = [g for g in self._groups if g is not group]
+            raise
+        finally:
+            self._generating = None
+            group.mask = None
+        prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(prompt, Tensor):
+            group.prompt_cols = prompt.shape[1]
+            group.sequences = sequences[:, group.prompt_cols :]
+        elif isinstance(embeds, Tensor):  # generate returns the new tokens alone
+            group.prompt_cols = embeds.shape[1]
+            group.sequences = sequences
+        elif group.forwards:  # no prompt: generate started from its own BOS column(s)
+            group.prompt_cols = group.forwards[0].shape[1]
+            group.sequences = sequences[:, group.prompt_cols :]
+        return out
 
-        return capturing_generate
-
-    def _wrap_prepare(self, prepare: Any) -> Any:
-        @functools.wraps(prepare)  # generate inspects its signature (e.g. for inputs_embeds)
-        def capturing_prepare(*args: Any, **kwargs: Any) -> Any:
-            group = self._generating
-            if group is not None and self._ours():  # the 2-D mask generate keeps
-                mask = kwargs.get("attention_mask")
-                group.mask = mask if is_2d_mask(mask) else None
-            return prepare(*args, **kwargs)
-
-        return capturing_prepare
+    def _prepare(self, prepare: Any, *args: Any, **kwargs: Any) -> Any:
+        """`prepare_inputs_for_generation`: keeps the 2-D mask generate holds."""
+        group = self._generating
+        if group is not None and self._ours():
+            mask = kwargs.get("attention_mask")
+            group.mask = mask if is_2d_mask(mask) else None
+        return prepare(*args, **kwargs)
 
     # -- alignment ----------------------------------------------------------------------
 
@@ -455,24 +451,54 @@ def _to_host(t: Tensor | None, copy: bool = False) -> Tensor | None:
     return host
 
 
-class _MethodHook:
-    """A forward-hook-like wrapper of a module's method, `remove()`d like a hook handle: the
-    method's output goes to `hook(module, args, output)`."""
+def _recording(module: nn.Module, hook: Any) -> Any:
+    """An action calling `hook(module, args, output)` after the method, like a forward hook."""
 
-    def __init__(self, module: nn.Module, method: str, hook: Any) -> None:
-        self.module, self.method = module, method
-        self.own = vars(module).get(method)  # an instance attribute (replay's), or None
-        inner = getattr(module, method)
+    def record(method: Any, *args: Any, **kwargs: Any) -> Any:
+        output = method(*args, **kwargs)
+        hook(module, args, output)
+        return output
 
-        def recording(*args: Any, **kwargs: Any) -> Any:
-            output = inner(*args, **kwargs)
-            hook(module, args, output)
-            return output
+    return record
 
-        setattr(module, method, recording)
 
-    def remove(self) -> None:
-        if self.own is not None:
-            setattr(self.module, self.method, self.own)
-        else:
-            vars(self.module).pop(self.method, None)
+class _Dispatch:
+    """A method of a model (`generate`, `prepare_inputs_for_generation`, a router's routing
+    method) wrapped once and for good: each call runs through the actions of the capture
+    blocks open for the caller (outermost first), none outside a block. Never removed, so
+    blocks entered and exited in any order, from any thread, lose or strand no wrapper.
+    Replay's forward of a routing method goes beneath it (`replay_beneath`): the block
+    records the forced ids."""
+
+    replay_beneath = True
+
+    def __init__(self, decoder: nn.Module, inner: Any) -> None:
+        self.decoder, self.inner = decoder, inner
+
+    @property
+    def __wrapped__(self) -> Any:  # signature lookups (generate reads prepare's) see through
+        return self.inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.inner
+        now = current_owner()
+        for entry in reversed(list(self.decoder.__dict__.get(_ACTIVE, ()))):
+            block = entry.capture()
+            action = None if block is None else block._actions.get(id(self))
+            if action is not None and entry.is_open() and owns(entry.owner, now):
+                call = functools.partial(action, call)
+        return call(*args, **kwargs)
+
+
+def _dispatch(target: Any, name: str, decoder: nn.Module) -> _Dispatch:
+    """`target`'s dispatcher of `name` (found under other code's wrappers), installed if none."""
+    node = vars(target).get(name)
+    for _ in range(16):
+        if isinstance(node, _Dispatch):
+            return node
+        node = getattr(node, "__wrapped__", None)
+        if node is None:
+            break
+    found = _Dispatch(decoder, getattr(target, name))
+    setattr(target, name, found)
+    return found

@@ -12,6 +12,7 @@ per layer to int64 inside the router's forward), `__exit__` deactivates it and f
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,7 @@ from routing_replay.model.adapters import (
     rows_of,
     split_rows,
 )
-from routing_replay.model.owner import Owner, current_owner
+from routing_replay.model.owner import Owner, current_owner, owns
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -52,6 +53,7 @@ class ReplayState:
         self.pass_handles: list[Any] = []  # looped layers' PassTrackers
         self.active = False
         self.owner: Replay | None = None
+        self.claims: list[Replay] = []  # blocks entering or active, in order (`claim`)
         self.owner_key: Owner | None = None  # the thread and task whose block is active
         self.batch_shape: tuple[int, ...] = ()
         self.layer_routes: list[DeviceRoutes] | None = None  # per MoE layer (shared per device)
@@ -67,12 +69,27 @@ class ReplayState:
     def ours(self) -> bool:
         """Whether the running forward is the active block's: its thread and task, a
         checkpoint's recompute in autograd's thread, or compiled code (not checked there)."""
-        return torch.compiler.is_compiling() or in_backward() or current_owner() == self.owner_key
+        if torch.compiler.is_compiling() or in_backward():
+            return True
+        return owns(self.owner_key, current_owner())
+
+    def claim(self, block: Replay) -> bool:
+        """Queue `block` for the model: True if it is the first block holding a claim (of
+        two threads claiming at once, exactly one is). Atomic list appends, no lock a stop
+        could leave held; `release` gives the claim back, a claim that lost included."""
+        block._holding = True
+        self.claims.append(block)
+        return next(b for b in list(self.claims) if b._holding) is block
+
+    def release(self, block: Replay) -> None:
+        block._holding = False
+        with contextlib.suppress(ValueError):  # (released already)
+            self.claims.remove(block)
 
     def deactivate(self) -> None:
-        """Back to native routing; drop every reference to the batch's routes."""
+        """Back to native routing; drop every reference to the batch's routes (the owner
+        last: an exit stopped half-way finds itself still the owner and finishes)."""
         self.active = False
-        self.owner = None
         self.owner_key = None
         self.layer_routes = None
         self.any_missing_L = []
@@ -81,6 +98,7 @@ class ReplayState:
         self.tolerance = None
         self.tally_L = []
         self.split = None
+        self.owner = None
 
 
 class ReplayingForward:
@@ -137,10 +155,16 @@ def prepare_model(moe: MoeModel) -> ReplayState:
         module = router.module
         installed = module.__dict__.get(router.method)
         if not _reaches_ours(installed, module, state):  # else ours, or other code's on top
-            if isinstance(installed, ReplayingForward):  # ours for a former state: unwrap it
-                installed = installed.inner
-            installed = ReplayingForward(module, state, layers, router, installed)
-            setattr(module, router.method, installed)
+            # Under a wrapper that asks for it (capture's), else on top of what is there.
+            host = installed if getattr(installed, "replay_beneath", False) else None
+            below = installed if host is None else host.inner
+            if isinstance(below, ReplayingForward):  # ours for a former state: unwrap it
+                below = below.inner
+            slot = ReplayingForward(module, state, layers, router, below)
+            if host is None:
+                setattr(module, router.method, slot)
+            else:
+                host.inner = slot
         if router.loop is not None:
             _track_passes(moe, state, router, _ours(module.__dict__[router.method]))
     live = [h for h in state.handles if _hook_registered(decoder, h)]
@@ -235,8 +259,8 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        if j == 0 and (slot.rows is None or slot.rows.part == 0):
-            state.owner._count_pass()
+        if slot.rows is None or slot.rows.part == 0:
+            state.owner._count_pass(j)
         if state.all_missing_L[j]:
             return output
     rows_T = slot.output.rows(output)

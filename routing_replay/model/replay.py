@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward, skips_guards
+from routing_replay.compat.torch import graph_task, skips_guards
 from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
@@ -110,18 +110,39 @@ class Replay:
         }
         del staged_NLK, staged_mask_N
         self._state: ReplayState | None = None
+        self._holding = False  # a claim on the model (`ReplayState.claim`)
         self._grad_forwards = 0
         self._recomputes = 0
+        self._recomputes_by_task: dict[tuple[int, int], int] = {}  # per (backward, layer)
         self._tally_L: list[Tensor] = []  # per MoE layer: forced rows, agreed rows, replaced slots
 
     def __enter__(self) -> Replay:
         _refuse_unguarded()
-        state = prepare_model(self.moe)
-        if state.active:
+        if self._state is not None:
             raise RoutingReplayError(
-                "replay: another replay block is already active on this model; nested replay "
-                "blocks on one model are not supported"
+                "replay: this block is already active; enter a new replay(model, routes) "
+                "instead of the same one twice"
             )
+        state = prepare_model(self.moe)
+        try:  # whatever stops the entry leaves the model unclaimed and inactive
+            if not state.claim(self):
+                raise RoutingReplayError(
+                    "replay: another replay block is already active on this model; nested "
+                    "replay blocks on one model are not supported"
+                )
+            state.owner = self
+            self._fill(state)
+            state.active = True
+            self._state = state
+            return self
+        except BaseException:
+            self._state = None
+            if state.owner is self:
+                state.deactivate()
+            state.release(self)
+            raise
+
+    def _fill(self, state: ReplayState) -> None:
         if not self._on_device:  # entered again after an exit freed the device copy
             device = device_of(self.moe)
             self._on_device[device] = to_device_routes(
@@ -132,7 +153,6 @@ class Replay:
         state.any_missing_L = list(self._any_missing_L)
         state.all_missing_L = list(self._all_missing_L)
         state.ran_L = [False] * self.moe.layout.num_moe_layers
-        state.owner = self
         state.owner_key = current_owner()
         state.tolerance = self.tolerance
         if not self._tally_L:
@@ -141,17 +161,14 @@ class Replay:
                 for r in self.moe.routers
             ]
         state.tally_L = self._tally_L
-        state.active = True
-        self._state = state
-        return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        # First, in one line: native routing from here on, whatever stops the rest.
-        if (s := self._state) is not None and s.owner is self: s.active = False  # fmt: skip  # noqa: E701
-        if self._state is not None:
-            if self._state.owner is self:  # (not a block entered since, by another)
-                self._state.deactivate()
-            self._state = None
+        try:
+            # First: native routing from here on, whatever stops the rest.
+            if (s := self._state) is not None and s.owner is self: s.active = False  # fmt: skip  # noqa: E701
+            self._end()
+        finally:  # (stopped in the try, this runs in full; else it finds nothing left)
+            self._end()
         self._on_device.clear()  # the device copy is freed (unless a pending backward holds it)
         if (
             exc_type is None
@@ -164,6 +181,17 @@ class Replay:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _end(self) -> None:
+        """Deactivate the model if this block is its owner, then give the claim back: the
+        next block fills the state only once this one is done with it."""
+        state = self._state
+        if state is None:
+            return
+        if state.owner is self:
+            state.deactivate()
+        state.release(self)
+        self._state = None
 
     def metrics(self) -> dict[str, float]:
         """What this block replays (a host sync): the batch's forced and missing (-1, routed
@@ -197,9 +225,24 @@ class Replay:
             self._on_device[device] = found
         return found
 
-    def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
-        if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
+    def _count_pass(self, j: int) -> None:  # eager only: compiled, recompute replays inputs
+        """Count a pass of MoE layer j: a checkpoint's recompute of it (in a backward) is
+        refused where that backward recomputes it more often than the block ran it."""
+        task = graph_task()
+        if task is None:  # a forward (counted at the decoder), not a checkpoint's recompute
+            return
+        if j == 0:
             self._recomputes += 1
+        seen = self._recomputes_by_task.get((task, j), 0) + 1
+        self._recomputes_by_task[(task, j)] = seen
+        if seen > self._grad_forwards:
+            raise RoutingReplayError(
+                "replay: a backward recomputed a checkpointed forward that did not run in "
+                f"this replay block ({seen} recomputes of MoE layer {j} in one backward, "
+                f"{self._grad_forwards} forwards with grad in the block): it would be forced "
+                "with this block's routes instead of routed as it ran. Run the forward inside "
+                "the block whose backward recomputes it"
+            )
 
 
 def _refuse_unguarded() -> None:

@@ -1,0 +1,281 @@
+"""`capture` and `replay` blocks entered, stopped and exited in the orders threads, signal
+handlers and event loops produce: two threads entering replay blocks at once, an entry
+stopped at each of its lines, capture blocks exited out of order or while another thread
+enters one, a block around `asyncio.run`, a checkpoint's recompute of a forward that ran
+outside the block."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+from line_stops import interrupted_at
+from moe_models import tiny_model
+from tiny_families import random_routes, tiny_family_model
+
+from routing_replay import RoutingReplayError, capture, replay
+from routing_replay.model.adapters import find_routers
+
+PROMPT = torch.tensor([[9, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+
+
+def forced_routes(layout, shape, seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.random((*shape, layout.num_moe_layers, layout.num_experts))
+    return torch.from_numpy(np.argsort(keys, -1)[..., : layout.top_k].astype(np.int32))
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=PROMPT).logits
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = [forced_routes(layout, PROMPT.shape, seed=s) for s in (1, 2)]
+    native = logits(model)
+    forced = []
+    for r in routes:
+        with replay(model, r, layout=layout):
+            forced.append(logits(model))
+    assert not torch.equal(forced[0], native) and not torch.equal(forced[0], forced[1])
+    return model, layout, routes, native, forced
+
+
+def enter_in_thread(block, outcome: list) -> threading.Thread:
+    def run():
+        try:
+            block.__enter__()
+            outcome.append("entered")
+        except RoutingReplayError as e:
+            outcome.append(str(e))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
+@pytest.mark.slow
+def test_two_threads_entering_replay_blocks_at_once_one_is_refused(qwen):
+    # Thread B enters its block at each line of A's entry (A's thread waits for it there):
+    # exactly one of the two is entered, and the model forces its routes.
+    model, layout, routes, native, forced = qwen
+    stop, stops = 1, 0
+    while True:
+        a, b = (replay(model, r, layout=layout) for r in routes)
+        got: list = []
+        workers: list = []
+
+        def other(b=b, got=got, workers=workers):
+            workers.append(enter_in_thread(b, got))
+            workers[0].join()
+
+        try:
+            seen, _ = interrupted_at(stop, a.__enter__, action=other)
+            a_in = True
+        except RoutingReplayError as e:
+            assert "already active" in str(e)
+            seen, a_in = stop, False
+        for worker in workers:
+            worker.join()
+        if seen < stop:  # ran to its end: every line was a stop point
+            a.__exit__(None, None, None)
+            break
+        stops += 1
+        b_in = got == ["entered"]
+        assert a_in != b_in, (stop, a_in, got)
+        winner, want = (a, forced[0]) if a_in else (b, forced[1])
+        if a_in:
+            assert "already active" in got[0], (stop, got)
+            assert torch.equal(logits(model), want), stop
+        winner.__exit__(None, None, None)
+        assert torch.equal(logits(model), native), stop
+        stop += 1
+    assert stops >= 10
+
+
+@pytest.mark.slow
+def test_a_replay_entry_stopped_at_each_line_leaves_native_routing(qwen):
+    model, layout, routes, native, forced = qwen
+    stop, stops = 1, 0
+    while True:
+        block = replay(model, routes[0], layout=layout)
+        seen, entered = interrupted_at(stop, block.__enter__)
+        if seen < stop:
+            block.__exit__(None, None, None)
+            break
+        stops += 1
+        assert entered is None
+        assert torch.equal(logits(model), native), stop  # no block was entered
+        with replay(model, routes[1], layout=layout):  # and a new one enters and forces
+            assert torch.equal(logits(model), forced[1]), stop
+        stop += 1
+    assert stops >= 10
+
+
+def test_a_recompute_of_a_forward_run_outside_the_block_is_refused(qwen):
+    model, layout, routes = qwen[:3]
+    model.train()
+    model.gradient_checkpointing_enable()
+    try:
+        outside = model(input_ids=PROMPT).logits.square().mean()
+        refused = pytest.raises(RoutingReplayError, match="did not run in this replay block")
+        with replay(model, routes[0], layout=layout), refused:
+            outside.backward()
+        outside = model(input_ids=PROMPT).logits.square().mean()
+        twice = r"2 recomputes of MoE layer \d in one backward, 1 forwards with grad"
+        with replay(model, routes[0], layout=layout):
+            inside = model(input_ids=PROMPT).logits.square().mean()
+            with pytest.raises(RoutingReplayError, match=twice):
+                (outside + inside).backward()
+        # The block's own forward, backward twice (retain_graph): one recompute each time.
+        model.zero_grad()
+        with replay(model, routes[0], layout=layout):
+            loss = model(input_ids=PROMPT).logits.square().mean()
+            loss.backward(retain_graph=True)
+            first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            model.zero_grad()
+            loss.backward()
+            second = [p.grad for p in model.parameters() if p.grad is not None]
+        assert all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
+    finally:
+        model.gradient_checkpointing_disable()
+        model.zero_grad()
+        model.eval()
+
+
+def generated(model):
+    with torch.no_grad():
+        return model.generate(PROMPT, max_new_tokens=3, eos_token_id=None, do_sample=False)
+
+
+def wrapped_once(model) -> None:
+    """Each of generate's methods passes through one capture dispatcher: none was stranded
+    or chained by blocks that came and went."""
+    for name in ("generate", "prepare_inputs_for_generation"):
+        node, found = vars(model).get(name), 0
+        for _ in range(8):
+            found += type(node).__name__ == "_Dispatch"
+            node = getattr(node, "__wrapped__", None)
+        assert found == 1, name
+
+
+def test_capture_blocks_exited_out_of_order_keep_generate_recorded(qwen):
+    model = qwen[0]
+    with capture(model) as alone:
+        out = generated(model)
+    want = [r.shape for r in alone.routes()]
+    a, b = capture(model), capture(model)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)  # the first block exits first
+    assert torch.equal(generated(model), out)
+    c = capture(model).__enter__()  # entered, exited between b's
+    c.__exit__(None, None, None)
+    assert torch.equal(generated(model), out)
+    b.__exit__(None, None, None)
+    wrapped_once(model)
+    assert [r.shape for r in b.routes()] == want * 2  # both calls, each sample cut as alone
+    for got, exact in zip(b.routes(), alone.routes() * 2, strict=True):
+        assert np.array_equal(got, exact)
+    assert a.routes() == [] and c.routes() == []
+
+
+@pytest.mark.slow
+def test_a_capture_block_entered_while_another_threads_exits_records_generate(qwen):
+    model = qwen[0]
+    with capture(model) as alone:
+        out = generated(model)
+    stop, stops = 3, 0  # (after the exit's first lines: `try:`, the block closed)
+    while True:
+        ours = capture(model).__enter__()
+        theirs: list = []
+
+        def other(theirs=theirs):
+            def run():
+                block = capture(model).__enter__()
+                try:
+                    theirs.append((block, generated(model)))
+                finally:
+                    block.__exit__(None, None, None)
+
+            worker = threading.Thread(target=run)
+            worker.start()
+            worker.join(0.5)
+            theirs.append(worker)
+
+        seen, _ = interrupted_at(stop, lambda o=ours: o.__exit__(None, None, None), action=other)
+        for item in theirs:
+            if isinstance(item, threading.Thread):
+                item.join()
+        if seen < stop:
+            break
+        stops += 1
+        (block, got) = next(x for x in theirs if isinstance(x, tuple))
+        assert torch.equal(got, out), stop
+        assert len(block.routes()) == 2, stop
+        for routes, exact in zip(block.routes(), alone.routes(), strict=True):
+            assert np.array_equal(routes, exact), stop
+        wrapped_once(model)
+        stop += 1
+    assert stops >= 5
+
+
+@pytest.mark.slow
+def test_a_capture_entry_stopped_at_each_line_refuses_no_one_after(qwen):
+    model = qwen[0]
+    stop, stops = 1, 0
+    while True:
+        block = capture(model)
+        seen, _ = interrupted_at(stop, block.__enter__)
+        if seen < stop:
+            block.__exit__(None, None, None)
+            break
+        stops += 1
+        got: list = []
+
+        def other(got=got):
+            with capture(model) as fresh, torch.no_grad():
+                model(input_ids=PROMPT)
+            got.append(len(fresh.routes()))
+
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert got == [2], stop
+        wrapped_once(model)
+        stop += 1
+    assert stops >= 5
+
+
+def test_blocks_around_asyncio_run_own_its_tasks(qwen):
+    model, layout, routes, _, forced = qwen
+
+    async def forward():
+        return logits(model)
+
+    with capture(model) as cap:
+        asyncio.run(forward())
+    assert [t.tolist() for t in cap.token_ids()] == PROMPT.tolist()
+    with replay(model, routes[0], layout=layout):
+        assert torch.equal(asyncio.run(forward()), forced[0])
+
+
+@pytest.mark.parametrize("first", ["capture", "replay"])
+def test_a_routing_method_records_the_forced_ids_whichever_block_entered_first(first):
+    # DBRX routes in a block's method, which capture wraps: replay's forward goes beneath
+    # it. Before: a capture block entered before the replay block recorded native ids.
+    model = tiny_family_model("dbrx").eval()
+    layout = find_routers(model).layout
+    routes = random_routes(layout, seed=3, missing=0.0)
+    ids = torch.randint(1, 50, tuple(routes.shape[:2]), generator=torch.Generator().manual_seed(4))
+    blocks = [capture(model), replay(model, routes, layout=layout)]
+    with blocks[first == "replay"], blocks[first == "capture"], torch.no_grad():
+        model(input_ids=ids)
+    got = np.sort(np.stack(blocks[0].routes()), -1)
+    assert np.array_equal(got, np.sort(routes.numpy(), -1))
