@@ -28,7 +28,7 @@ import transformers
 from moe_models import tiny_model
 
 from routing_replay import capture
-from routing_replay.model.capture import Capture
+from routing_replay.model.capture import Capture, _Recorder
 
 CAPTURE = sys.modules["routing_replay.model.capture"]  # the module (`capture` is the function)
 # Tensor methods that read a value to the host: each one is a device sync on CUDA.
@@ -50,18 +50,16 @@ class ReadCounter:
             monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
         for name in ("_begin", "_end", "_outer_begin"):
             monkeypatch.setattr(Capture, name, self._inside(Capture.__dict__[name], name))
-        recorder = Capture.__dict__["_recorder"]
-        monkeypatch.setattr(
-            Capture, "_recorder", lambda cap, *a: self._inside(recorder(cap, *a), "router")
-        )
+        record = _Recorder.__call__  # a router's hook
+        monkeypatch.setattr(_Recorder, "__call__", self._inside(record, "router"))
         # generate's prepare step: capture's peek counts, transformers' prepare does not.
-        wrap_prepare = Capture.__dict__.get("_wrap_prepare")
-        if wrap_prepare is not None:
-            monkeypatch.setattr(
-                Capture,
-                "_wrap_prepare",
-                lambda cap, prepare: self._inside(wrap_prepare(cap, self._outside(prepare)), "p"),
-            )
+        prepare = Capture._prepare
+        inside = self._inside(prepare, "p")
+
+        def peek(cap, inner, *args, **kwargs):
+            return inside(cap, self._outside(inner), *args, **kwargs)
+
+        monkeypatch.setattr(Capture, "_prepare", peek)
 
     def _counted(self, method):
         counter = self

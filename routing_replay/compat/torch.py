@@ -7,19 +7,12 @@ import sys
 import torch
 
 
-def graph_task() -> int | None:
-    """The id of the backward autograd's engine runs in this thread (a checkpoint recompute
-    runs the forward inside one), None outside one. `torch._C._current_graph_task_id`: -1
-    outside a backward; absent in a torch without it, where this says None (no recompute is
-    counted)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    found = None if task is None else task()
-    return None if found is None or found == -1 else found
-
-
 def in_backward() -> bool:
-    """Whether autograd's engine is running a backward in this thread."""
-    return graph_task() is not None
+    """Whether autograd's engine is running a backward in this thread (a checkpoint recompute
+    runs the forward inside one). `torch._C._current_graph_task_id`: -1 outside a backward;
+    absent in a torch without it, where this says False (no recompute is counted)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def skips_guards() -> bool:

@@ -1,4 +1,4 @@
-"""transformers' cache internals that capture reads. Checked on transformers 5.0 - 5.25."""
+"""transformers' internals that capture and replay read. Checked on transformers 5.0 - 5.25."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def phimoe_multiplier(router: Any) -> Any:
     """PhiMoE's autograd function for its training-time weights (the Heun gradient estimator),
     from the module defining the router: `modeling_phimoe.PhimoeMultiplier`, 5.0 - 5.25."""
     return sys.modules[type(router).__module__].PhimoeMultiplier
+
+
+def wrap_layer_checkpointing(layer: Any, wrap: Any) -> None:
+    """Set `wrap(inner)` as `layer`'s checkpoint function, unless it is wrapped already
+    (`wrap.kind`). transformers 5 checkpoints a `GradientCheckpointingLayer`'s forward (not
+    its `__call__`: its module hooks run once, outside) by calling its instance attribute
+    `_gradient_checkpointing_func(function, *args)`, set by `gradient_checkpointing_enable`;
+    a layer without one is left alone."""
+    inner = vars(layer).get("_gradient_checkpointing_func")
+    if inner is not None and not isinstance(inner, wrap.kind):
+        layer._gradient_checkpointing_func = wrap(inner)

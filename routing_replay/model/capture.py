@@ -74,7 +74,7 @@ class Capture:
         # held): the first open block's owner has the model; another owner's block refuses.
         # Closed blocks (an exit that was stopped among them) are skipped and dropped.
         entry = _Entry(owner, weakref.ref(self))
-        blocks = decoder.__dict__.setdefault(_ACTIVE, [])
+        blocks = decoder.__dict__.setdefault(_ACTIVE, _Queue())
         try:  # whatever stops the entry (a refusal, Ctrl-C) leaves the block closed
             self._open, self._owner = True, owner
             blocks.append(entry)
@@ -106,7 +106,7 @@ class Capture:
         self._handles.append(decoder.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(self._end))
         for router, layers in self.moe.by_module():
-            record = self._recorder(layers, router)
+            record = _Recorder(self, layers, router)
             if router.method == "forward":
                 self._handles.append(router.module.register_forward_hook(record))
             else:  # a block's method that routes (DBRX)
@@ -138,6 +138,12 @@ class Capture:
             _drop(blocks, mine)
         self._actions.clear()
         self._current = None
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle: of the model, whose hooks hold the block) is closed."""
+        state = self.__dict__.copy()
+        state.update(_open=False, _handles=[], _actions={}, _current=None, _generating=None)
+        return state
 
     # -- results ----------------------------------------------------------------------
 
@@ -236,42 +242,6 @@ class Capture:
         device = lengths[0].device
         return int(torch.stack([t.reshape(()).to(device) for t in lengths]).max())  # the read
 
-    def _recorder(self, layers: tuple[int, ...], router: Router) -> Any:
-        read, split = router.output, router.rows
-
-        def hook(module: nn.Module, args: tuple, output: tuple) -> None:
-            if self._current is None or not self._ours():  # outside its forward
-                return
-            j = layers[0]
-            if len(layers) > 1:  # a looped layer's router: its k-th call is pass k
-                calls = self._calls.get(id(module), 0)
-                self._calls[id(module)] = calls + 1
-                if calls >= len(layers):
-                    raise UnsupportedModelError(
-                        f"capture: router {router.name!r} of a looped layer ran more than its "
-                        f"{len(layers)} passes in one forward"
-                    )
-                j = layers[calls]
-            ids = read.ids(module, output)
-            if split is None:
-                self._current.ids_L[j] = ids
-                return
-            # One router of a layer that splits its tokens: its rows, merged once all ran.
-            rows_of(split, self._split)  # raises where this part has no rows
-            if self._split is None:
-                self._current.ids_L[j] = ids
-                return
-            parts = self._parts.setdefault(j, {})
-            parts[split.part] = ids
-            if len(parts) == len(self._split):
-                rows = self._split[0].numel() + self._split[1].numel()
-                merged = ids.new_empty((rows, ids.shape[1]))
-                for part, part_ids in parts.items():
-                    merged.index_copy_(0, self._split[part].to(ids.device), part_ids)
-                self._current.ids_L[j] = merged
-
-        return hook
-
     def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._ours():
             return
@@ -339,29 +309,27 @@ class Capture:
                 "be aligned with the output; generate without it while capturing"
             )
         group = Group(eos=_eos_ids(settings("eos_token_id")))
-        self._groups.append(group)
-        self._generating = group
-        try:
+        try:  # a call that fails or is stopped anywhere in here leaves no samples behind
+            self._groups.append(group)
+            self._generating = group
             out = generate(*args, **kwargs)
-        except BaseException:  # a failed call leaves no partial samples behind
-            self._groups[:] = [g for g in self._groups if g is not group]
+            self._generating = group.mask = None
+            prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+            sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
+            embeds = kwargs.get("inputs_embeds")
+            if isinstance(prompt, Tensor):
+                group.prompt_cols = prompt.shape[1]
+                group.sequences = sequences[:, group.prompt_cols :]
+            elif isinstance(embeds, Tensor):  # generate returns the new tokens alone
+                group.prompt_cols = embeds.shape[1]
+                group.sequences = sequences
+            elif group.forwards:  # no prompt: generate started from its own BOS column(s)
+                group.prompt_cols = group.forwards[0].shape[1]
+                group.sequences = sequences[:, group.prompt_cols :]
+            return out
+        except BaseException:  # (in one line: a second stop finds both done or neither)
+            self._generating = group.mask = None; self._groups[:] = [g for g in self._groups if g is not group]  # fmt: skip  # noqa: E501, E702
             raise
-        finally:
-            self._generating = None
-            group.mask = None
-        prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-        sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
-        embeds = kwargs.get("inputs_embeds")
-        if isinstance(prompt, Tensor):
-            group.prompt_cols = prompt.shape[1]
-            group.sequences = sequences[:, group.prompt_cols :]
-        elif isinstance(embeds, Tensor):  # generate returns the new tokens alone
-            group.prompt_cols = embeds.shape[1]
-            group.sequences = sequences
-        elif group.forwards:  # no prompt: generate started from its own BOS column(s)
-            group.prompt_cols = group.forwards[0].shape[1]
-            group.sequences = sequences[:, group.prompt_cols :]
-        return out
 
     def _prepare(self, prepare: Any, *args: Any, **kwargs: Any) -> Any:
         """`prepare_inputs_for_generation`: keeps the 2-D mask generate holds."""
@@ -389,6 +357,55 @@ class Capture:
 def capture(model: nn.Module) -> Capture:
     """Record the top-k expert ids of every MoE layer of `model` while in the `with` block."""
     return Capture(model)
+
+
+class _Recorder:
+    """A router's forward hook (or routing method's action) of one block: its output's ids
+    into the block's current forward. An object holding the block, not a closure, so that a
+    copy of the model gets a copy of the (closed) block, never the original."""
+
+    def __init__(self, capture: Capture, layers: tuple[int, ...], router: Router) -> None:
+        self.capture, self.layers, self.router = capture, layers, router
+
+    def __call__(self, module: nn.Module, args: tuple, output: tuple) -> None:
+        cap, layers, router = self.capture, self.layers, self.router
+        read, split = router.output, router.rows
+        if cap._current is None or not cap._ours():  # outside its forward
+            return
+        j = layers[0]
+        if len(layers) > 1:  # a looped layer's router: its k-th call is pass k
+            calls = cap._calls.get(id(module), 0)
+            cap._calls[id(module)] = calls + 1
+            if calls >= len(layers):
+                raise UnsupportedModelError(
+                    f"capture: router {router.name!r} of a looped layer ran more than its "
+                    f"{len(layers)} passes in one forward"
+                )
+            j = layers[calls]
+        ids = read.ids(module, output)
+        if split is None:
+            cap._current.ids_L[j] = ids
+            return
+        # One router of a layer that splits its tokens: its rows, merged once all ran.
+        rows_of(split, cap._split)  # raises where this part has no rows
+        if cap._split is None:
+            cap._current.ids_L[j] = ids
+            return
+        parts = cap._parts.setdefault(j, {})
+        parts[split.part] = ids
+        if len(parts) == len(cap._split):
+            rows = cap._split[0].numel() + cap._split[1].numel()
+            merged = ids.new_empty((rows, ids.shape[1]))
+            for part, part_ids in parts.items():
+                merged.index_copy_(0, cap._split[part].to(ids.device), part_ids)
+            cap._current.ids_L[j] = merged
+
+
+class _Queue(list):
+    """A model's capture blocks (`_Entry`), in order; a copy of the model starts with none."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_Queue, ())
 
 
 class _Entry:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward
+from routing_replay.compat.transformers import wrap_layer_checkpointing
 from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
 from routing_replay.model.adapters import (
     MoeModel,
@@ -65,6 +66,14 @@ class ReplayState:
         # Where a layer's routers split its tokens by type (ERNIE 4.5 VL): this forward's rows of
         # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
         self.split: tuple[Tensor, Tensor] | None = None
+        self.layer_handles: list[Any] = []  # the decoder layers' LayerInputs hooks
+        self.layer_checks: list[tuple[nn.Module, LayerInputs]] = []  # and the layers
+
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) of a model inside a block comes out inactive, unclaimed."""
+        state = self.__dict__.copy()
+        state.update(self._inactive(), claims=[])
+        return state
 
     def ours(self) -> bool:
         """Whether the running forward is the active block's: its thread and task, a
@@ -77,6 +86,9 @@ class ReplayState:
         """Queue `block` for the model: True if it is the first block holding a claim (of
         two threads claiming at once, exactly one is). Atomic list appends, no lock a stop
         could leave held; `release` gives the claim back, a claim that lost included."""
+        for stale in [b for b in list(self.claims) if not b._holding]:  # a release stopped
+            with contextlib.suppress(ValueError):
+                self.claims.remove(stale)
         block._holding = True
         self.claims.append(block)
         return next(b for b in list(self.claims) if b._holding) is block
@@ -87,18 +99,23 @@ class ReplayState:
             self.claims.remove(block)
 
     def deactivate(self) -> None:
-        """Back to native routing; drop every reference to the batch's routes (the owner
-        last: an exit stopped half-way finds itself still the owner and finishes)."""
-        self.active = False
-        self.owner_key = None
-        self.layer_routes = None
-        self.any_missing_L = []
-        self.all_missing_L = []
-        self.ran_L = [False] * self.moe.layout.num_moe_layers
-        self.tolerance = None
-        self.tally_L = []
-        self.split = None
-        self.owner = None
+        """Back to native routing; drop every reference to the batch's routes (one update,
+        the flag first, the owner last: an exit stopped half-way finds itself the owner)."""
+        self.__dict__.update(self._inactive())
+
+    def _inactive(self) -> dict[str, Any]:
+        return {
+            "active": False,
+            "owner_key": None,
+            "layer_routes": None,
+            "any_missing_L": [],
+            "all_missing_L": [],
+            "ran_L": [False] * self.moe.layout.num_moe_layers,
+            "tolerance": None,
+            "tally_L": [],
+            "split": None,
+            "owner": None,
+        }
 
 
 class ReplayingForward:
@@ -167,6 +184,7 @@ def prepare_model(moe: MoeModel) -> ReplayState:
                 host.inner = slot
         if router.loop is not None:
             _track_passes(moe, state, router, _ours(module.__dict__[router.method]))
+    _check_layer_inputs(moe, state)
     live = [h for h in state.handles if _hook_registered(decoder, h)]
     if len(live) != 2:
         for handle in live:
@@ -220,6 +238,108 @@ def _track_passes(moe: MoeModel, state: ReplayState, router: Router, slot: Any) 
     state.pass_handles.append(target.register_forward_pre_hook(tracker, with_kwargs=True))
 
 
+class LayerInputs:
+    """A decoder layer's check of its inputs, run as its forward pre-hook and inside
+    transformers' checkpointing of its forward (`CheckpointedInputs`): the inputs of the
+    layer's forwards the active block runs are noted, and a checkpoint's recompute (in a
+    backward) of an input it did not run (a forward from before the block, or another
+    thread's) is refused instead of being forced with the block's routes. A recompute sees
+    the forward's own input (reentrant: a detached view of it): the key is its storage and
+    shape."""
+
+    def __init__(self, state: ReplayState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        state = self.state
+        # Checkpointing recomputes only in training mode; compiled code is not checked.
+        if not state.active or not module.training or torch.compiler.is_compiling():
+            return
+        hidden = next((a for a in args if isinstance(a, Tensor)), kwargs.get("hidden_states"))
+        owner = state.owner
+        if not isinstance(hidden, Tensor) or owner is None:
+            return
+        key = (id(module), hidden.data_ptr(), tuple(hidden.shape))
+        if not in_backward():
+            if state.ours():  # (reentrant checkpointing runs it under no_grad: noted anyway)
+                owner._layer_inputs.add(key)
+        elif key not in owner._layer_inputs:
+            raise RoutingReplayError(
+                "replay: a backward recomputed (gradient checkpointing) a decoder layer's "
+                "forward that did not run in the active replay block (a forward from before "
+                "the block, or another thread's): it would be forced with this block's routes "
+                "instead of routed as it ran. Run the forward and its backward inside one block"
+            )
+
+
+class CheckpointedInputs:
+    """A layer's transformers checkpoint function, wrapped: the checkpointed forward runs
+    the layer's `LayerInputs` check first, in the forward and again in the recompute."""
+
+    def __init__(self, check: LayerInputs, layer: nn.Module, inner: Any) -> None:
+        self.check, self.layer, self.inner = check, layer, inner
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(_Checked(self.check, self.layer, function), *args, **kwargs)
+
+
+class _Checked:
+    def __init__(self, check: LayerInputs, layer: nn.Module, function: Any) -> None:
+        self.check, self.layer, self.function = check, layer, function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.check(self.layer, args, kwargs)
+        return self.function(*args, **kwargs)
+
+
+def _check_layer_inputs(moe: MoeModel, state: ReplayState) -> None:
+    """Give each decoder layer holding a router its `LayerInputs` check (once): as a forward
+    pre-hook (torch's checkpoint_wrapper recomputes inside the layer's hooks) and around
+    transformers' checkpoint function (which recomputes the forward alone)."""
+    routers = {id(r.module) for r in moe.all_routers}
+    checks = []
+    for name, module in moe.decoder.named_modules():
+        if not (isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LISTS):
+            continue
+        for listed in module:
+            layer = getattr(listed, "_orig_mod", listed)  # compiled on its own (torchtitan)
+            if not any(id(m) in routers for m in layer.modules()):
+                continue
+            check = next(
+                (
+                    hook
+                    for h in state.layer_handles
+                    if isinstance(hook := layer._forward_pre_hooks.get(h.id), LayerInputs)
+                ),
+                None,
+            )
+            if check is None:
+                check = LayerInputs(state)
+                handle = layer.register_forward_pre_hook(check, with_kwargs=True)
+                state.layer_handles.append(handle)
+            checks.append((layer, check))
+    state.layer_checks = checks
+    _wrap_checkpointing(state)
+
+
+def _wrap_checkpointing(state: ReplayState) -> None:
+    """Wrap the layers' transformers checkpoint functions (set since, by
+    `gradient_checkpointing_enable`): at preparing and before every forward with grad."""
+    for layer, check in state.layer_checks:
+        wrap_layer_checkpointing(layer, _wrapping(check, layer))
+
+
+def _wrapping(check: LayerInputs, layer: nn.Module) -> Any:
+    def wrap(inner: Any) -> CheckpointedInputs:
+        return CheckpointedInputs(check, layer, inner)
+
+    wrap.kind = CheckpointedInputs
+    return wrap
+
+
+_LAYER_LISTS = ("layers", "blocks")  # where decoders keep their layers (DBRX: blocks)
+
+
 def _ours(forward: Any) -> Any:
     """Our ReplayingForward under `forward` (following `__wrapped__`)."""
     for _ in range(16):
@@ -259,8 +379,8 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        if slot.rows is None or slot.rows.part == 0:
-            state.owner._count_pass(j)
+        if j == 0 and (slot.rows is None or slot.rows.part == 0):
+            state.owner._count_pass()
         if state.all_missing_L[j]:
             return output
     rows_T = slot.output.rows(output)
@@ -300,6 +420,8 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
 def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     state: ReplayState = module.__dict__[_STATE]
     if not state.active:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            _wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
         return
     if not state.ours():
         raise RoutingReplayError(

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import graph_task, skips_guards
+from routing_replay.compat.torch import in_backward, skips_guards
 from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
@@ -113,7 +113,7 @@ class Replay:
         self._holding = False  # a claim on the model (`ReplayState.claim`)
         self._grad_forwards = 0
         self._recomputes = 0
-        self._recomputes_by_task: dict[tuple[int, int], int] = {}  # per (backward, layer)
+        self._layer_inputs: set[tuple] = set()  # the decoder layers' inputs it ran (`LayerInputs`)
         self._tally_L: list[Tensor] = []  # per MoE layer: forced rows, agreed rows, replaced slots
 
     def __enter__(self) -> Replay:
@@ -169,7 +169,6 @@ class Replay:
             self._end()
         finally:  # (stopped in the try, this runs in full; else it finds nothing left)
             self._end()
-        self._on_device.clear()  # the device copy is freed (unless a pending backward holds it)
         if (
             exc_type is None
             and self._grad_forwards > self._recomputes
@@ -186,12 +185,13 @@ class Replay:
         """Deactivate the model if this block is its owner, then give the claim back: the
         next block fills the state only once this one is done with it."""
         state = self._state
-        if state is None:
-            return
-        if state.owner is self:
-            state.deactivate()
-        state.release(self)
-        self._state = None
+        if state is not None:
+            if state.owner is self:
+                state.deactivate()
+            state.release(self)
+            self._state = None
+        self._on_device.clear()  # the device copy is freed (unless a pending backward holds it)
+        self._layer_inputs.clear()
 
     def metrics(self) -> dict[str, float]:
         """What this block replays (a host sync): the batch's forced and missing (-1, routed
@@ -225,24 +225,9 @@ class Replay:
             self._on_device[device] = found
         return found
 
-    def _count_pass(self, j: int) -> None:  # eager only: compiled, recompute replays inputs
-        """Count a pass of MoE layer j: a checkpoint's recompute of it (in a backward) is
-        refused where that backward recomputes it more often than the block ran it."""
-        task = graph_task()
-        if task is None:  # a forward (counted at the decoder), not a checkpoint's recompute
-            return
-        if j == 0:
+    def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
+        if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
             self._recomputes += 1
-        seen = self._recomputes_by_task.get((task, j), 0) + 1
-        self._recomputes_by_task[(task, j)] = seen
-        if seen > self._grad_forwards:
-            raise RoutingReplayError(
-                "replay: a backward recomputed a checkpointed forward that did not run in "
-                f"this replay block ({seen} recomputes of MoE layer {j} in one backward, "
-                f"{self._grad_forwards} forwards with grad in the block): it would be forced "
-                "with this block's routes instead of routed as it ran. Run the forward inside "
-                "the block whose backward recomputes it"
-            )
 
 
 def _refuse_unguarded() -> None:
