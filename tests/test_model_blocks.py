@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 from line_stops import interrupted_at
-from moe_models import tiny_model
+from moe_models import CONFIGS, seeded_moe, tiny_model
 from tiny_families import random_routes, tiny_family_model
 
 from routing_replay import RoutingReplayError, capture, replay
+from routing_replay.errors import UnsupportedGenerationError
 from routing_replay.model.adapters import find_routers
 
 PROMPT = torch.tensor([[9, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
@@ -374,3 +375,65 @@ def test_a_routing_method_records_the_forced_ids_whichever_block_entered_first(f
         model(input_ids=ids)
     got = np.sort(np.stack(blocks[0].routes()), -1)
     assert np.array_equal(got, np.sort(routes.numpy(), -1))
+
+
+@QUIET
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recompute_of_a_forward_over_the_same_embeddings_outside_the_block_is_refused(
+    reentrant,
+):
+    # Forward A outside the block and forward B inside it over one embeddings tensor: the
+    # first layer's inputs were one storage, so A's recompute passed for B's (reentrant:
+    # forced with the block's routes, wrong gradients, no error). MoE in the first layer
+    # only: a later one's fresh input would be refused first.
+    config = CONFIGS["qwen3_moe"]()
+    config.mlp_only_layers = list(range(1, config.num_hidden_layers))
+    model = seeded_moe(config, 0, torch.float32)
+    layout = find_routers(model).layout
+    routes = [forced_routes(layout, PROMPT.shape, seed=1)]
+    with replay(model, routes[0], layout=layout):  # prepared, as after a first step
+        pass
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    try:
+        embeds = model.get_input_embeddings()(PROMPT).detach().requires_grad_()
+        outside = model(inputs_embeds=embeds).logits.square().mean()
+        refused = pytest.raises(RoutingReplayError, match="did not run in the active replay block")
+        with replay(model, routes[0], layout=layout), refused:
+            model(inputs_embeds=embeds).logits.square().mean()
+            outside.backward()
+    finally:
+        model.gradient_checkpointing_disable()
+        model.zero_grad()
+        model.eval()
+
+
+class CallsTheModel:
+    """A logits processor that forwards the model itself (on a cache of its own)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, scores):
+        self.model(input_ids=input_ids)
+        return scores
+
+
+@pytest.mark.parametrize("extra", ["guidance", "processor"])
+def test_generate_running_other_forwards_of_the_model_is_refused(qwen, extra):
+    # Before: classifier-free guidance's unconditional forwards (or a processor's) went into
+    # the generation's sample: its prompt rows the last token's alone, or another prompt's.
+    model = qwen[0]
+    with capture(model) as alone, torch.no_grad():
+        model(input_ids=PROMPT)
+    if extra == "guidance":
+        kwargs, match = {"guidance_scale": 1.5}, "classifier-free guidance"
+    else:
+        kwargs, match = {"logits_processor": [CallsTheModel(model)]}, "a cache other than its own"
+    with capture(model) as cap, torch.no_grad():
+        model(input_ids=PROMPT)
+        with pytest.raises(UnsupportedGenerationError, match=match):
+            model.generate(PROMPT, max_new_tokens=3, eos_token_id=None, do_sample=False, **kwargs)
+    assert len(cap.routes()) == 2  # the forward before, nothing of the refused call
+    for got, want in zip(cap.routes(), alone.routes(), strict=True):
+        assert np.array_equal(got, want)

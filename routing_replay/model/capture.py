@@ -274,6 +274,15 @@ class Capture:
     def _group_for(self, fwd: Forward) -> Group:
         group = self._generating
         if group is not None:
+            first = group.forwards[0] if group.forwards else None
+            keys = (None,) if first is None else (first.cache_key, fwd.cache_key)
+            if None not in keys and keys[0] != keys[1]:  # (a logits processor calling it)
+                raise UnsupportedGenerationError(
+                    "capture: generate ran a forward of the model on a cache other than its "
+                    "own (a logits processor or stopping criterion calling the model); its "
+                    "routes cannot be told from the generation's: generate without it while "
+                    "capturing"
+                )
             if fwd.past == 0:  # prefill, or generate(use_cache=False) recomputing everything
                 group.forwards.clear()
             return group
@@ -300,6 +309,13 @@ class Capture:
             raise UnsupportedGenerationError(
                 "capture() follows one token per step per sample: beam search reorders "
                 "samples, use greedy or sampling"
+            )
+        guidance = settings("guidance_scale")
+        if guidance is not None and guidance != 1:
+            raise UnsupportedGenerationError(
+                "capture() follows one token per step per sample: classifier-free guidance "
+                f"(guidance_scale={guidance}) runs extra forwards of the model inside generate, "
+                "on a cache of their own; generate without it while capturing"
             )
         assisted = [n for n in _ASSISTED if settings(n) is not None]
         if assisted:

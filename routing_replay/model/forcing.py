@@ -417,7 +417,7 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)
 
 
-def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     state: ReplayState = module.__dict__[_STATE]
     if not state.active:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
@@ -447,6 +447,12 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
             f"input shape {list(shape)}: routes must be input_ids.shape + (num_moe_layers, "
             "top_k), aligned with the same padding or packing"
         )
+    embeds = kwargs.get("inputs_embeds")
+    if module.training and isinstance(embeds, Tensor) and not torch.compiler.is_compiling():
+        # The block's own copy of embeddings a caller may pass again outside it: the first
+        # layer's input then tells this forward's recompute apart (`LayerInputs`).
+        return args, {**kwargs, "inputs_embeds": embeds.clone()}
+    return None
 
 
 def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
