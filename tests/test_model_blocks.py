@@ -16,6 +16,7 @@ import torch
 from line_stops import interrupted_at
 from moe_models import CONFIGS, seeded_moe, tiny_model
 from tiny_families import random_routes, tiny_family_model
+from transformers import DynamicCache
 
 from routing_replay import RoutingReplayError, capture, replay
 from routing_replay.errors import UnsupportedGenerationError
@@ -437,3 +438,51 @@ def test_generate_running_other_forwards_of_the_model_is_refused(qwen, extra):
     assert len(cap.routes()) == 2  # the forward before, nothing of the refused call
     for got, want in zip(cap.routes(), alone.routes(), strict=True):
         assert np.array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_a_forward_stopped_at_each_line_beside_a_decode_loop_leaves_the_loop_recorded(qwen):
+    # A hand-written decode loop in a capture block, an unrelated forward (its own cache)
+    # stopped at each line; the loop goes on. Before: a stop between a new sample's group
+    # and its first forward left an empty group, and every later decode step raised.
+    model = qwen[0]
+    prompt, other = PROMPT[:1, :4], torch.tensor([[11, 12, 13]])
+
+    def loop(stop):
+        with capture(model) as cap, torch.no_grad():
+            cache = DynamicCache()
+            out = model(input_ids=prompt, cache=cache, use_cache=True)
+            seen, _ = interrupted_at(
+                stop, lambda: model(input_ids=other, cache=DynamicCache(), use_cache=True)
+            )
+            for _ in range(3):
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        return seen, cap.routes()[0]
+
+    total, want = loop(0)
+    for stop in range(1, total + 1):
+        _, got = loop(stop)
+        assert np.array_equal(got, want), stop
+
+
+@pytest.mark.slow
+def test_capture_records_a_model_compiled_before_its_blocks(qwen):
+    # Before: code compiled before the block ran without the block's hooks (Dynamo does not
+    # guard on hooks added since): no sample recorded, no error.
+    from compiling import reset_dynamo
+
+    model = tiny_model("qwen3_moe").eval()
+    with capture(model) as alone, torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+    reset_dynamo()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids=PROMPT).logits, native)
+        for _ in range(2):  # each block records, the next one too
+            with capture(model) as cap:
+                assert torch.equal(compiled(input_ids=PROMPT).logits, native)
+            assert len(cap.routes()) == 2
+            for got, want in zip(cap.routes(), alone.routes(), strict=True):
+                assert np.array_equal(got, want)
+        compiled(input_ids=PROMPT)  # outside a block: recorded by none
+    assert len(cap.routes()) == 2

@@ -28,6 +28,7 @@ from routing_replay.model.adapters import (
     split_rows,
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
+from routing_replay.model.forcing import prepare_model
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, owns
 
@@ -96,6 +97,9 @@ class Capture:
             raise
 
     def _install(self, decoder: nn.Module) -> None:
+        # Replay's router forwards, once: code compiled before them guards that the routers
+        # have none, so it is compiled again, with this block's hooks (else it skips them).
+        prepare_model(self.moe)
         if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
             self._handles.append(
                 self.model.register_forward_pre_hook(self._outer_begin, with_kwargs=True)
@@ -292,6 +296,8 @@ class Capture:
         # forwarded, or a diffusion decoder's canvas (each denoising step its own).
         if fwd.past > 0 and not fwd.canvas:
             for group in reversed(self._groups):
+                if not group.forwards:  # (one a forward was stopped before it filled)
+                    continue
                 last = group.forwards[-1]
                 if _continues(last, fwd):
                     return group
