@@ -486,3 +486,19 @@ def test_capture_records_a_model_compiled_before_its_blocks(qwen):
                 assert np.array_equal(got, want)
         compiled(input_ids=PROMPT)  # outside a block: recorded by none
     assert len(cap.routes()) == 2
+
+
+@pytest.mark.slow
+def test_capture_under_fullgraph_compile_says_why_it_cannot(qwen):
+    # Before: Dynamo's own error about asyncio (capture's owner lookup), naming nothing of
+    # capture's. Its bookkeeping runs between graphs: fullgraph=True cannot hold it.
+    from compiling import reset_dynamo
+
+    model = tiny_model("qwen3_moe").eval()
+    reset_dynamo()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    refused = pytest.raises(torch._dynamo.exc.Unsupported, match="compile without fullgraph")
+    with torch.no_grad(), capture(model) as cap, refused:
+        compiled(input_ids=PROMPT)
+    assert cap.routes() == []
+    reset_dynamo()

@@ -147,6 +147,7 @@ def _endless_writer(name: str, last_committed) -> None:
             store.release([f"k{j}" for j in range(i - 40, i)])
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_writer_killed_mid_put(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=200_000, page_tokens=32) as store:
         rng = np.random.default_rng(0)
@@ -702,6 +703,7 @@ def _hold_the_lock(name: str, held, go) -> None:
             time.sleep(0.01)
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_put_timeout_bounds_the_wait_for_the_lock(name):
     with RoutingStore.create(name, LAYOUT, capacity_tokens=1000) as store:
         held, go = FORK.Value("i", 0, lock=False), FORK.Value("i", 0, lock=False)

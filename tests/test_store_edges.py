@@ -370,6 +370,7 @@ def test_a_live_stores_spill_dir_that_lost_its_lock_file_is_kept_by_sweeps(name,
     store.unlink()
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_a_live_store_of_another_pod_keeps_its_spill_dir(name, tmp_path):
     """Pods with their own /dev/shm sharing one spill disk: a create, and a sweep, here never
     remove the directory of a store that lives there (its owner holds its lock)."""

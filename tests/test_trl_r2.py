@@ -125,6 +125,7 @@ def sorted_equal(got, own):
     )
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_r2_replays_the_old_logprob_pass_experts_in_later_mini_batches(checkpoint):
     # A generation of 8 rows, 2 micro-batches (steps_per_generation=2), an optimizer step
     # after each (gradient_accumulation_steps=1): the second trains moved weights. TRL runs
@@ -221,6 +222,7 @@ def test_r2_is_refused_where_trl_runs_no_old_logprob_pass(checkpoint):
         )
 
 
+@pytest.mark.slow  # the fast tier stays under a minute
 def test_r2_resume_replays_the_routes_the_checkpoint_kept(checkpoint, tmp_path, monkeypatch):
     # checkpoint-1 falls inside a generation (2 micro-batches, a step after each): it keeps
     # the second micro-batch and the routes R2 recorded for it. Resumed, that micro-batch

@@ -23,3 +23,15 @@ def skips_guards() -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     stance = getattr(eval_frame, "_stance", None)
     return bool(stance is not None and getattr(stance, "skip_guard_eval_unsafe", False))
+
+
+def break_graph(msg: str) -> None:
+    """End the graph Dynamo is tracing here (the code after it runs eagerly), or under
+    `fullgraph=True` fail with `msg`: `torch._dynamo.graph_break` (torch 2.4 - 2.13; its
+    `msg` since 2.7, left out where it is not taken)."""
+    import torch._dynamo
+
+    try:
+        torch._dynamo.graph_break(msg=msg)
+    except TypeError:  # (before msg=)
+        torch._dynamo.graph_break()

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from routing_replay.compat.torch import break_graph
 from routing_replay.errors import (
     RoutingReplayError,
     UnsupportedGenerationError,
@@ -32,6 +33,10 @@ from routing_replay.model.forcing import prepare_model
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, owns
 
+_FULLGRAPH = (
+    "capture: a forward's bookkeeping (which sample, which cache, whose thread) runs "
+    "eagerly, between compiled graphs; compile without fullgraph=True while capturing"
+)
 _ACTIVE = "_routing_replay_capture"  # on the decoder: its capture blocks (`_Entry`), in order
 # generate settings that turn on assisted (speculative) decoding: refused while capturing
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
@@ -179,6 +184,8 @@ class Capture:
 
     def _ours(self) -> bool:
         """Whether the running forward is this open block's (its thread and task)."""
+        if torch.compiler.is_compiling():  # the bookkeeping runs eagerly, between graphs
+            break_graph(_FULLGRAPH)
         return self._open and owns(self._owner, current_owner())
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
