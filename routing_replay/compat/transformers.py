@@ -31,12 +31,13 @@ def phimoe_multiplier(router: Any) -> Any:
     return sys.modules[type(router).__module__].PhimoeMultiplier
 
 
-def wrap_layer_checkpointing(layer: Any, wrap: Any) -> None:
-    """Set `wrap(inner)` as `layer`'s checkpoint function, unless it is wrapped already
-    (`wrap.kind`). transformers 5 checkpoints a `GradientCheckpointingLayer`'s forward (not
-    its `__call__`: its module hooks run once, outside) by calling its instance attribute
-    `_gradient_checkpointing_func(function, *args)`, set by `gradient_checkpointing_enable`;
-    a layer without one is left alone."""
-    inner = vars(layer).get("_gradient_checkpointing_func")
-    if inner is not None and not isinstance(inner, wrap.kind):
-        layer._gradient_checkpointing_func = wrap(inner)
+def layer_checkpoint_function(layer: Any) -> Any:
+    """`layer`'s own checkpoint function, or None. transformers 5 checkpoints a
+    `GradientCheckpointingLayer`'s forward (not its `__call__`: its module hooks run once,
+    outside) by calling the instance attribute `_gradient_checkpointing_func(function,
+    *args)` that `gradient_checkpointing_enable` sets."""
+    return vars(layer).get("_gradient_checkpointing_func")
+
+
+def set_layer_checkpoint_function(layer: Any, function: Any) -> None:
+    layer._gradient_checkpointing_func = function

@@ -29,7 +29,7 @@ from routing_replay.model.adapters import (
     split_rows,
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
-from routing_replay.model.forcing import prepare_model
+from routing_replay.model.forcing import prepare_model, wrapped
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, owns
 
@@ -538,13 +538,9 @@ class _Dispatch:
 
 def _dispatch(target: Any, name: str, decoder: nn.Module) -> _Dispatch:
     """`target`'s dispatcher of `name` (found under other code's wrappers), installed if none."""
-    node = vars(target).get(name)
-    for _ in range(16):
-        if isinstance(node, _Dispatch):
-            return node
-        node = getattr(node, "__wrapped__", None)
-        if node is None:
-            break
+    found = wrapped(vars(target).get(name), _Dispatch)
+    if found is not None:
+        return found
     found = _Dispatch(decoder, getattr(target, name))
     setattr(target, name, found)
     return found

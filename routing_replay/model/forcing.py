@@ -19,7 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from routing_replay.compat.torch import in_backward
-from routing_replay.compat.transformers import wrap_layer_checkpointing
+from routing_replay.compat.transformers import (
+    layer_checkpoint_function,
+    set_layer_checkpoint_function,
+)
 from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
 from routing_replay.model.adapters import (
     MoeModel,
@@ -66,8 +69,7 @@ class ReplayState:
         # Where a layer's routers split its tokens by type (ERNIE 4.5 VL): this forward's rows of
         # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
         self.split: tuple[Tensor, Tensor] | None = None
-        self.layer_handles: list[Any] = []  # the decoder layers' LayerInputs hooks
-        self.layer_checks: list[tuple[nn.Module, LayerInputs]] = []  # and the layers
+        self.layer_checks: list[tuple[nn.Module, LayerInputs]] = []  # decoder layers' checks
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) of a model inside a block comes out inactive, unclaimed."""
@@ -183,7 +185,9 @@ def prepare_model(moe: MoeModel) -> ReplayState:
             else:
                 host.inner = slot
         if router.loop is not None:
-            _track_passes(moe, state, router, _ours(module.__dict__[router.method]))
+            _track_passes(
+                moe, state, router, wrapped(module.__dict__[router.method], ReplayingForward)
+            )
     _check_layer_inputs(moe, state)
     live = [h for h in state.handles if _hook_registered(decoder, h)]
     if len(live) != 2:
@@ -305,47 +309,40 @@ def _check_layer_inputs(moe: MoeModel, state: ReplayState) -> None:
             layer = getattr(listed, "_orig_mod", listed)  # compiled on its own (torchtitan)
             if not any(id(m) in routers for m in layer.modules()):
                 continue
-            check = next(
-                (
-                    hook
-                    for h in state.layer_handles
-                    if isinstance(hook := layer._forward_pre_hooks.get(h.id), LayerInputs)
-                ),
-                None,
-            )
+            check = next((h for h in layer._forward_pre_hooks.values() if _checks(h, state)), None)
             if check is None:
                 check = LayerInputs(state)
-                handle = layer.register_forward_pre_hook(check, with_kwargs=True)
-                state.layer_handles.append(handle)
+                layer.register_forward_pre_hook(check, with_kwargs=True)
             checks.append((layer, check))
     state.layer_checks = checks
     _wrap_checkpointing(state)
+
+
+def _checks(hook: Any, state: ReplayState) -> bool:
+    return isinstance(hook, LayerInputs) and hook.state is state
 
 
 def _wrap_checkpointing(state: ReplayState) -> None:
     """Wrap the layers' transformers checkpoint functions (set since, by
     `gradient_checkpointing_enable`): at preparing and before every forward with grad."""
     for layer, check in state.layer_checks:
-        wrap_layer_checkpointing(layer, _wrapping(check, layer))
-
-
-def _wrapping(check: LayerInputs, layer: nn.Module) -> Any:
-    def wrap(inner: Any) -> CheckpointedInputs:
-        return CheckpointedInputs(check, layer, inner)
-
-    wrap.kind = CheckpointedInputs
-    return wrap
+        inner = layer_checkpoint_function(layer)
+        if inner is not None and not isinstance(inner, CheckpointedInputs):
+            set_layer_checkpoint_function(layer, CheckpointedInputs(check, layer, inner))
 
 
 _LAYER_LISTS = ("layers", "blocks")  # where decoders keep their layers (DBRX: blocks)
 
 
-def _ours(forward: Any) -> Any:
-    """Our ReplayingForward under `forward` (following `__wrapped__`)."""
+def wrapped(forward: Any, kind: type) -> Any:
+    """The `kind` object at or under `forward`, following `__wrapped__` (as
+    functools.update_wrapper and accelerate's hooks set it), or None."""
     for _ in range(16):
-        if isinstance(forward, ReplayingForward):
+        if isinstance(forward, kind):
             return forward
         forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return None
     return None
 
 
@@ -354,15 +351,9 @@ def _router_ids(moe: MoeModel) -> tuple[int, ...]:
 
 
 def _reaches_ours(forward: Any, module: nn.Module, state: ReplayState) -> bool:
-    """Whether `forward` is this state's replaying forward of `module`, or wraps it (following
-    `__wrapped__`, as functools.update_wrapper and accelerate's hooks set it)."""
-    for _ in range(16):
-        if isinstance(forward, ReplayingForward):
-            return forward.module is module and forward.state is state
-        forward = getattr(forward, "__wrapped__", None)
-        if forward is None:
-            return False
-    return False
+    """Whether `forward` is this state's replaying forward of `module`, or wraps it."""
+    ours = wrapped(forward, ReplayingForward)
+    return ours is not None and ours.module is module and ours.state is state
 
 
 def _hook_registered(module: nn.Module, handle: Any) -> bool:
