@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import weakref
 from typing import Any
 
@@ -29,7 +27,8 @@ from routing_replay.model.adapters import (
     split_rows,
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
-from routing_replay.model.forcing import prepare_model, wrapped
+from routing_replay.model.blocks import ACTIVE, Entry, Queue, dispatch, drop, recording
+from routing_replay.model.forcing import prepare_model
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, owns
 
@@ -37,7 +36,6 @@ _FULLGRAPH = (
     "capture: a forward's bookkeeping (which sample, which cache, whose thread) runs "
     "eagerly, between compiled graphs; compile without fullgraph=True while capturing"
 )
-_ACTIVE = "_routing_replay_capture"  # on the decoder: its capture blocks (`_Entry`), in order
 # generate settings that turn on assisted (speculative) decoding: refused while capturing
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
@@ -79,8 +77,8 @@ class Capture:
         # Blocks of one model queue in one list by atomic appends (no lock a stop could leave
         # held): the first open block's owner has the model; another owner's block refuses.
         # Closed blocks (an exit that was stopped among them) are skipped and dropped.
-        entry = _Entry(owner, weakref.ref(self))
-        blocks = decoder.__dict__.setdefault(_ACTIVE, _Queue())
+        entry = Entry(owner, weakref.ref(self))
+        blocks = decoder.__dict__.setdefault(ACTIVE, Queue())
         try:  # whatever stops the entry (a refusal, Ctrl-C) leaves the block closed
             self._open, self._owner = True, owner
             blocks.append(entry)
@@ -94,7 +92,7 @@ class Capture:
                     "asyncio.Lock around the block), or give each its own model"
                 )
             for closed in [e for e in list(blocks) if not e.is_open()]:
-                _drop(blocks, closed)
+                drop(blocks, closed)
             self._install(decoder)
             return self
         except BaseException:
@@ -119,7 +117,7 @@ class Capture:
             if router.method == "forward":
                 self._handles.append(router.module.register_forward_hook(record))
             else:  # a block's method that routes (DBRX)
-                self._act(router.module, router.method, _recording(router.module, record))
+                self._act(router.module, router.method, recording(router.module, record))
         if callable(getattr(self.model, "generate", None)):
             self._act(self.model, "generate", self._generate)
             if callable(getattr(self.model, "prepare_inputs_for_generation", None)):
@@ -127,7 +125,7 @@ class Capture:
 
     def _act(self, target: Any, name: str, action: Any) -> None:
         """Run `action(method, *args, **kwargs)` for `target.name` while the block is open."""
-        self._actions[id(_dispatch(target, name, self.moe.decoder))] = action
+        self._actions[id(dispatch(target, name, self.moe.decoder))] = action
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -142,9 +140,9 @@ class Capture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        blocks = self.moe.decoder.__dict__.get(_ACTIVE, [])
+        blocks = self.moe.decoder.__dict__.get(ACTIVE, [])
         for mine in [e for e in list(blocks) if e.capture() is self]:
-            _drop(blocks, mine)
+            drop(blocks, mine)
         self._actions.clear()
         self._current = None
 
@@ -430,29 +428,6 @@ class _Recorder:
             cap._current.ids_L[j] = merged
 
 
-class _Queue(list):
-    """A model's capture blocks (`_Entry`), in order; a copy of the model starts with none."""
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        return (_Queue, ())
-
-
-class _Entry:
-    """A capture block in its model's queue: who entered it, and the block (weakly)."""
-
-    def __init__(self, owner: Owner, capture: weakref.ref) -> None:
-        self.owner, self.capture = owner, capture
-
-    def is_open(self) -> bool:
-        return getattr(self.capture(), "_open", False)
-
-
-def _drop(blocks: list, entry: _Entry) -> None:
-    """Remove `entry` from the queue (another thread may have removed it already)."""
-    with contextlib.suppress(ValueError):
-        blocks.remove(entry)
-
-
 def _continues(last: Forward, fwd: Forward) -> bool:
     """Whether `fwd` takes up where `last` ended, in the same cache, with the same batch."""
     return (
@@ -495,52 +470,3 @@ def _to_host(t: Tensor | None, copy: bool = False) -> Tensor | None:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t.detach(), non_blocking=True)
     return host
-
-
-def _recording(module: nn.Module, hook: Any) -> Any:
-    """An action calling `hook(module, args, output)` after the method, like a forward hook."""
-
-    def record(method: Any, *args: Any, **kwargs: Any) -> Any:
-        output = method(*args, **kwargs)
-        hook(module, args, output)
-        return output
-
-    return record
-
-
-class _Dispatch:
-    """A method of a model (`generate`, `prepare_inputs_for_generation`, a router's routing
-    method) wrapped once and for good: each call runs through the actions of the capture
-    blocks open for the caller (outermost first), none outside a block. Never removed, so
-    blocks entered and exited in any order, from any thread, lose or strand no wrapper.
-    Replay's forward of a routing method goes beneath it (`replay_beneath`): the block
-    records the forced ids."""
-
-    replay_beneath = True
-
-    def __init__(self, decoder: nn.Module, inner: Any) -> None:
-        self.decoder, self.inner = decoder, inner
-
-    @property
-    def __wrapped__(self) -> Any:  # signature lookups (generate reads prepare's) see through
-        return self.inner
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = self.inner
-        now = current_owner()
-        for entry in reversed(list(self.decoder.__dict__.get(_ACTIVE, ()))):
-            block = entry.capture()
-            action = None if block is None else block._actions.get(id(self))
-            if action is not None and entry.is_open() and owns(entry.owner, now):
-                call = functools.partial(action, call)
-        return call(*args, **kwargs)
-
-
-def _dispatch(target: Any, name: str, decoder: nn.Module) -> _Dispatch:
-    """`target`'s dispatcher of `name` (found under other code's wrappers), installed if none."""
-    found = wrapped(vars(target).get(name), _Dispatch)
-    if found is not None:
-        return found
-    found = _Dispatch(decoder, getattr(target, name))
-    setattr(target, name, found)
-    return found
