@@ -1,9 +1,12 @@
-"""`capture` and `replay` blocks belong to the thread and asyncio task that entered them:
-another thread's forwards on the same model are neither recorded nor forced."""
+"""`capture` and `replay` blocks belong to the code that entered them (its thread, and the
+asyncio tasks it starts inside the block): another thread's forwards on the same model are
+neither recorded nor forced, and capture says how many it saw."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -32,13 +35,18 @@ def test_a_capture_block_records_only_its_own_threads_forwards():
         except Exception as e:
             errors.append(e)
 
-    worker = threading.Thread(target=other)
-    with capture(model) as cap, torch.no_grad():
-        worker.start()
-        for _ in range(20):
-            model(input_ids=PROMPT)
-    stop.set()
-    worker.join()
+    worker = threading.Thread(target=other, daemon=True)
+    try:
+        warns = pytest.warns(RuntimeWarning, match=r"forward\(s\) of other threads .* not rec")
+        with warns, capture(model) as cap, torch.no_grad():
+            worker.start()
+            for _ in range(20):
+                model(input_ids=PROMPT)
+            while cap._foreign == 0:  # (the other thread ran a forward meanwhile)
+                time.sleep(0.01)
+    finally:
+        stop.set()
+        worker.join()
     assert not errors
     assert [t.tolist() for t in cap.token_ids()] == PROMPT.tolist() * 20
     for got, want in zip(cap.routes(), alone.routes() * 20, strict=True):
@@ -115,3 +123,92 @@ def test_a_wrapper_forward_that_fails_before_its_stack_leaves_no_token_ids_behin
         embeds = stack.embed_tokens(PROMPT + 1)
         stack(inputs_embeds=embeds)  # the stack alone, with embeddings: no token ids known
     assert cap.token_ids() == [None, None]
+
+
+async def _forward(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_capture_block_in_a_task_records_the_tasks_it_starts():
+    # Before: a block entered inside a task recorded none of the forwards of tasks it
+    # started (gather, wait_for, create_task): silently empty.
+    model = tiny_model("qwen3_moe").eval()
+    with capture(model) as alone, torch.no_grad():
+        for ids in (PROMPT, OTHER, PROMPT, OTHER):
+            model(input_ids=ids)
+
+    async def main():
+        with capture(model) as cap:
+            await asyncio.gather(_forward(model, PROMPT), _forward(model, OTHER))
+            await asyncio.wait_for(_forward(model, PROMPT), timeout=60)
+            await asyncio.create_task(_forward(model, OTHER))
+        return cap
+
+    cap = asyncio.run(main())
+    want = PROMPT.tolist() + OTHER.tolist()
+    assert [t.tolist() for t in cap.token_ids()] == want * 2
+    assert len(cap.routes()) == 8
+    for got, exact in zip(cap.routes(), alone.routes(), strict=True):
+        assert np.array_equal(got, exact)
+
+
+def test_a_task_started_before_the_block_is_not_recorded_and_is_counted():
+    model = tiny_model("qwen3_moe").eval()
+
+    async def main():
+        go = asyncio.Event()
+
+        async def earlier():  # an unrelated request of the same event loop
+            await go.wait()
+            return await _forward(model, OTHER)
+
+        task = asyncio.create_task(earlier())
+        await asyncio.sleep(0)
+        warns = pytest.warns(RuntimeWarning, match=r"1 forward\(s\) of other threads")
+        with warns, capture(model) as cap:
+            go.set()
+            await task
+            await _forward(model, PROMPT)
+        return cap
+
+    cap = asyncio.run(main())
+    assert [t.tolist() for t in cap.token_ids()] == PROMPT.tolist()
+
+
+@pytest.mark.parametrize("block", ["capture", "replay"])
+def test_a_forward_sent_to_another_thread_from_inside_a_block_is_refused(block):
+    # asyncio.to_thread carries the block's context into a worker thread, where its hooks
+    # could interleave with the block's own forwards. Before: capture recorded nothing.
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
+    routes[..., 1] = 1
+
+    async def main():
+        opened = capture(model) if block == "capture" else replay(model, routes, layout=layout)
+        with opened, torch.no_grad():
+            await asyncio.to_thread(model, input_ids=PROMPT)
+
+    match = "another thread" if block == "capture" else "thread or asyncio task other than"
+    with pytest.raises(RoutingReplayError, match=match):
+        asyncio.run(main())
+    with capture(model) as after, torch.no_grad():  # nothing left open or marked
+        model(input_ids=PROMPT)
+    assert len(after.routes()) == 2
+
+
+def test_a_replay_block_in_a_task_forces_the_tasks_it_starts():
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
+    routes[..., 1] = 1
+    with replay(model, routes, layout=layout), torch.no_grad():
+        forced = model(input_ids=PROMPT).logits
+
+    async def main():
+        with replay(model, routes, layout=layout):
+            return await asyncio.gather(_forward(model, PROMPT), _forward(model, PROMPT))
+
+    for got in asyncio.run(main()):
+        assert torch.equal(got, forced)

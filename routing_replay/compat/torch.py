@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,3 +37,13 @@ def break_graph(msg: str) -> None:
         torch._dynamo.graph_break(msg=msg)
     except TypeError:  # (before msg=)
         torch._dynamo.graph_break()
+
+
+def run_eagerly(fn: Callable[[], Any]) -> Any:
+    """`fn()`; while Dynamo traces, outside the trace (`torch._dynamo.disable`), so it does
+    not warn about builtins it cannot trace (`threading.get_ident`)."""
+    if not torch.compiler.is_compiling():
+        return fn()
+    import torch._dynamo as dynamo
+
+    return dynamo.disable(fn)()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import break_graph
+from routing_replay.compat.torch import break_graph, run_eagerly
 from routing_replay.errors import (
     RoutingReplayError,
     UnsupportedGenerationError,
@@ -30,7 +31,7 @@ from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.blocks import ACTIVE, Entry, Queue, dispatch, drop, recording
 from routing_replay.model.forcing import prepare_model
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
-from routing_replay.model.owner import Owner, current_owner, owns
+from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
 
 _FULLGRAPH = (
     "capture: a forward's bookkeeping (which sample, which cache, whose thread) runs "
@@ -62,7 +63,8 @@ class Capture:
         # Set while the block is open: every hook and wrapper does nothing once it is not, so
         # an exit stopped after its first line leaves nothing recording.
         self._open = False
-        self._owner: Owner | None = None  # the thread and task that entered the block
+        self._owner: Owner | None = None  # the thread and context mark of the block's entry
+        self._foreign = 0  # forwards of other threads or tasks seen while open (not recorded)
 
     # -- context --------------------------------------------------------------------
 
@@ -73,17 +75,15 @@ class Capture:
                 "the same one twice (its exit would end both)"
             )
         decoder = self.moe.decoder
-        owner = current_owner()
         # Blocks of one model queue in one list by atomic appends (no lock a stop could leave
         # held): the first open block's owner has the model; another owner's block refuses.
         # Closed blocks (an exit that was stopped among them) are skipped and dropped.
-        entry = Entry(owner, weakref.ref(self))
         blocks = decoder.__dict__.setdefault(ACTIVE, Queue())
         try:  # whatever stops the entry (a refusal, Ctrl-C) leaves the block closed
-            self._open, self._owner = True, owner
-            blocks.append(entry)
+            self._open, self._owner, self._foreign = True, mark(), 0
+            blocks.append(Entry(self._owner, weakref.ref(self)))
             first = next(e for e in list(blocks) if e.is_open())
-            if not owns(first.owner, owner):
+            if not owns(first.owner, current_owner()):
                 raise RoutingReplayError(
                     "capture: another thread or asyncio task has a capture block active on "
                     "this model; each block's hooks would record the other's forwards, mixing "
@@ -133,10 +133,21 @@ class Capture:
             self._close()
         finally:  # (stopped in the try, this runs in full; else it finds nothing left)
             self._close()
+        if self._foreign:
+            warnings.warn(
+                f"capture: {self._foreign} forward(s) of other threads or asyncio tasks ran on "
+                "the model while the block was open and were not recorded (a block records "
+                "its own thread, and the tasks started inside it). Run them inside the block, "
+                "in its thread (generate with a streamer: enter the block in the generating "
+                "thread)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _close(self) -> None:
         """Remove the block's hooks, its place in the model's queue and its actions."""
         self._open = False
+        unmark(self._owner)  # (in the context that entered it; elsewhere nothing to take off)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -184,10 +195,23 @@ class Capture:
         """Whether the running forward is this open block's (its thread and task)."""
         if torch.compiler.is_compiling():  # the bookkeeping runs eagerly, between graphs
             break_graph(_FULLGRAPH)
-        return self._open and owns(self._owner, current_owner())
+        return self._open and owns(self._owner, run_eagerly(current_owner))
+
+    def _refuse_escaped(self) -> None:
+        if escaped(self._owner, current_owner()):
+            raise RoutingReplayError(
+                "capture: a forward started inside the block ran in another thread "
+                "(asyncio.to_thread, an executor given the block's context); its routes would "
+                "interleave with the block's own. Call the model in the block's thread (await "
+                "it in a task: asyncio tasks started inside the block are recorded), or enter "
+                "the block in that thread"
+            )
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._ours():  # another thread's or task's forward: not this block's
+            if self._open:
+                self._refuse_escaped()
+                self._foreign += 1
             return
         input_ids = input_tokens(args, kwargs)
         outer, self._outer_ids = self._outer_ids, None

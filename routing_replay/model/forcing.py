@@ -58,7 +58,7 @@ class ReplayState:
         self.active = False
         self.owner: Replay | None = None
         self.claims: list[Replay] = []  # blocks entering or active, in order (`claim`)
-        self.owner_key: Owner | None = None  # the thread and task whose block is active
+        self.owner_key: Owner | None = None  # the active block's thread and context mark
         self.batch_shape: tuple[int, ...] = ()
         self.layer_routes: list[DeviceRoutes] | None = None  # per MoE layer (shared per device)
         self.any_missing_L: list[bool] = []  # eager fast paths only

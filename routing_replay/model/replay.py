@@ -40,7 +40,7 @@ from routing_replay.errors import RoutingReplayError, UnsupportedModelError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
 from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
-from routing_replay.model.owner import current_owner
+from routing_replay.model.owner import Owner, mark, unmark
 from routing_replay.model.staging import (
     DeviceRoutes,
     check_mask_shape,
@@ -111,6 +111,7 @@ class Replay:
         del staged_NLK, staged_mask_N
         self._state: ReplayState | None = None
         self._holding = False  # a claim on the model (`ReplayState.claim`)
+        self._owner: Owner | None = None  # the thread and context mark of its entry
         self._grad_forwards = 0
         self._recomputes = 0
         self._layer_inputs: set[tuple] = set()  # the decoder layers' inputs it ran (`LayerInputs`)
@@ -130,13 +131,14 @@ class Replay:
                     "replay: another replay block is already active on this model; nested "
                     "replay blocks on one model are not supported"
                 )
-            state.owner = self
+            state.owner, self._owner = self, mark()
             self._fill(state)
             state.active = True
             self._state = state
             return self
         except BaseException:
             self._state = None
+            unmark(self._owner)
             if state.owner is self:
                 state.deactivate()
             state.release(self)
@@ -153,7 +155,7 @@ class Replay:
         state.any_missing_L = list(self._any_missing_L)
         state.all_missing_L = list(self._all_missing_L)
         state.ran_L = [False] * self.moe.layout.num_moe_layers
-        state.owner_key = current_owner()
+        state.owner_key = self._owner
         state.tolerance = self.tolerance
         if not self._tally_L:
             self._tally_L = [
@@ -184,6 +186,7 @@ class Replay:
     def _end(self) -> None:
         """Deactivate the model if this block is its owner, then give the claim back: the
         next block fills the state only once this one is done with it."""
+        unmark(self._owner)
         state = self._state
         if state is not None:
             if state.owner is self:
