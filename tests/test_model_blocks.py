@@ -19,7 +19,7 @@ from tiny_families import random_routes, tiny_family_model
 from transformers import DynamicCache
 
 from routing_replay import RoutingReplayError, capture, replay
-from routing_replay.errors import UnsupportedGenerationError
+from routing_replay.errors import UnsupportedGenerationError, UnsupportedModelError
 from routing_replay.model.adapters import find_routers
 
 PROMPT = torch.tensor([[9, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
@@ -501,4 +501,89 @@ def test_capture_under_fullgraph_compile_says_why_it_cannot(qwen):
     with torch.no_grad(), capture(model) as cap, refused:
         compiled(input_ids=PROMPT)
     assert cap.routes() == []
+    reset_dynamo()
+
+
+def test_a_block_closed_while_its_generate_runs_drops_that_generates_samples(qwen):
+    # Another thread (a watchdog) closes the block at step 3 of a generate. Before: the
+    # samples were kept at full length with the later steps' rows -1, as if never forwarded.
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = qwen[0]
+    cap = capture(model)
+
+    class CloseAtStep3(LogitsProcessor):
+        step = 0
+
+        def __call__(self, ids, scores):
+            self.step += 1
+            if self.step == 3:
+                other = threading.Thread(target=cap.__exit__, args=(None, None, None))
+                other.start()
+                other.join()
+            return scores
+
+    cap.__enter__()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="closed while generate ran"):
+        out = model.generate(
+            input_ids=PROMPT,
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+            logits_processor=LogitsProcessorList([CloseAtStep3()]),
+        )
+    assert out.shape == (2, PROMPT.shape[1] + 6)
+    assert cap.routes() == []
+
+
+def test_capture_refuses_the_stance_that_skips_guards(qwen):
+    import torch._dynamo  # (the stance's state lives there)
+
+    model = qwen[0]
+    stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    refused = pytest.raises(UnsupportedModelError, match=r"capture: .*skip_guard_eval_unsafe")
+    with stance, refused, capture(model):
+        pass
+    with capture(model) as cap, torch.no_grad():  # the refused block left nothing behind
+        model(input_ids=PROMPT)
+    assert len(cap.routes()) == 2
+
+
+@pytest.mark.slow
+def test_capture_blocks_in_a_row_on_a_compiled_model_routing_in_a_method_record_each(qwen):
+    # DBRX routes in a method of its MoE block, which capture wraps. Before: compiled code
+    # traced the wrapper's lookup and kept the first block's action: later blocks raised
+    # "finished without calling the routers".
+    from compiling import reset_dynamo
+
+    model = tiny_family_model("dbrx").eval()
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(4))
+    with capture(model) as alone, torch.no_grad():
+        model(input_ids=ids)
+    reset_dynamo()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        compiled(input_ids=ids)
+        for _ in range(4):
+            with capture(model) as cap:
+                compiled(input_ids=ids)
+            assert len(cap.routes()) == 2
+            for got, want in zip(cap.routes(), alone.routes(), strict=True):
+                assert np.array_equal(got, want)
+    reset_dynamo()
+
+
+@pytest.mark.slow
+def test_a_copy_made_inside_a_capture_block_compiles_with_fullgraph(qwen):
+    # The copy keeps the closed block's hooks (inert). Before: they broke the graph before
+    # seeing the block closed, so fullgraph=True failed on a model with no block open.
+    from compiling import reset_dynamo
+
+    model = tiny_model("qwen3_moe").eval()
+    with capture(model):
+        twin = copy.deepcopy(model)
+    reset_dynamo()
+    with torch.no_grad():
+        got = torch.compile(twin, backend="eager", fullgraph=True)(input_ids=PROMPT).logits
+        assert torch.equal(got, model(input_ids=PROMPT).logits)
     reset_dynamo()

@@ -212,3 +212,65 @@ def test_a_replay_block_in_a_task_forces_the_tasks_it_starts():
 
     for got in asyncio.run(main()):
         assert torch.equal(got, forced)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("other", ["thread", "task"])
+def test_a_compiled_models_forward_from_another_thread_or_task_is_refused(other):
+    # Compiled code skipped the eager owner check. Before: another thread's forward, or an
+    # unrelated task's while the block's task awaited, was forced with the block's routes.
+    from compiling import reset_dynamo
+
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
+    routes[..., 1] = 1
+    reset_dynamo()
+    compiled = torch.compile(model, backend="eager")
+
+    def forward():
+        with torch.no_grad():
+            return compiled(input_ids=PROMPT).logits
+
+    native = forward()
+    with replay(model, routes, layout=layout):
+        forced = forward()
+    assert not torch.equal(forced, native)
+    got = []
+
+    def attempt():
+        try:
+            got.append(forward())
+        except RoutingReplayError as e:
+            got.append(str(e))
+
+    if other == "thread":
+        with replay(model, routes, layout=layout):
+            worker = threading.Thread(target=attempt)
+            worker.start()
+            worker.join()
+            assert torch.equal(forward(), forced)  # the block's own: still forced
+    else:
+
+        async def main():
+            go, done = asyncio.Event(), asyncio.Event()
+
+            async def trainer():
+                with replay(model, routes, layout=layout):
+                    go.set()
+                    await done.wait()
+                    return forward()
+
+            async def unrelated():
+                await go.wait()
+                attempt()
+                done.set()
+
+            task = asyncio.create_task(trainer())
+            await unrelated()
+            return await task
+
+        assert torch.equal(asyncio.run(main()), forced)
+    assert "thread or asyncio task other than the one" in got[0]
+    assert torch.equal(forward(), native)  # after the block: native
+    reset_dynamo()

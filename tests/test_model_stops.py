@@ -126,3 +126,41 @@ def test_a_block_entered_while_another_exits_is_refused_or_keeps_its_routes():
             refused += 1
         stop += 1
     assert refused >= 3 and stop >= 5
+
+
+@pytest.mark.slow
+def test_a_models_first_block_stopped_at_each_line_of_its_entry_leaves_it_replayable():
+    # The entry of the first block on a model prepares it (replay's router code, decoder
+    # hooks; a capture block's entry too, then its own hooks). Before: a stop after the
+    # hooks were registered and before their handles were kept left a second pair on the
+    # next entry, and every replayed forward of the model raised "finished without calling
+    # the routers" for good.
+    import copy
+
+    template = tiny_model("qwen3_moe").eval()  # never prepared: each stop gets a copy
+    layout = find_routers(template).layout
+    routes = forced_routes(layout, PROMPT.shape, seed=1)
+    with torch.no_grad():
+        native = template(input_ids=PROMPT).logits
+        prepared = copy.deepcopy(template)
+        with replay(prepared, routes, layout=layout):
+            forced = prepared(input_ids=PROMPT).logits
+    assert not torch.equal(forced, native)
+    stop, stops = 1, 0
+    while True:
+        model = copy.deepcopy(template)
+        block = capture(model)
+        seen, _ = interrupted_at(stop, block.__enter__)
+        if seen < stop:
+            block.__exit__(None, None, None)
+            break
+        stops += 1
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=PROMPT).logits, native), stop
+            with replay(model, routes, layout=layout):
+                assert torch.equal(model(input_ids=PROMPT).logits, forced), stop
+            with capture(model) as cap:
+                model(input_ids=PROMPT)
+        assert len(cap.routes()) == 2, stop
+        stop += 1
+    assert stops >= 100

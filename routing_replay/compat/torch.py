@@ -47,3 +47,17 @@ def run_eagerly(fn: Callable[[], Any]) -> Any:
     import torch._dynamo as dynamo
 
     return dynamo.disable(fn)()
+
+
+def remove_hooks(module: torch.nn.Module, hooks: tuple[Any, ...]) -> None:
+    """Remove `module`'s forward (pre-)hooks that are one of `hooks`, handles or not: from
+    `Module._forward_pre_hooks` / `_forward_hooks` and their flag dicts (torch 2.0 - 2.13)."""
+    for table, flags in (
+        ("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
+        ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+    ):
+        found = getattr(module, table)
+        for key in [k for k, hook in found.items() if any(hook is h for h in hooks)]:
+            found.pop(key, None)
+            for flag in flags:
+                getattr(module, flag, {}).pop(key, None)

@@ -13,12 +13,18 @@ import functools
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
+from routing_replay.compat.torch import break_graph, run_eagerly
 from routing_replay.model.forcing import wrapped
 from routing_replay.model.owner import Owner, current_owner, owns
 
 ACTIVE = "_routing_replay_capture"  # on the decoder: its capture blocks (`Entry`), in order
+FULLGRAPH = (
+    "capture: a forward's bookkeeping (which sample, which cache, whose thread) runs "
+    "eagerly, between compiled graphs; compile without fullgraph=True while capturing"
+)
 
 
 class Queue(list):
@@ -73,6 +79,14 @@ class _Dispatch:
         return self.inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.decoder.__dict__.get(ACTIVE):  # no block open: the method alone
+            return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling():  # the queue and owners are looked up eagerly
+            break_graph(FULLGRAPH)
+            return run_eagerly(functools.partial(self._dispatch, *args, **kwargs))
+        return self._dispatch(*args, **kwargs)
+
+    def _dispatch(self, *args: Any, **kwargs: Any) -> Any:
         call = self.inner
         now = current_owner()
         for entry in reversed(list(self.decoder.__dict__.get(ACTIVE, ()))):

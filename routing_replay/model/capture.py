@@ -28,15 +28,11 @@ from routing_replay.model.adapters import (
     split_rows,
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
-from routing_replay.model.blocks import ACTIVE, Entry, Queue, dispatch, drop, recording
-from routing_replay.model.forcing import prepare_model
+from routing_replay.model.blocks import ACTIVE, FULLGRAPH, Entry, Queue, dispatch, drop, recording
+from routing_replay.model.forcing import prepare_model, refuse_unguarded
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
 
-_FULLGRAPH = (
-    "capture: a forward's bookkeeping (which sample, which cache, whose thread) runs "
-    "eagerly, between compiled graphs; compile without fullgraph=True while capturing"
-)
 # generate settings that turn on assisted (speculative) decoding: refused while capturing
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
@@ -74,6 +70,7 @@ class Capture:
                 "capture: this block is already open; enter a new capture(model) instead of "
                 "the same one twice (its exit would end both)"
             )
+        refuse_unguarded("capture")
         decoder = self.moe.decoder
         # Blocks of one model queue in one list by atomic appends (no lock a stop could leave
         # held): the first open block's owner has the model; another owner's block refuses.
@@ -193,9 +190,11 @@ class Capture:
 
     def _ours(self) -> bool:
         """Whether the running forward is this open block's (its thread and task)."""
+        if not self._open:  # (first: a closed block, e.g. a copy's, never breaks a graph)
+            return False
         if torch.compiler.is_compiling():  # the bookkeeping runs eagerly, between graphs
-            break_graph(_FULLGRAPH)
-        return self._open and owns(self._owner, run_eagerly(current_owner))
+            break_graph(FULLGRAPH)
+        return owns(self._owner, run_eagerly(current_owner))
 
     def _refuse_escaped(self) -> None:
         if escaped(self._owner, current_owner()):
@@ -365,6 +364,16 @@ class Capture:
             self._generating = group
             out = generate(*args, **kwargs)
             self._generating = group.mask = None
+            if not self._open:  # closed meanwhile (from another thread): its last steps unseen
+                self._groups[:] = [g for g in self._groups if g is not group]
+                warnings.warn(
+                    "capture: the block was closed while generate ran, so the steps after it "
+                    "were not recorded; that generate's samples were dropped, not kept with "
+                    "rows of -1. Exit the block after generate returns",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return out
             prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
             sequences = (out if isinstance(out, Tensor) else out.sequences).detach().cpu()
             embeds = kwargs.get("inputs_embeds")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward
+from routing_replay.compat.torch import in_backward, remove_hooks, skips_guards
 from routing_replay.compat.transformers import (
     layer_checkpoint_function,
     set_layer_checkpoint_function,
@@ -32,7 +32,7 @@ from routing_replay.model.adapters import (
     rows_of,
     split_rows,
 )
-from routing_replay.model.owner import Owner, current_owner, owns
+from routing_replay.model.owner import Owner, current_owner, owns, owns_compiled
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from routing_replay.model.replay import Replay
 
 _STATE = "_routing_replay_state"  # on the decoder: the model's ReplayState (also the mark)
+_TASK_COMPILED = (
+    "replay: a block entered inside an asyncio task checks which task runs each forward of "
+    "the model eagerly, between compiled graphs; compile without fullgraph=True, or enter "
+    "the block outside the event loop"
+)
 
 
 class ReplayState:
@@ -79,7 +84,8 @@ class ReplayState:
 
     def ours(self) -> bool:
         """Whether the running forward is the active block's: its thread and task, a
-        checkpoint's recompute in autograd's thread, or compiled code (not checked there)."""
+        checkpoint's recompute in autograd's thread, or compiled code (whose owner the
+        decoder's pre-hook checked, `owns_compiled`)."""
         if torch.compiler.is_compiling() or in_backward():
             return True
         return owns(self.owner_key, current_owner())
@@ -193,11 +199,27 @@ def prepare_model(moe: MoeModel) -> ReplayState:
     if len(live) != 2:
         for handle in live:
             handle.remove()
+        # A registration stopped before its handles were kept (Ctrl-C) left hooks no handle
+        # names: a second pair would count every forward twice (and refuse all of them).
+        remove_hooks(decoder, (_check_inputs, _check_all_routed))
         state.handles = [
             decoder.register_forward_pre_hook(_check_inputs, with_kwargs=True),
             decoder.register_forward_hook(_check_all_routed),
         ]
     return state
+
+
+def refuse_unguarded(block: str) -> None:
+    """Raise if compiled code would run without Dynamo's guards (which see the blocks'
+    state: whether replay is active, which routers carry its code, which hooks are on)."""
+    if skips_guards():
+        raise UnsupportedModelError(
+            f"{block}: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect; "
+            "compiled code would run without the guards that tell it whether a block is "
+            "active (and whether the model was compiled with its routers' code and hooks), so "
+            "recorded experts could be ignored or stale ones replayed. Use the default stance "
+            f"inside {block} blocks"
+        )
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -414,7 +436,11 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             _wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
         return
-    if not state.ours():
+    if not (
+        owns_compiled(state.owner_key, _TASK_COMPILED)
+        if torch.compiler.is_compiling()
+        else owns(state.owner_key, current_owner())
+    ):
         raise RoutingReplayError(
             "replay: the model was called from a thread or asyncio task other than the one "
             "whose replay block is active on it; its forwards would be forced with that "

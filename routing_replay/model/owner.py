@@ -5,20 +5,28 @@ block owns the forwards its thread runs under that mark, the code inside the `wi
 the asyncio tasks started there (`gather`, `wait_for`, `create_task` and `asyncio.run`
 copy the context). Forwards of other threads and of unrelated tasks are not its own. A
 forward carrying the mark in another thread (`asyncio.to_thread`) left the block's thread:
-blocks refuse it, as its hooks could interleave with the thread's own forwards.
+blocks refuse it, as its hooks could interleave with the thread's own forwards. Compiled
+code tells threads apart by a thread-local object (`this_thread`), which Dynamo guards.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
+import sys
 import threading
 from typing import NamedTuple
+
+from routing_replay.compat.torch import break_graph, run_eagerly
 
 _MARKS: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar(
     "routing_replay_blocks", default=()
 )
 _NEXT = itertools.count(1)  # (next() on it is atomic: marks are unique across threads)
+# Per thread, one object for good: compiled code compares it with its block's (Dynamo
+# guards a thread-local per calling thread, and cannot trace `threading.get_ident`).
+_THREAD = threading.local()
 
 
 class Owner(NamedTuple):
@@ -26,6 +34,8 @@ class Owner(NamedTuple):
 
     thread: int
     mark: int
+    me: object  # the thread's object (`this_thread`)
+    in_task: bool  # entered inside an asyncio task: compiled code checks the task eagerly
 
 
 class Running(NamedTuple):
@@ -37,9 +47,30 @@ class Running(NamedTuple):
 
 def mark() -> Owner:
     """A new owner: this thread, and a new mark on this context."""
-    owner = Owner(threading.get_ident(), next(_NEXT))
+    owner = Owner(threading.get_ident(), next(_NEXT), this_thread(), _in_task())
     _MARKS.set((*_MARKS.get(), owner.mark))
     return owner
+
+
+def _in_task() -> bool:
+    asyncio = sys.modules.get("asyncio")  # (never imported: no task runs)
+    try:
+        return asyncio is not None and asyncio.current_task() is not None
+    except RuntimeError:  # no running event loop in this thread
+        return False
+
+
+def this_thread() -> object:
+    """This thread's object: what compiled code can tell threads apart by (`_THREAD`)."""
+    me = getattr(_THREAD, "me", None)
+    if me is None:
+        me = _THREAD.me = object()
+    return me
+
+
+def in_thread(me: object) -> bool:
+    """Whether this thread's object is `me` (traceable: Dynamo guards it per thread)."""
+    return getattr(_THREAD, "me", None) is me
 
 
 def unmark(owner: Owner | None) -> None:
@@ -61,3 +92,19 @@ def owns(block: Owner | None, now: Running) -> bool:
 def escaped(block: Owner | None, now: Running) -> bool:
     """Whether `now` runs inside `block`'s extent but in another thread (`to_thread`)."""
     return block is not None and block.mark in now.marks and block.thread != now.thread
+
+
+def owns_compiled(block: Owner | None, compiled_only: str) -> bool:
+    """`owns`, from code Dynamo traces: the thread by its object (guarded per thread, no
+    graph break); for a block entered inside an asyncio task, also the task, eagerly (a
+    graph break; under `fullgraph=True` an error saying `compiled_only`)."""
+    if block is None or not in_thread(block.me):
+        return False
+    if not block.in_task:
+        return True
+    break_graph(compiled_only)
+    return run_eagerly(functools.partial(owns_now, block))
+
+
+def owns_now(block: Owner | None) -> bool:
+    return owns(block, current_owner())

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward, skips_guards
-from routing_replay.errors import RoutingReplayError, UnsupportedModelError
+from routing_replay.compat.torch import in_backward
+from routing_replay.errors import RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
-from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
+from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model, refuse_unguarded
 from routing_replay.model.owner import Owner, mark, unmark
 from routing_replay.model.staging import (
     DeviceRoutes,
@@ -118,7 +118,7 @@ class Replay:
         self._tally_L: list[Tensor] = []  # per MoE layer: forced rows, agreed rows, replaced slots
 
     def __enter__(self) -> Replay:
-        _refuse_unguarded()
+        refuse_unguarded("replay")
         if self._state is not None:
             raise RoutingReplayError(
                 "replay: this block is already active; enter a new replay(model, routes) "
@@ -231,17 +231,6 @@ class Replay:
     def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
         if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
             self._recomputes += 1
-
-
-def _refuse_unguarded() -> None:
-    """Raise if compiled code would run without Dynamo's guards (which see replay's state)."""
-    if skips_guards():
-        raise UnsupportedModelError(
-            "replay: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect; "
-            "compiled code would run without the guards that tell it whether replay is active "
-            "(and whether the model was compiled with replay's routers), so the recorded "
-            "experts could be ignored or stale ones replayed. Use the default stance in replay"
-        )
 
 
 def replay(
