@@ -547,6 +547,14 @@ def test_capture_refuses_the_stance_that_skips_guards(qwen):
     with capture(model) as cap, torch.no_grad():  # the refused block left nothing behind
         model(input_ids=PROMPT)
     assert len(cap.routes()) == 2
+    # Set inside a block, the stance goes unseen by compiled code: said at the exit.
+    for block in (capture(model), replay(model, qwen[2][0], layout=qwen[1])):
+        with pytest.warns(RuntimeWarning, match=r"skip_guard_eval_unsafe=True\) is in effect at"):
+            try:
+                with block:
+                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+            finally:
+                torch.compiler.set_stance("default")
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from routing_replay.model.adapters import (
 )
 from routing_replay.model.alignment import Forward, Group, Sample, group_samples
 from routing_replay.model.blocks import ACTIVE, FULLGRAPH, Entry, Queue, dispatch, drop, recording
-from routing_replay.model.forcing import prepare_model, refuse_unguarded
+from routing_replay.model.forcing import prepare_model, refuse_unguarded, warn_unguarded
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
 
@@ -130,6 +130,7 @@ class Capture:
             self._close()
         finally:  # (stopped in the try, this runs in full; else it finds nothing left)
             self._close()
+        warn_unguarded("capture")
         if self._foreign:
             warnings.warn(
                 f"capture: {self._foreign} forward(s) of other threads or asyncio tasks ran on "

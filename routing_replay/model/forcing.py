@@ -13,6 +13,7 @@ per layer to int64 inside the router's forward), `__exit__` deactivates it and f
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,6 +220,20 @@ def refuse_unguarded(block: str) -> None:
             "active (and whether the model was compiled with its routers' code and hooks), so "
             "recorded experts could be ignored or stale ones replayed. Use the default stance "
             f"inside {block} blocks"
+        )
+
+
+def warn_unguarded(block: str) -> None:
+    """Warn at a block's exit if the stance that skips guards was set inside it: compiled
+    code run under it saw no block (not recorded, or not forced)."""
+    if skips_guards():
+        warnings.warn(
+            f"{block}: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect at "
+            "the block's exit: compiled forwards run under it inside the block skipped the "
+            f"guards that see the block (routes not {'forced' if block == 'replay' else 'recorded'}"
+            "). Set that stance outside the block only",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
 

@@ -39,7 +39,13 @@ from routing_replay.compat.torch import in_backward
 from routing_replay.errors import RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
-from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model, refuse_unguarded
+from routing_replay.model.forcing import (
+    ReplayState,
+    is_prepared,
+    prepare_model,
+    refuse_unguarded,
+    warn_unguarded,
+)
 from routing_replay.model.owner import Owner, mark, unmark
 from routing_replay.model.staging import (
     DeviceRoutes,
@@ -171,6 +177,7 @@ class Replay:
             self._end()
         finally:  # (stopped in the try, this runs in full; else it finds nothing left)
             self._end()
+        warn_unguarded("replay")
         if (
             exc_type is None
             and self._grad_forwards > self._recomputes
