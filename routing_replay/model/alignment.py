@@ -103,3 +103,13 @@ def with_generated(
             )
         tokens = np.concatenate([tokens[:prompt_tokens], generated[:num_generated]])
     return tokens, full
+
+
+def continues(last: Forward, fwd: Forward) -> bool:
+    """Whether `fwd` takes up where `last` ended, in the same cache, with the same batch."""
+    return (
+        last.cache_key == fwd.cache_key
+        and fwd.past == last.past + last.shape[1]
+        and last.shape[0] == fwd.shape[0]
+        and not last.canvas
+    )

@@ -1,4 +1,9 @@
-"""Capture: record the top-k expert ids of every MoE layer while a transformers model runs."""
+"""Capture: record the top-k expert ids of every MoE layer while a transformers model runs.
+
+(Over 400 lines by design: one block's bookkeeping, from its entry through each forward
+and `generate` to its exit; what it follows in generate, how forwards align into samples
+and which blocks a model has open live in `generation`, `alignment` and `blocks`.)
+"""
 
 from __future__ import annotations
 
@@ -27,14 +32,13 @@ from routing_replay.model.adapters import (
     rows_of,
     split_rows,
 )
-from routing_replay.model.alignment import Forward, Group, Sample, group_samples
+from routing_replay.model.alignment import Forward, Group, Sample, continues, group_samples
 from routing_replay.model.blocks import ACTIVE, FULLGRAPH, Entry, Queue, dispatch, drop, recording
-from routing_replay.model.forcing import prepare_model, refuse_unguarded, warn_unguarded
+from routing_replay.model.forcing import prepare_model
+from routing_replay.model.generation import followed_eos
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
-
-# generate settings that turn on assisted (speculative) decoding: refused while capturing
-_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+from routing_replay.model.stance import refuse_unguarded, warn_unguarded
 
 
 class Capture:
@@ -328,7 +332,7 @@ class Capture:
                 if not group.forwards:  # (one a forward was stopped before it filled)
                     continue
                 last = group.forwards[-1]
-                if _continues(last, fwd):
+                if continues(last, fwd):
                     return group
                 if fwd.cache_key is None:  # no cache to tell loops apart: the last only
                     break
@@ -339,27 +343,7 @@ class Capture:
         """`model.generate` while the block is open: one group of samples per call."""
         if not self._ours():  # another thread's or task's call
             return generate(*args, **kwargs)
-        settings = _generation_setting(self.model, kwargs)
-        if (settings("num_beams") or 1) > 1:
-            raise UnsupportedGenerationError(
-                "capture() follows one token per step per sample: beam search reorders "
-                "samples, use greedy or sampling"
-            )
-        guidance = settings("guidance_scale")
-        if guidance is not None and guidance != 1:
-            raise UnsupportedGenerationError(
-                "capture() follows one token per step per sample: classifier-free guidance "
-                f"(guidance_scale={guidance}) runs extra forwards of the model inside generate, "
-                "on a cache of their own; generate without it while capturing"
-            )
-        assisted = [n for n in _ASSISTED if settings(n) is not None]
-        if assisted:
-            raise UnsupportedGenerationError(
-                f"capture() follows one token per step per sample: assisted decoding "
-                f"({', '.join(assisted)}) forwards drafts it then rejects, so routes cannot "
-                "be aligned with the output; generate without it while capturing"
-            )
-        group = Group(eos=_eos_ids(settings("eos_token_id")))
+        group = Group(eos=followed_eos(self.model, kwargs))
         try:  # a call that fails or is stopped anywhere in here leaves no samples behind
             self._groups.append(group)
             self._generating = group
@@ -460,39 +444,6 @@ class _Recorder:
             for part, part_ids in parts.items():
                 merged.index_copy_(0, cap._split[part].to(ids.device), part_ids)
             cap._current.ids_L[j] = merged
-
-
-def _continues(last: Forward, fwd: Forward) -> bool:
-    """Whether `fwd` takes up where `last` ended, in the same cache, with the same batch."""
-    return (
-        last.cache_key == fwd.cache_key
-        and fwd.past == last.past + last.shape[1]
-        and last.shape[0] == fwd.shape[0]
-        and not last.canvas
-    )
-
-
-def _generation_setting(model: nn.Module, kwargs: dict) -> Any:
-    """Look up a generate setting the way generate does: kwargs, then its config, then model's."""
-
-    def setting(name: str) -> Any:
-        if name in kwargs:  # an explicit None (eos_token_id=None) disables it
-            return kwargs[name]
-        for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-            value = getattr(config, name, None)
-            if value is not None:
-                return value
-        return None
-
-    return setting
-
-
-def _eos_ids(eos: Any) -> frozenset[int]:
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, Tensor):
-        eos = eos.tolist()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def _to_host(t: Tensor | None, copy: bool = False) -> Tensor | None:

@@ -13,17 +13,12 @@ per layer to int64 inside the router's forward), `__exit__` deactivates it and f
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward, remove_hooks, skips_guards
-from routing_replay.compat.transformers import (
-    layer_checkpoint_function,
-    set_layer_checkpoint_function,
-)
+from routing_replay.compat.torch import in_backward, remove_hooks
 from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
 from routing_replay.model.adapters import (
     MoeModel,
@@ -34,6 +29,7 @@ from routing_replay.model.adapters import (
     split_rows,
 )
 from routing_replay.model.owner import Owner, current_owner, owns, owns_compiled
+from routing_replay.model.recompute import LayerInputs, check_layer_inputs, wrap_checkpointing
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -195,7 +191,7 @@ def prepare_model(moe: MoeModel) -> ReplayState:
             _track_passes(
                 moe, state, router, wrapped(module.__dict__[router.method], ReplayingForward)
             )
-    _check_layer_inputs(moe, state)
+    check_layer_inputs(moe, state)
     live = [h for h in state.handles if _hook_registered(decoder, h)]
     if len(live) != 2:
         for handle in live:
@@ -208,33 +204,6 @@ def prepare_model(moe: MoeModel) -> ReplayState:
             decoder.register_forward_hook(_check_all_routed),
         ]
     return state
-
-
-def refuse_unguarded(block: str) -> None:
-    """Raise if compiled code would run without Dynamo's guards (which see the blocks'
-    state: whether replay is active, which routers carry its code, which hooks are on)."""
-    if skips_guards():
-        raise UnsupportedModelError(
-            f"{block}: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect; "
-            "compiled code would run without the guards that tell it whether a block is "
-            "active (and whether the model was compiled with its routers' code and hooks), so "
-            "recorded experts could be ignored or stale ones replayed. Use the default stance "
-            f"inside {block} blocks"
-        )
-
-
-def warn_unguarded(block: str) -> None:
-    """Warn at a block's exit if the stance that skips guards was set inside it: compiled
-    code run under it saw no block (not recorded, or not forced)."""
-    if skips_guards():
-        warnings.warn(
-            f"{block}: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect at "
-            "the block's exit: compiled forwards run under it inside the block skipped the "
-            f"guards that see the block (routes not {'forced' if block == 'replay' else 'recorded'}"
-            "). Set that stance outside the block only",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -277,98 +246,6 @@ def _track_passes(moe: MoeModel, state: ReplayState, router: Router, slot: Any) 
             return
     tracker = PassTracker(slot, router.loop)
     state.pass_handles.append(target.register_forward_pre_hook(tracker, with_kwargs=True))
-
-
-class LayerInputs:
-    """A decoder layer's check of its inputs, run as its forward pre-hook and inside
-    transformers' checkpointing of its forward (`CheckpointedInputs`): the inputs of the
-    layer's forwards the active block runs are noted, and a checkpoint's recompute (in a
-    backward) of an input it did not run (a forward from before the block, or another
-    thread's) is refused instead of being forced with the block's routes. A recompute sees
-    the forward's own input (reentrant: a detached view of it): the key is its storage and
-    shape."""
-
-    def __init__(self, state: ReplayState) -> None:
-        self.state = state
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        state = self.state
-        # Checkpointing recomputes only in training mode; compiled code is not checked.
-        if not state.active or not module.training or torch.compiler.is_compiling():
-            return
-        hidden = next((a for a in args if isinstance(a, Tensor)), kwargs.get("hidden_states"))
-        owner = state.owner
-        if not isinstance(hidden, Tensor) or owner is None:
-            return
-        key = (id(module), hidden.data_ptr(), tuple(hidden.shape))
-        if not in_backward():
-            if state.ours():  # (reentrant checkpointing runs it under no_grad: noted anyway)
-                owner._layer_inputs.add(key)
-        elif key not in owner._layer_inputs:
-            raise RoutingReplayError(
-                "replay: a backward recomputed (gradient checkpointing) a decoder layer's "
-                "forward that did not run in the active replay block (a forward from before "
-                "the block, or another thread's): it would be forced with this block's routes "
-                "instead of routed as it ran. Run the forward and its backward inside one block"
-            )
-
-
-class CheckpointedInputs:
-    """A layer's transformers checkpoint function, wrapped: the checkpointed forward runs
-    the layer's `LayerInputs` check first, in the forward and again in the recompute."""
-
-    def __init__(self, check: LayerInputs, layer: nn.Module, inner: Any) -> None:
-        self.check, self.layer, self.inner = check, layer, inner
-
-    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.inner(_Checked(self.check, self.layer, function), *args, **kwargs)
-
-
-class _Checked:
-    def __init__(self, check: LayerInputs, layer: nn.Module, function: Any) -> None:
-        self.check, self.layer, self.function = check, layer, function
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.check(self.layer, args, kwargs)
-        return self.function(*args, **kwargs)
-
-
-def _check_layer_inputs(moe: MoeModel, state: ReplayState) -> None:
-    """Give each decoder layer holding a router its `LayerInputs` check (once): as a forward
-    pre-hook (torch's checkpoint_wrapper recomputes inside the layer's hooks) and around
-    transformers' checkpoint function (which recomputes the forward alone)."""
-    routers = {id(r.module) for r in moe.all_routers}
-    checks = []
-    for name, module in moe.decoder.named_modules():
-        if not (isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LISTS):
-            continue
-        for listed in module:
-            layer = getattr(listed, "_orig_mod", listed)  # compiled on its own (torchtitan)
-            if not any(id(m) in routers for m in layer.modules()):
-                continue
-            check = next((h for h in layer._forward_pre_hooks.values() if _checks(h, state)), None)
-            if check is None:
-                check = LayerInputs(state)
-                layer.register_forward_pre_hook(check, with_kwargs=True)
-            checks.append((layer, check))
-    state.layer_checks = checks
-    _wrap_checkpointing(state)
-
-
-def _checks(hook: Any, state: ReplayState) -> bool:
-    return isinstance(hook, LayerInputs) and hook.state is state
-
-
-def _wrap_checkpointing(state: ReplayState) -> None:
-    """Wrap the layers' transformers checkpoint functions (set since, by
-    `gradient_checkpointing_enable`): at preparing and before every forward with grad."""
-    for layer, check in state.layer_checks:
-        inner = layer_checkpoint_function(layer)
-        if inner is not None and not isinstance(inner, CheckpointedInputs):
-            set_layer_checkpoint_function(layer, CheckpointedInputs(check, layer, inner))
-
-
-_LAYER_LISTS = ("layers", "blocks")  # where decoders keep their layers (DBRX: blocks)
 
 
 def wrapped(forward: Any, kind: type) -> Any:
@@ -449,7 +326,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     state: ReplayState = module.__dict__[_STATE]
     if not state.active:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            _wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
+            wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
         return
     if not (
         owns_compiled(state.owner_key, _TASK_COMPILED)

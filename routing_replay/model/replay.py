@@ -39,13 +39,7 @@ from routing_replay.compat.torch import in_backward
 from routing_replay.errors import RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
-from routing_replay.model.forcing import (
-    ReplayState,
-    is_prepared,
-    prepare_model,
-    refuse_unguarded,
-    warn_unguarded,
-)
+from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
 from routing_replay.model.owner import Owner, mark, unmark
 from routing_replay.model.staging import (
     DeviceRoutes,
@@ -58,6 +52,7 @@ from routing_replay.model.staging import (
     stage_mask,
     to_device_routes,
 )
+from routing_replay.model.stance import refuse_unguarded, warn_unguarded
 from routing_replay.routes import routes_layout
 from routing_replay.validate import check_tolerance
 
