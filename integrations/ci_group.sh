@@ -74,12 +74,11 @@ esac
 py="$venv/bin/python"
 [ -x "$py" ] || python3 -m venv "$venv"
 if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == '${pin[1]}'" 2>/dev/null; then
-    # (--no-compile: modules are compiled when first imported, not all of torch's up front)
-    "$py" -m pip install -q --no-compile torch==2.13.0 "${pin[0]}==${pin[1]}"
+    "$py" -m pip install -q torch==2.13.0 "${pin[0]}==${pin[1]}"
     [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
 fi
-"$py" -m pip install -q --no-compile -e ".$extras" pytest "${extra[@]}"
-[ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-compile --no-deps "${nodeps[@]}"
+"$py" -m pip install -q -e ".$extras" pytest "${extra[@]}"
+[ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-deps "${nodeps[@]}"
 "$py" -c "import $imports"  # fail loudly, never skip silently
 [ "$build_only" -eq 0 ] || exit 0
 "$py" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@"
