@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -25,13 +24,14 @@ def test_a_capture_block_records_only_its_own_threads_forwards():
     model = tiny_model("qwen3_moe").eval()
     with capture(model) as alone, torch.no_grad():
         model(input_ids=PROMPT)
-    stop, errors = threading.Event(), []
+    stop, ran, errors = threading.Event(), threading.Event(), []
 
     def other():  # plain forwards, no block, as fast as it can
         try:
             with torch.no_grad():
                 while not stop.is_set():
                     model(input_ids=OTHER)
+                    ran.set()
         except Exception as e:
             errors.append(e)
 
@@ -42,8 +42,7 @@ def test_a_capture_block_records_only_its_own_threads_forwards():
             worker.start()
             for _ in range(20):
                 model(input_ids=PROMPT)
-            while cap._foreign == 0:  # (the other thread ran a forward meanwhile)
-                time.sleep(0.01)
+            assert ran.wait(60)  # the other thread ran a forward while the block was open
     finally:
         stop.set()
         worker.join()
@@ -125,6 +124,13 @@ def test_a_wrapper_forward_that_fails_before_its_stack_leaves_no_token_ids_behin
     assert cap.token_ids() == [None, None]
 
 
+def experts_0_and_1(layout):
+    """Routes of PROMPT naming experts 0 and 1 at every token and layer."""
+    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
+    routes[..., 1] = 1
+    return routes
+
+
 async def _forward(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -182,8 +188,7 @@ def test_a_forward_sent_to_another_thread_from_inside_a_block_is_refused(block):
     # could interleave with the block's own forwards. Before: capture recorded nothing.
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
-    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
-    routes[..., 1] = 1
+    routes = experts_0_and_1(layout)
 
     async def main():
         opened = capture(model) if block == "capture" else replay(model, routes, layout=layout)
@@ -201,8 +206,7 @@ def test_a_forward_sent_to_another_thread_from_inside_a_block_is_refused(block):
 def test_a_replay_block_in_a_task_forces_the_tasks_it_starts():
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
-    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
-    routes[..., 1] = 1
+    routes = experts_0_and_1(layout)
     with replay(model, routes, layout=layout), torch.no_grad():
         forced = model(input_ids=PROMPT).logits
 
@@ -223,8 +227,7 @@ def test_a_compiled_models_forward_from_another_thread_or_task_is_refused(other)
 
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
-    routes = torch.zeros((*PROMPT.shape, layout.num_moe_layers, layout.top_k), dtype=torch.int32)
-    routes[..., 1] = 1
+    routes = experts_0_and_1(layout)
     reset_dynamo()
     compiled = torch.compile(model, backend="eager")
 

@@ -41,7 +41,7 @@ def break_graph(msg: str) -> None:
 
 def run_eagerly(fn: Callable[[], Any]) -> Any:
     """`fn()`; while Dynamo traces, outside the trace (`torch._dynamo.disable`), so it does
-    not warn about builtins it cannot trace (`threading.get_ident`)."""
+    not warn about what it cannot trace (`ContextVar.get`)."""
     if not torch.compiler.is_compiling():
         return fn()
     import torch._dynamo as dynamo

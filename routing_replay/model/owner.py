@@ -32,22 +32,21 @@ _THREAD = threading.local()
 class Owner(NamedTuple):
     """A block's owner: the thread that entered it and the mark it put on its context."""
 
-    thread: int
+    thread: object  # the thread's object (`this_thread`)
     mark: int
-    me: object  # the thread's object (`this_thread`)
     in_task: bool  # entered inside an asyncio task: compiled code checks the task eagerly
 
 
 class Running(NamedTuple):
-    """Who runs now: this thread and the marks its context carries."""
+    """Who runs now: this thread (`this_thread`) and the marks its context carries."""
 
-    thread: int
+    thread: object
     marks: tuple[int, ...]
 
 
 def mark() -> Owner:
     """A new owner: this thread, and a new mark on this context."""
-    owner = Owner(threading.get_ident(), next(_NEXT), this_thread(), _in_task())
+    owner = Owner(this_thread(), next(_NEXT), _in_task())
     _MARKS.set((*_MARKS.get(), owner.mark))
     return owner
 
@@ -68,7 +67,7 @@ def this_thread() -> object:
     return me
 
 
-def in_thread(me: object) -> bool:
+def _in_thread(me: object) -> bool:
     """Whether this thread's object is `me` (traceable: Dynamo guards it per thread)."""
     return getattr(_THREAD, "me", None) is me
 
@@ -81,30 +80,30 @@ def unmark(owner: Owner | None) -> None:
 
 
 def current_owner() -> Running:
-    return Running(threading.get_ident(), _MARKS.get())
+    return Running(this_thread(), _MARKS.get())
 
 
 def owns(block: Owner | None, now: Running) -> bool:
     """Whether a block owned by `block` owns a forward run by `now`."""
-    return block is not None and block.thread == now.thread and block.mark in now.marks
+    return block is not None and block.thread is now.thread and block.mark in now.marks
 
 
 def escaped(block: Owner | None, now: Running) -> bool:
     """Whether `now` runs inside `block`'s extent but in another thread (`to_thread`)."""
-    return block is not None and block.mark in now.marks and block.thread != now.thread
+    return block is not None and block.mark in now.marks and block.thread is not now.thread
 
 
 def owns_compiled(block: Owner | None, compiled_only: str) -> bool:
     """`owns`, from code Dynamo traces: the thread by its object (guarded per thread, no
     graph break); for a block entered inside an asyncio task, also the task, eagerly (a
     graph break; under `fullgraph=True` an error saying `compiled_only`)."""
-    if block is None or not in_thread(block.me):
+    if block is None or not _in_thread(block.thread):
         return False
     if not block.in_task:
         return True
     break_graph(compiled_only)
-    return run_eagerly(functools.partial(owns_now, block))
+    return run_eagerly(functools.partial(_owns_now, block))
 
 
-def owns_now(block: Owner | None) -> bool:
+def _owns_now(block: Owner) -> bool:
     return owns(block, current_owner())

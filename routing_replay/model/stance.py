@@ -33,8 +33,8 @@ def warn_unguarded(block: str) -> None:
         warnings.warn(
             f"{block}: torch.compiler.set_stance(skip_guard_eval_unsafe=True) is in effect at "
             "the block's exit: compiled forwards run under it inside the block skipped the "
-            f"guards that see the block (routes not {'forced' if block == 'replay' else 'recorded'}"
-            "). Set that stance outside the block only",
+            "guards that see the block (routes not recorded, not forced). Set that stance "
+            "outside the block only",
             RuntimeWarning,
             stacklevel=3,
         )
