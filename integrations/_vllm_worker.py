@@ -53,7 +53,7 @@ class VllmRolloutWorker(StoreHost):
 
     Same interface as `routing_replay.ray.rollout.RolloutWorker` (`info`, `generate`). With
     `store_name` it attaches that store (one process, no Ray); otherwise it uses the Ray
-    node store of `job` (`routing_replay.ray.actor.node_store`).
+    node store of `job` (`routing_replay.ray.node_store`).
     """
 
     def __init__(

@@ -29,8 +29,7 @@ from routing_replay.errors import StoreBusyError  # noqa: E402
 from routing_replay.integrations.vllm import RoutesNotStoredError, routes_from_vllm  # noqa: E402
 from routing_replay.integrations.vllm_server import vllm_server  # noqa: E402
 from routing_replay.model.agreement import routing_agreement  # noqa: E402
-from routing_replay.ray import StoreOptions  # noqa: E402
-from routing_replay.ray.actor import shutdown_node_stores  # noqa: E402
+from routing_replay.ray import StoreOptions, shutdown_node_stores  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -30,20 +30,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from routing_replay import Episode, PutRequest, RoutingLayout, to_torch  # noqa: E402
 from routing_replay.errors import InvalidArgumentError, SampleNotFoundError, StoreUnavailableError  # noqa: E402
-from routing_replay.ray import (  # noqa: E402
+from routing_replay.ray import (  # noqa: E402  # noqa: E402
     StoreOptions,
     fetch_batch,
     read_dataset,
     release_refs,
     routes_collate_fn,
-    split_stale,
-)
-from routing_replay.ray.actor import (  # noqa: E402
-    NodeStoreActor,
     shutdown_node_stores,
+    split_stale,
     store_actor,
     store_actors,
 )
+from routing_replay.ray.actor import NodeStoreActor  # noqa: E402
 from routing_replay.ray.client import node_store  # noqa: E402
 from routing_replay.ray.rollout import RolloutWorker, rollout_worker  # noqa: E402
 from routing_replay.store.segment import SHM_DIR, segment_path  # noqa: E402

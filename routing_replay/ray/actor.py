@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -36,77 +35,35 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from routing_replay.compat.ray import job_table
-from routing_replay.errors import InvalidArgumentError, RoutingReplayError, StoreUnavailableError
+from routing_replay.errors import StoreUnavailableError
 from routing_replay.layout import RoutingLayout
 from routing_replay.ray.metrics import EXPORT_EVERY_S, StoreMetrics
+from routing_replay.ray.names import (
+    NAMESPACE,
+    actor_name,
+    check_job,
+    current_node_id,
+    current_ray_job,
+    lost_error,
+    store_prefix,
+)
 from routing_replay.ray.options import StoreOptions, store_options
 from routing_replay.ray.scratch import Scratch
+from routing_replay.ray.shutdown import sweep_dead_segments
 from routing_replay.store import (
     RoutingRef,
     RoutingStore,
     WireBatch,
-    list_stores,
-    sweep_stores,
 )
 
 if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
-NAMESPACE = "routing_replay"
 _LOG = logging.getLogger(__name__)
 START_ATTEMPTS = 3
-KILL_GRACE_S = 10.0  # Ray force-kills a worker that did not exit a few seconds after ray.kill
 CONCURRENT_CALLS = 16  # threads serving reads at once: every rank of a trainer node, and more
 SCRATCH_KEEP_BYTES = 256 << 20  # narrowing buffers a store actor keeps between reads
-NODE_PREFIX = 12  # characters of Ray's 56-hex-digit node id kept in names
-JOB_PATTERN = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
-
-
-# -- names ---------------------------------------------------------------------------
-
-
-def _check_job(job: str) -> str:
-    if not isinstance(job, str) or not JOB_PATTERN.match(job):
-        raise InvalidArgumentError(
-            f"job {job!r} must be 1-64 characters from [A-Za-z0-9_-]: it names the store "
-            "actors and their /dev/shm segments"
-        )
-    return job
-
-
-def current_ray_job() -> str:
-    """The hex id of the Ray job this process works for (driver, task or actor)."""
-    import ray
-
-    return ray.get_runtime_context().get_job_id()
-
-
-def actor_name(job: str, ray_job: str, node_id: str) -> str:
-    """Name of the store actor of `job` in Ray job `ray_job` on the Ray node `node_id`."""
-    return f"rr-store.{_check_job(job)}.{ray_job}.{node_id[:NODE_PREFIX]}"
-
-
-def _store_prefix(job: str, ray_job: str, node_id: str) -> str:
-    return f"{_check_job(job)}.{ray_job}.{node_id[:NODE_PREFIX]}."
-
-
-def job_of(ref: RoutingRef) -> tuple[str, str]:
-    """(job, Ray job id) of a ref's store (named `<job>.<Ray job>.<node>.<incarnation>`)."""
-    parts = ref.store.split(".")
-    if len(parts) != 4:
-        raise StoreUnavailableError(
-            f"ref {ref.sample_id!r} is in store {ref.store!r}, which no node store actor "
-            "made: read it with RoutingStore.attach on its node"
-        )
-    return parts[0], parts[1]
-
-
-def current_node_id() -> str:
-    """Ray's id of the node this process runs on (driver, task or actor)."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
 
 
 # -- the actor -------------------------------------------------------------------------
@@ -117,7 +74,7 @@ class NodeStoreActor:
 
     def __init__(self, job: str, layout_json: str, options: StoreOptions) -> None:
 
-        self.job = _check_job(job)
+        self.job = check_job(job)
         self.node_id = current_node_id()
         self.ray_job_id = current_ray_job()
         self.swept = sweep_dead_segments(job, self.ray_job_id, self.node_id)
@@ -169,7 +126,7 @@ class NodeStoreActor:
                 return
 
     def _create(self) -> RoutingStore:
-        name = _store_prefix(self.job, self.ray_job_id, self.node_id) + uuid.uuid4().hex[:8]
+        name = store_prefix(self.job, self.ray_job_id, self.node_id) + uuid.uuid4().hex[:8]
         kwargs = self._options.create_kwargs()
         return RoutingStore.create(name, self._layout, node_id=self.node_id, **kwargs)
 
@@ -344,17 +301,6 @@ def _check_refs_in(refs: list[RoutingRef | str], store: str, node_id: str) -> No
         raise lost_error(lost, f"now {store!r}")
 
 
-def lost_error(refs: list[RoutingRef], why: str) -> StoreUnavailableError:
-    """The error for refs whose store is gone (its actor died and was restarted, or stopped)."""
-    shown = ", ".join(repr(r.sample_id) for r in refs[:5])
-    more = f" and {len(refs) - 5} more" if len(refs) > 5 else ""
-    return StoreUnavailableError(
-        f"samples {shown}{more} were stored in {refs[0].store!r} on node {refs[0].node_id[:12]}, "
-        f"which no longer exists ({why}): the node's store actor died or was shut down and "
-        "its samples are lost; roll those samples out again"
-    )
-
-
 # -- starting, finding, stopping ------------------------------------------------------
 
 
@@ -408,75 +354,3 @@ def store_actor(
         )
         .remote(job, layout.to_json(), store_options(options))
     )
-
-
-def sweep_dead_segments(job: str, ray_job: str, node_id: str) -> list[str]:
-    """Unlink this job's segments on this node whose owning process is dead; returns them."""
-    return [info.name for info in sweep_stores(prefix=_store_prefix(job, ray_job, node_id))]
-
-
-def store_actors(job: str | None = None, *, every_ray_job: bool = False) -> dict[str, ActorHandle]:
-    """Live store actors of `job` (or of every job) in this Ray job (or in every one), by name."""
-    import ray
-
-    ray_job = None if every_ray_job else current_ray_job()
-    found = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        parts = entry["name"].split(".")
-        if (
-            entry["namespace"] != NAMESPACE
-            or len(parts) != 4
-            or parts[0] != "rr-store"
-            or (job is not None and parts[1] != _check_job(job))
-            or (ray_job is not None and parts[2] != ray_job)
-        ):
-            continue
-        with contextlib.suppress(ValueError):
-            found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
-    return found
-
-
-def shutdown_node_stores(job: str, timeout: float = 30.0) -> int:
-    """Unlink every node's segment of `job` in this Ray job and stop its store actors;
-    returns how many."""
-    import ray
-
-    actors = store_actors(job)
-    pending = {name: a.shutdown.remote() for name, a in actors.items()}
-    killed = set()  # nodes (id[:12]) whose actor did not unlink its segment itself
-    for name, ref in pending.items():
-        try:
-            ray.get(ref, timeout=timeout)
-        except (ray.exceptions.RayError, RoutingReplayError):
-            killed.add(name.rsplit(".", 1)[-1])
-        ray.kill(actors[name])
-    _sweep_every_node(job, killed, timeout)
-    return len(actors)
-
-
-def _sweep_node(job: str, ray_job: str, node_id: str, wait_s: float) -> list[str]:
-    """`sweep_dead_segments`, again for up to `wait_s` while a segment of the job is left
-    there (its actor was just killed: its process, and so its owner lease, still going)."""
-    deadline = time.monotonic() + wait_s
-    swept = sweep_dead_segments(job, ray_job, node_id)
-    while list_stores(_store_prefix(job, ray_job, node_id)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        swept += sweep_dead_segments(job, ray_job, node_id)
-    return swept
-
-
-def _sweep_every_node(job: str, killed: set[str], timeout: float) -> None:
-    """Unlink the job's segments whose store actor died unannounced (killed, out of memory,
-    or just now for not answering) on every live node: no later actor of the job starts
-    there to sweep them."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    sweep = ray.remote(num_cpus=0, max_retries=0)(_sweep_node)
-    ray_job = current_ray_job()
-    calls = []
-    for node in (n["NodeID"] for n in ray.nodes() if n["Alive"]):
-        wait_s = timeout + KILL_GRACE_S if node[:NODE_PREFIX] in killed else 0.0
-        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-        calls.append(sweep.options(scheduling_strategy=strategy).remote(job, ray_job, node, wait_s))
-    ray.wait(calls, num_returns=len(calls), timeout=timeout + KILL_GRACE_S + 5)  # or next time

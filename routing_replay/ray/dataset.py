@@ -28,14 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from routing_replay.errors import (
-    InvalidArgumentError,
-    RoutingReplayError,
-    StoreUnavailableError,
-)
-from routing_replay.ray.actor import current_node_id, job_of, lost_error, store_actor
+from routing_replay.errors import InvalidArgumentError, RoutingReplayError, StoreUnavailableError
+from routing_replay.ray.actor import store_actor
 from routing_replay.ray.assemble import assemble
 from routing_replay.ray.client import attached
+from routing_replay.ray.names import current_node_id, job_of, lost_error
 from routing_replay.store import Part, RoutingRef, RoutingStore, WireBatch
 from routing_replay.store.refs import ranges_per_ref, whole_number
 

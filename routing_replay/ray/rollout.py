@@ -21,8 +21,8 @@ import torch
 
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.capture import capture
-from routing_replay.ray.actor import current_node_id
 from routing_replay.ray.client import node_store
+from routing_replay.ray.names import current_node_id
 from routing_replay.ray.options import StoreOptions
 from routing_replay.store import PutRequest, RoutingRef
 

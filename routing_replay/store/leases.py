@@ -19,7 +19,8 @@ import time
 from routing_replay.errors import StoreUnavailableError
 from routing_replay.store.format import LEASE_FREE, LEASE_HELD, NO_PAGE, OWNER_LEASE, WRITER_LEASE
 from routing_replay.store.lock import Hold
-from routing_replay.store.segment import Segment, lease_held, lease_try
+from routing_replay.store.ofd_locks import lease_held, lease_try
+from routing_replay.store.segment import Segment
 from routing_replay.store.tables import Tables
 
 

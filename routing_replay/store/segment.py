@@ -23,8 +23,6 @@ namespace (containers that share /dev/shm but not pids see each other's leases).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
 import mmap
 import os
@@ -36,6 +34,7 @@ import weakref
 from collections.abc import Sequence
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
+from routing_replay.store.ofd_locks import lease_try
 
 # Where segments live: POSIX shared memory on Linux. ROUTING_REPLAY_SHM_DIR points the
 # stores of every process that sets it at another tmpfs (for a /dev/shm that is too small).
@@ -103,51 +102,6 @@ def untrusted_reason(st: os.stat_result, mode: int = SEGMENT_MODE) -> str | None
     if stat.S_IMODE(st.st_mode) != mode:
         return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {mode:04o}"
     return None
-
-
-# -- OFD byte-range locks (leases) ------------------------------------------------------
-
-
-class _Flock(ctypes.Structure):
-    """`struct flock` of fcntl(2) on 64-bit Linux."""
-
-    _fields_ = [
-        ("l_type", ctypes.c_short),
-        ("l_whence", ctypes.c_short),
-        ("l_start", ctypes.c_int64),
-        ("l_len", ctypes.c_int64),
-        ("l_pid", ctypes.c_int32),
-    ]
-
-
-def _flock(kind: int, offset: int) -> bytes:
-    return bytes(_Flock(kind, os.SEEK_SET, offset, 1, 0))
-
-
-def lease_try(fd: int, offset: int) -> bool:
-    """Take the lease at byte `offset` on `fd`'s description; False if another holds it."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, offset))
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def lease_drop(fd: int, offset: int) -> None:
-    """Give back the lease at byte `offset` held on `fd`'s description."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, offset))
-
-
-def lease_held(fd: int, offset: int) -> bool:
-    """Whether a description other than `fd`'s holds the lease at byte `offset`.
-
-    A description never conflicts with its own locks: a caller asks about its own lease
-    from its own bookkeeping, not here.
-    """
-    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_RDLCK, offset))
-    return _Flock.from_buffer_copy(answer).l_type != fcntl.F_UNLCK
 
 
 # -- segments -----------------------------------------------------------------------------

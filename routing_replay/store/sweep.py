@@ -18,12 +18,12 @@ from routing_replay.errors import CorruptStoreError, RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.store.calls import forget_frames
 from routing_replay.store.format import HEADER_DTYPE, OWNER_LEASE, VERSION
+from routing_replay.store.ofd_locks import lease_held
 from routing_replay.store.routing_store import RoutingStore, StoreStats
 from routing_replay.store.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,
     is_store_name,
-    lease_held,
     untrusted_reason,
 )
 from routing_replay.store.spill import remove_spill_dir_if_unused
