@@ -595,3 +595,20 @@ def test_a_copy_made_inside_a_capture_block_compiles_with_fullgraph(qwen):
         got = torch.compile(twin, backend="eager", fullgraph=True)(input_ids=PROMPT).logits
         assert torch.equal(got, model(input_ids=PROMPT).logits)
     reset_dynamo()
+
+
+def test_two_models_sharing_their_routers_are_told_apart():
+    # A second model over the same layers prepared inside the first's block takes the
+    # routers: the first's forward is refused saying so (before: "a fused MoE kernel").
+    first = tiny_family_model("qwen3_vl_moe_text")
+    second = tiny_family_model("qwen3_vl_moe_text")
+    second.layers = first.layers
+    layout = find_routers(first).layout
+    routes = random_routes(layout, seed=5, missing=0.0)
+    ids = torch.randint(3, 200, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), replay(first, routes, layout=layout):
+        with replay(second, routes, layout=layout):
+            with pytest.raises(UnsupportedModelError, match="prepared for replay by another"):
+                first(input_ids=ids)
+    with torch.no_grad(), replay(first, routes, layout=layout):  # its own again
+        first(input_ids=ids)

@@ -134,6 +134,7 @@ _OUTPUTS: dict[str, Any] = {
     "Llama4Router": outputs.SCATTER,
     "DbrxFFN": outputs.PAIR,
     "ZayaRouter": outputs.SKIP_EXPERT,
+    "ErgoTopkRouter": outputs.INPUT_ROUNDED,
     "InklingTopkRouter": outputs.SHARED_GAMMAS,
     "JetMoeTopKGating": outputs.SORTED,
     "DogeCDMoE": outputs.PRODUCT_KEYS,

@@ -34,7 +34,7 @@ from routing_replay.model.adapters import (
 )
 from routing_replay.model.alignment import Forward, Group, Sample, continues, group_samples
 from routing_replay.model.blocks import ACTIVE, FULLGRAPH, Entry, Queue, dispatch, drop, recording
-from routing_replay.model.forcing import prepare_model
+from routing_replay.model.forcing import forced_ids, prepare_model, record_forced
 from routing_replay.model.generation import followed_eos
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
@@ -104,6 +104,7 @@ class Capture:
         # Replay's router forwards, once: code compiled before them guards that the routers
         # have none, so it is compiled again, with this block's hooks (else it skips them).
         prepare_model(self.moe)
+        record_forced(self.moe, True)  # under a replay block: the forced ids, as the experts got
         if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
             self._handles.append(
                 self.model.register_forward_pre_hook(self._outer_begin, with_kwargs=True)
@@ -156,6 +157,8 @@ class Capture:
         blocks = self.moe.decoder.__dict__.get(ACTIVE, [])
         for mine in [e for e in list(blocks) if e.capture() is self]:
             drop(blocks, mine)
+        if not any(e.is_open() for e in list(blocks)):
+            record_forced(self.moe, False)
         self._actions.clear()
         self._current = None
 
@@ -427,7 +430,9 @@ class _Recorder:
                     f"{len(layers)} passes in one forward"
                 )
             j = layers[calls]
-        ids = read.ids(module, output)
+        ids = forced_ids(module, router.method)
+        if ids is None:
+            ids = read.ids(module, output)
         if split is None:
             cap._current.ids_L[j] = ids
             return

@@ -28,7 +28,7 @@ from routing_replay.model.adapters import (
     rows_of,
     split_rows,
 )
-from routing_replay.model.owner import Owner, current_owner, owns, owns_compiled
+from routing_replay.model.owner import Owner, current_owner, owns, owns_compiled, this_thread
 from routing_replay.model.recompute import LayerInputs, check_layer_inputs, wrap_checkpointing
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
@@ -72,11 +72,13 @@ class ReplayState:
         # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
         self.split: tuple[Tensor, Tensor] | None = None
         self.layer_checks: list[tuple[nn.Module, LayerInputs]] = []  # decoder layers' checks
+        # A capture block is open: each forced call keeps the ids its experts got (`forced_ids`).
+        self.recording = False
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) of a model inside a block comes out inactive, unclaimed."""
         state = self.__dict__.copy()
-        state.update(self._inactive(), claims=[])
+        state.update(self._inactive(), claims=[], recording=False)
         return state
 
     def ours(self) -> bool:
@@ -150,9 +152,14 @@ class ReplayingForward:
         self.method = router.method  # "forward", or the block's method that routes (DBRX)
         self.rows = router.rows  # its part of the layer's tokens, where it routes a part
         self.inner = inner  # an instance forward found when installing, or None
+        # Per thread, the ids this call's experts got, while a capture block records (its
+        # router's output may not carry them: `forced_ids`).
+        self.chosen: dict[object, Tensor] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if self.state.recording:  # (a former call's, left by a capture that did not read it)
+            self.chosen.pop(this_thread(), None)
         if self.inner is None:
             output = getattr(type(module), self.method)(module, *args, **kwargs)
         else:
@@ -274,6 +281,30 @@ def _hook_registered(module: nn.Module, handle: Any) -> bool:
     return handle.id in module._forward_pre_hooks or handle.id in module._forward_hooks
 
 
+def record_forced(moe: MoeModel, on: bool) -> None:
+    """While `on` (a capture block is open on the model), each forced router call keeps the
+    ids its experts got for `forced_ids`; off, every kept id is dropped."""
+    state = moe.decoder.__dict__.get(_STATE)
+    if isinstance(state, ReplayState):
+        state.recording = on
+        if not on:
+            for router in moe.all_routers:
+                slot = wrapped(router.module.__dict__.get(router.method), ReplayingForward)
+                if slot is not None:
+                    slot.chosen.clear()
+
+
+def forced_ids(module: nn.Module, method: str) -> Tensor | None:
+    """The ids the experts got from this thread's running call of `module.method`, if replay
+    forced it (the forced ids, the router's own on missing rows), else None. Some outputs do
+    not carry them: Llama 4's and JetMoE's ids are the top-k of the logits, Doge's its
+    product-key choice, Zaya's skip expert is rewritten to id 0."""
+    slot = wrapped(module.__dict__.get(method), ReplayingForward)
+    if slot is None or not slot.chosen:
+        return None
+    return slot.chosen.pop(this_thread(), None)
+
+
 # -- the installed code: runs on every forward of a prepared model -----------------------------
 
 
@@ -319,6 +350,9 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
         ids_TK, replaced_TK = tolerate(all_TE, native_TK, ids_TK, state.tolerance)
     with torch.no_grad():
         tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)
+        if state.recording:
+            chosen_TK = ids_TK if missing_T1 is None else torch.where(missing_T1, native_TK, ids_TK)
+            slot.chosen[this_thread()] = chosen_TK
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)
 
 
@@ -371,6 +405,17 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
     ran, state.ran_L = state.ran_L, [False] * len(state.ran_L)
     if not all(ran):
         names = [r.name for r, done in zip(state.moe.routers, ran, strict=True) if not done]
+        taken = [
+            r.name
+            for r in state.moe.routers
+            if not _reaches_ours(r.module.__dict__.get(r.method), r.module, state)
+        ]
+        if taken:
+            raise UnsupportedModelError(
+                f"replay: the routers {taken} were prepared for replay by another model since "
+                "this block began (the two models share these modules); their forwards went "
+                "to that model's block. Replay one of the models at a time"
+            )
         raise UnsupportedModelError(
             f"replay: the forward finished without calling the routers {names}; a fused MoE "
             "kernel (e.g. use_kernels=True) routes on its own and would ignore the routes"

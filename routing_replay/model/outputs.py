@@ -8,6 +8,7 @@ multiplies every expert's output by. `Pair`: DBRX's `(weights_TK, ids_TK)` from 
 its MoE block given the logits. `SkipExpert`: Zaya's triple, whose router rewrites its skip
 expert (id E, no compute) to id 0 with weight 0 before the experts see it. `SharedGammas`:
 Inkling's triple plus the shared experts' gammas, normalised with the chosen weights.
+`InputRounded`: Ergo's triple, its weights rounded to its input's dtype.
 `Sorted`: JetMoE's 5-tuple, the token-expert pairs sorted by expert. `ProductKeys`: Doge's
 MoE block, which picks its product-key experts inline and returns `(hidden, router_logits)`:
 forced, the block's output is recomputed at the forced ids. A forced output keeps the rows
@@ -50,9 +51,26 @@ class Triple:
         args: tuple = (),
     ) -> tuple:
         scores_TE, native_w_TK, native_ids_TK = output[:3]
-        weights_TK = score(module, scores_TE, ids_TK).to(native_w_TK.dtype)
+        weights_TK = self.weights(module, score(module, scores_TE, ids_TK), native_w_TK, args)
         ids_TK, weights_TK = _merged(ids_TK, weights_TK, native_ids_TK, native_w_TK, missing_T1)
         return (scores_TE, weights_TK, ids_TK, *output[3:])
+
+    def weights(self, module: nn.Module, w_TK: Tensor, like_TK: Tensor, args: tuple) -> Tensor:
+        """The score function's weights as the router returns its own: in `like_TK`'s dtype."""
+        return w_TK.to(like_TK.dtype)
+
+
+class InputRounded(Triple):
+    """Ergo's triple, whose router rounds its float32 weights to its input's dtype and back
+    (bfloat16 steps in a float32 tensor): forced weights are rounded the same way."""
+
+    def weights(self, module: nn.Module, w_TK: Tensor, like_TK: Tensor, args: tuple) -> Tensor:
+        if not args:
+            raise TypeError(
+                f"{type(module).__name__} was called without its input as a positional argument: "
+                "replay rounds the forced weights to its dtype, as the router rounds its own"
+            )
+        return w_TK.to(args[0].dtype).to(like_TK.dtype)
 
 
 class TopkOfLogits:
@@ -316,6 +334,7 @@ def _merged(
 
 
 TRIPLE: Any = Triple()
+INPUT_ROUNDED: Any = InputRounded()
 PAIR: Any = Pair()
 SCATTER: Any = Scatter()
 SKIP_EXPERT: Any = SkipExpert()
