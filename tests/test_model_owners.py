@@ -5,13 +5,16 @@ neither recorded nor forced, and capture says how many it saw."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import numpy as np
 import pytest
 import torch
+from line_stops import interrupted_at
 from moe_models import tiny_model
 from test_two_stacks import stacks, tiny_diffusion_gemma
+from tiny_families import random_routes, tiny_family_model
 
 from routing_replay import RoutingReplayError, capture, replay
 from routing_replay.model.adapters import find_routers
@@ -277,3 +280,82 @@ def test_a_compiled_models_forward_from_another_thread_or_task_is_refused(other)
     assert "thread or asyncio task other than the one" in got[0]
     assert torch.equal(forward(), native)  # after the block: native
     reset_dynamo()
+
+
+class CaptureInReplay(threading.Thread):
+    """Thread B: capture and replay blocks on `model`, a forward, a wait for `go_on`, a
+    second forward; `outcome` holds the recorded routes or the refusal."""
+
+    def __init__(self, model, routes, layout, ids) -> None:
+        super().__init__(daemon=True)
+        self.model, self.routes, self.layout, self.ids = model, routes, layout, ids
+        self.first_done, self.go_on, self.outcome = threading.Event(), threading.Event(), []
+
+    def run(self) -> None:
+        model, ids = self.model, self.ids
+        try:
+            with (
+                torch.no_grad(),
+                capture(model) as cap,
+                replay(model, self.routes, layout=self.layout),
+            ):
+                model(input_ids=ids)
+                self.first_done.set()
+                self.go_on.wait(60)
+                model(input_ids=ids)
+            self.outcome.append(cap.routes())
+        except RoutingReplayError as e:
+            self.outcome.append(e)
+        finally:
+            self.first_done.set()
+
+    def enter_and_forward(self) -> None:
+        self.start()
+        self.first_done.wait(60)
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 9])
+def test_a_capture_block_exiting_while_another_thread_enters_keeps_its_forced_ids(stride):
+    # Thread A's capture exit paused at each line while thread B enters capture and replay
+    # on the model and forwards, then again once A is done: B records the forced ids, or
+    # is refused while A's block is still open (before: A's exit turned off the ids forced
+    # calls keep for a capture, under B's open block: Llama 4's native choice recorded).
+    model = tiny_family_model("llama4_text")
+    layout = find_routers(model).layout
+    ids = torch.randint(3, 200, (2, 8), generator=torch.Generator().manual_seed(4))
+    routes = random_routes(layout, seed=5, missing=0.0)
+    want = [r.numpy() for r in routes.to(torch.int32)] * 2  # two forwards of two samples
+
+    def a_exits(stop: int, at_stop) -> int:
+        """A's block, one forward, then its exit in thread A, `at_stop()` run at its line
+        event `stop`; the exit's line events."""
+        block = capture(model)
+        with torch.no_grad():
+            block.__enter__()
+            model(input_ids=ids)
+        seen = []
+        exit_block = functools.partial(block.__exit__, None, None, None)
+        a = threading.Thread(
+            target=lambda: seen.append(interrupted_at(stop, exit_block, action=at_stop))
+        )
+        a.start()
+        a.join(60)
+        return seen[0][0]
+
+    events = a_exits(0, None)
+    exact = refused = 0
+    for stop in range(1, events + 1, stride):
+        b = CaptureInReplay(model, routes, layout, ids)
+        a_exits(stop, b.enter_and_forward)
+        b.go_on.set()
+        b.join(60)
+        (result,) = b.outcome
+        if isinstance(result, RoutingReplayError):  # A's block still open at that line
+            assert "another thread" in str(result), stop
+            refused += 1
+            continue
+        assert len(result) == 4, stop
+        for got, routes_of in zip(result, want, strict=True):
+            assert np.array_equal(got, routes_of), f"A stopped at line event {stop} of {events}"
+        exact += 1
+    assert exact > refused and events > 20

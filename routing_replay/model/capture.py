@@ -34,7 +34,7 @@ from routing_replay.model.adapters import (
 )
 from routing_replay.model.alignment import Forward, Group, Sample, continues, group_samples
 from routing_replay.model.blocks import ACTIVE, FULLGRAPH, Entry, Queue, dispatch, drop, recording
-from routing_replay.model.forcing import forced_ids, prepare_model, record_forced
+from routing_replay.model.forcing import forced_ids, forget_forced, prepare_model
 from routing_replay.model.generation import followed_eos
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
 from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
@@ -103,8 +103,8 @@ class Capture:
     def _install(self, decoder: nn.Module) -> None:
         # Replay's router forwards, once: code compiled before them guards that the routers
         # have none, so it is compiled again, with this block's hooks (else it skips them).
-        prepare_model(self.moe)
-        record_forced(self.moe, True)  # under a replay block: the forced ids, as the experts got
+        # Replay's forced calls keep their ids while the queue holds a block (`capturing`).
+        prepare_model(self.moe).captures = decoder.__dict__[ACTIVE]
         if decoder is not self.model:  # e.g. a VL model: its text stack gets embeddings only
             self._handles.append(
                 self.model.register_forward_pre_hook(self._outer_begin, with_kwargs=True)
@@ -157,8 +157,7 @@ class Capture:
         blocks = self.moe.decoder.__dict__.get(ACTIVE, [])
         for mine in [e for e in list(blocks) if e.capture() is self]:
             drop(blocks, mine)
-        if not any(e.is_open() for e in list(blocks)):
-            record_forced(self.moe, False)
+        forget_forced(self.moe)
         self._actions.clear()
         self._current = None
 

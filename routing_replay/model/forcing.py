@@ -72,13 +72,14 @@ class ReplayState:
         # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
         self.split: tuple[Tensor, Tensor] | None = None
         self.layer_checks: list[tuple[nn.Module, LayerInputs]] = []  # decoder layers' checks
-        # A capture block is open: each forced call keeps the ids its experts got (`forced_ids`).
-        self.recording = False
+        # The model's queue of capture blocks (`blocks`, the decoder's `ACTIVE`), set by each
+        # capture block's entry: while it holds a block, forced calls keep their ids.
+        self.captures: list = []
 
     def __getstate__(self) -> dict:
         """A copy (deepcopy, pickle) of a model inside a block comes out inactive, unclaimed."""
         state = self.__dict__.copy()
-        state.update(self._inactive(), claims=[], recording=False)
+        state.update(self._inactive(), claims=[])
         return state
 
     def ours(self) -> bool:
@@ -152,13 +153,13 @@ class ReplayingForward:
         self.method = router.method  # "forward", or the block's method that routes (DBRX)
         self.rows = router.rows  # its part of the layer's tokens, where it routes a part
         self.inner = inner  # an instance forward found when installing, or None
-        # Per thread, the ids this call's experts got, while a capture block records (its
-        # router's output may not carry them: `forced_ids`).
+        # Per thread, the ids this call's experts got, while capture blocks are queued on the
+        # model (its router's output may not carry them: `forced_ids`).
         self.chosen: dict[object, Tensor] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if self.state.recording:  # (a former call's, left by a capture that did not read it)
+        if capturing(self.state):  # (a former call's, left by a capture that did not read it)
             self.chosen.pop(this_thread(), None)
         if self.inner is None:
             output = getattr(type(module), self.method)(module, *args, **kwargs)
@@ -281,17 +282,20 @@ def _hook_registered(module: nn.Module, handle: Any) -> bool:
     return handle.id in module._forward_pre_hooks or handle.id in module._forward_hooks
 
 
-def record_forced(moe: MoeModel, on: bool) -> None:
-    """While `on` (a capture block is open on the model), each forced router call keeps the
-    ids its experts got for `forced_ids`; off, every kept id is dropped."""
-    state = moe.decoder.__dict__.get(_STATE)
-    if isinstance(state, ReplayState):
-        state.recording = on
-        if not on:
-            for router in moe.all_routers:
-                slot = wrapped(router.module.__dict__.get(router.method), ReplayingForward)
-                if slot is not None:
-                    slot.chosen.clear()
+def capturing(state: ReplayState) -> bool:
+    """Whether capture blocks are queued on the model (`blocks`): forced calls then keep the
+    ids their experts got. Read from the queue each call, never from a flag one block's exit
+    could clear while another block enters (compiled code guards the queue's length)."""
+    return bool(state.captures)
+
+
+def forget_forced(moe: MoeModel) -> None:
+    """Drop the ids this thread's forced calls kept (a block's exit; other threads' stay)."""
+    me = this_thread()
+    for router in moe.all_routers:
+        slot = wrapped(router.module.__dict__.get(router.method), ReplayingForward)
+        if slot is not None:
+            slot.chosen.pop(me, None)
 
 
 def forced_ids(module: nn.Module, method: str) -> Tensor | None:
@@ -350,7 +354,7 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
         ids_TK, replaced_TK = tolerate(all_TE, native_TK, ids_TK, state.tolerance)
     with torch.no_grad():
         tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)
-        if state.recording:
+        if capturing(state):
             chosen_TK = ids_TK if missing_T1 is None else torch.where(missing_T1, native_TK, ids_TK)
             slot.chosen[this_thread()] = chosen_TK
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)

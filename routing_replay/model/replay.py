@@ -39,7 +39,7 @@ from routing_replay.compat.torch import in_backward
 from routing_replay.errors import RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
-from routing_replay.model.forcing import ReplayState, is_prepared, prepare_model
+from routing_replay.model.forcing import ReplayState, forget_forced, is_prepared, prepare_model
 from routing_replay.model.owner import Owner, mark, unmark
 from routing_replay.model.staging import (
     DeviceRoutes,
@@ -196,6 +196,7 @@ class Replay:
             state.release(self)
             self._state = None
         self._on_device.clear()  # the device copy is freed (unless a pending backward holds it)
+        forget_forced(self.moe)  # ids kept for a capture block
         self._layer_inputs.clear()
 
     def metrics(self) -> dict[str, float]:
