@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import pytest
@@ -11,6 +12,19 @@ import torch
 from routing_replay.store.segment import segment_path
 
 SLOW_KINDS = ("ray", "compile", "stress", "distributed")  # each of these is slow as well
+
+
+WHOLE_MODULE_SLOW = re.compile(rf"^pytestmark = pytest\.mark\.(slow|{'|'.join(SLOW_KINDS)})$", re.M)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The fast tier (`-m "not slow"`) does not import the modules marked slow as a whole:
+    importing them alone (TRL, Ray Train, the benchmarks) costs it seconds."""
+    if config.getoption("markexpr") != "not slow" or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix == ".py" and WHOLE_MODULE_SLOW.search(collection_path.read_text()):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(items):

@@ -28,7 +28,25 @@ from routing_replay.routes import with_layout
 B, S = 2, 6
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# The fast tier: one family of each score function and layer pattern; all in the slow.
+FAST = {
+    "cohere2_moe",
+    "cohere2_moe_sigmoid",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v4",
+    "ernie4_5_moe",
+    "gpt_oss",
+    "jamba",
+    "lfm2_moe",
+    "minimax_m2",
+    "qwen3_moe",
+    "qwen3_next",
+}
+PARAMS = [pytest.param(f, marks=() if f in FAST else pytest.mark.slow, id=f) for f in FAMILIES]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
 def family(request):
     return request.param
 

@@ -484,8 +484,9 @@ def _run(name: str, other: Other, scenario, interference, at: int | None, spill)
             other("close", name)
 
 
-SPILL = pytest.mark.parametrize("spill", [False, True], ids=["in-memory", "spilling"])
-SLOW = {reclaim_to_fit}  # 4 s: its interleavings run in the slow tier only
+# In the slow tier only: reclaim_to_fit's interleavings take 4 s; prefix_hit and twin_pages
+# share pages as put_many_shared does, which the fast tier runs.
+SLOW = {reclaim_to_fit, prefix_hit, twin_pages}
 
 
 @pytest.mark.parametrize(
@@ -502,7 +503,9 @@ def test_every_interleaving_reads_back_exactly(name, other, scenario, spill, tmp
     _every_interleaving(name, other, scenario, INTERFERENCES, tmp_path if spill else None)
 
 
-@SPILL
+@pytest.mark.parametrize(
+    "spill", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["in-memory", "spilling"]
+)
 @pytest.mark.parametrize("scenario", [read_by_refs, release_by_ref], ids=lambda s: s.__name__)
 def test_refs_name_one_put_at_every_interleaving(name, other, scenario, spill, tmp_path):
     # Among the interferences: every id released and put again, same tokens, other routes.
