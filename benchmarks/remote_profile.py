@@ -1,5 +1,6 @@
 """The two-node read in phases: the writer's put, the store actor's call, the pull of what
-it shipped, the rebuild into the reader's reused memory.
+it shipped, the rebuild into the reader's reused memory; then Ray's own transfer of as many
+bytes in as many objects, the floor of any path through Ray's object store.
 
     python benchmarks/remote_profile.py deepseek-v3 grpo     # or qwen3-30b-a3b, long
 
@@ -34,6 +35,15 @@ class Writer:
         self.routes = [sample_routes(self.spec, i, layout, cache) for i in range(n)]
         self.tokens = [sample_tokens(self.spec, i) for i in range(n)]
 
+    def ship(self, nbytes: int, pieces: int) -> tuple[list, float]:
+        """`nbytes` of random bytes put in `pieces` objects: their refs, and the puts' time."""
+        import ray
+
+        data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        t = time.perf_counter()
+        refs = [ray.put(p) for p in np.array_split(data, pieces)]
+        return refs, time.perf_counter() - t
+
     def put(self, step: int) -> list:
         return [
             self.store.put(f"s{step}-{i}", r, prompt_len=self.spec["samples"][i][1], token_ids=t)
@@ -50,6 +60,7 @@ def main() -> None:
     import ray
 
     from routing_replay.ray import release_refs, shutdown_node_stores, store_actor
+    from routing_replay.ray.dataset import REMOTE_PIECES
 
     layout = layout_of_model(args.model)
     cluster = SimCluster(2, 4 << 30, __name__)
@@ -72,6 +83,7 @@ def main() -> None:
             t2 = time.perf_counter()
             wire = ray.get(shipped)
             wire.batch(out)  # the rebuild
+            nbytes = wire.nbytes
             t3 = time.perf_counter()
             totals.append(t3 - t0)
             print(
@@ -83,6 +95,19 @@ def main() -> None:
             del wire, shipped
             release_refs(refs)
         print(f"steady median {statistics.median(totals[1:]):.3f} s")
+        puts, pulls = [], []  # Ray alone: the same bytes, put on the writer's node, pulled here
+        for _ in range(args.steps):
+            refs, put_s = ray.get(writer.ship.remote(nbytes, REMOTE_PIECES))
+            t = time.perf_counter()
+            ray.wait(refs, num_returns=len(refs), fetch_local=True)
+            pulls.append(time.perf_counter() - t)
+            puts.append(put_s)
+            del refs
+        print(
+            f"Ray alone, {nbytes / MB:.0f} MB in {REMOTE_PIECES} objects: put median "
+            f"{statistics.median(puts):.3f} s (min {min(puts):.3f}), pull median "
+            f"{statistics.median(pulls):.3f} s (min {min(pulls):.3f})"
+        )
     finally:
         shutdown_node_stores(job)
         cluster.close()
