@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 
 import numpy as np
 import pytest
@@ -660,5 +661,25 @@ def test_backward_outside_replay_under_checkpointing_warns(reentrant):
     with pytest.warns(RuntimeWarning, match="inside the `with replay"), replay(model, routes):
         loss = model(input_ids=input_ids, labels=input_ids).loss
     # The recompute now routes natively; torch usually notices the changed saved tensors too.
+    with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
+        loss.backward()
+
+
+def test_every_nth_layer_checkpointed_warns_only_when_backward_is_outside():
+    # transformers' every_n_layers=2 checkpoints decoder layers 0 and 2: DeepSeek-V3's first
+    # layer is dense, so its first MoE layer is not recomputed (before: the block counted
+    # recomputes there only, and warned with backward inside it).
+    model = tiny_model("deepseek_v3").train()
+    layout = layout_of(model)
+    assert layout.moe_layers[0] == 1
+    model.activation_checkpointing_enable(every_n_layers=2)
+    input_ids, _ = batch(pad=())
+    routes = random_routes(layout, (B, S), seed=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with replay(model, routes):
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+    with pytest.warns(RuntimeWarning, match="inside the `with replay"), replay(model, routes):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
     with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
         loss.backward()

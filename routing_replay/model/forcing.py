@@ -319,8 +319,8 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        if j == 0 and (slot.rows is None or slot.rows.part == 0):
-            state.owner._count_pass()
+        if slot.rows is None or slot.rows.part == 0:
+            state.owner._count_pass(j)
         if state.all_missing_L[j]:
             return output
     rows_T = slot.output.rows(output)

@@ -114,7 +114,9 @@ class Replay:
         self._holding = False  # a claim on the model (`ReplayState.claim`)
         self._owner: Owner | None = None  # the thread and context mark of its entry
         self._grad_forwards = 0
-        self._recomputes = 0
+        # Per MoE layer, the checkpoint recomputes it ran: the most of any layer is how many
+        # backwards ran in the block (transformers may checkpoint every n-th layer only).
+        self._recomputes_L: list[int] = [0] * self.moe.layout.num_moe_layers
         self._layer_inputs: set[tuple] = set()  # the decoder layers' inputs it ran (`LayerInputs`)
         self._tally_L: list[Tensor] = []  # per MoE layer: forced rows, agreed rows, replaced slots
 
@@ -175,7 +177,7 @@ class Replay:
         warn_unguarded("replay")
         if (
             exc_type is None
-            and self._grad_forwards > self._recomputes
+            and self._grad_forwards > max(self._recomputes_L, default=0)
             and _checkpointing(self.model)
         ):
             warnings.warn(
@@ -231,9 +233,9 @@ class Replay:
             self._on_device[device] = found
         return found
 
-    def _count_pass(self) -> None:  # eager only: under compile, recompute replays graph inputs
+    def _count_pass(self, j: int) -> None:  # eager only: compiled recomputes replay graph inputs
         if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
-            self._recomputes += 1
+            self._recomputes_L[j] += 1
 
 
 def replay(
