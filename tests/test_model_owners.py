@@ -359,3 +359,44 @@ def test_a_capture_block_exiting_while_another_thread_enters_keeps_its_forced_id
             assert np.array_equal(got, routes_of), f"A stopped at line event {stop} of {events}"
         exact += 1
     assert exact > refused and events > 20
+
+
+def kept_ids(model) -> int:
+    """Ids the model's forced router calls keep for capture blocks (`forcing.forced_ids`)."""
+    from routing_replay.model.forcing import ReplayingForward, wrapped
+
+    moe = find_routers(model)
+    slots = [wrapped(vars(r.module).get(r.method), ReplayingForward) for r in moe.all_routers]
+    return sum(len(s.chosen) for s in slots if s is not None)
+
+
+def test_no_forced_ids_are_kept_after_blocks_whose_calls_ran_in_other_threads():
+    # A checkpoint recompute in autograd's own thread (CUDA's device threads), and a replay
+    # block exited from another thread than its forwards': once the blocks end, the model
+    # keeps no ids (before: one [T, K] tensor per router, until that thread's next call).
+    model = tiny_family_model("llama4_text").train()
+    layout = find_routers(model).layout
+    ids = torch.randint(3, 200, (2, 8), generator=torch.Generator().manual_seed(4))
+    routes = random_routes(layout, seed=5, missing=0.0)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    with capture(model), replay(model, routes, layout=layout):
+        loss = model(input_ids=ids).logits.float().square().mean()
+        backward = threading.Thread(target=loss.backward)
+        backward.start()
+        backward.join()
+    assert kept_ids(model) == 0
+    model.activation_checkpointing_disable()
+    block = replay(model, routes, layout=layout)
+
+    def forward_in_a_block():
+        block.__enter__()
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    with pytest.warns(RuntimeWarning, match=r"1 forward\(s\) of other threads"), capture(model):
+        worker = threading.Thread(target=forward_in_a_block)
+        worker.start()
+        worker.join()
+        assert kept_ids(model) == 3  # the block's forward, one per router: not recorded here
+        block.__exit__(None, None, None)
+    assert kept_ids(model) == 0

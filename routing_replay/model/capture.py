@@ -157,7 +157,7 @@ class Capture:
         blocks = self.moe.decoder.__dict__.get(ACTIVE, [])
         for mine in [e for e in list(blocks) if e.capture() is self]:
             drop(blocks, mine)
-        forget_forced(self.moe)
+        forget_forced(self.moe, self._owner)
         self._actions.clear()
         self._current = None
 

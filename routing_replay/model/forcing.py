@@ -289,13 +289,14 @@ def capturing(state: ReplayState) -> bool:
     return bool(state.captures)
 
 
-def forget_forced(moe: MoeModel) -> None:
-    """Drop the ids this thread's forced calls kept (a block's exit; other threads' stay)."""
-    me = this_thread()
+def forget_forced(moe: MoeModel, owner: Owner | None) -> None:
+    """Drop the ids kept by the forced calls of `owner`'s thread (a block's exit, maybe from
+    another thread; the other threads' blocks keep theirs)."""
+    thread = this_thread() if owner is None else owner.thread
     for router in moe.all_routers:
         slot = wrapped(router.module.__dict__.get(router.method), ReplayingForward)
         if slot is not None:
-            slot.chosen.pop(me, None)
+            slot.chosen.pop(thread, None)
 
 
 def forced_ids(module: nn.Module, method: str) -> Tensor | None:
@@ -354,7 +355,7 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
         ids_TK, replaced_TK = tolerate(all_TE, native_TK, ids_TK, state.tolerance)
     with torch.no_grad():
         tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)
-        if capturing(state):
+        if capturing(state) and (compiling or not in_backward()):  # (capture skips recomputes)
             chosen_TK = ids_TK if missing_T1 is None else torch.where(missing_T1, native_TK, ids_TK)
             slot.chosen[this_thread()] = chosen_TK
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)

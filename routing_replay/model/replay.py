@@ -198,7 +198,7 @@ class Replay:
             state.release(self)
             self._state = None
         self._on_device.clear()  # the device copy is freed (unless a pending backward holds it)
-        forget_forced(self.moe)  # ids kept for a capture block
+        forget_forced(self.moe, self._owner)  # ids kept for a capture block
         self._layer_inputs.clear()
 
     def metrics(self) -> dict[str, float]:
