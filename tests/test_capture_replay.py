@@ -683,3 +683,33 @@ def test_every_nth_layer_checkpointed_warns_only_when_backward_is_outside():
         loss = model(input_ids=input_ids, labels=input_ids).loss
     with contextlib.suppress(torch.utils.checkpoint.CheckpointError):
         loss.backward()
+
+
+@pytest.mark.parametrize(
+    "checkpointing",
+    [{}, {"every_n_layers": 2}, {"activation_checkpointing_kwargs": {"use_reentrant": True}}],
+    ids=["every-layer", "every-2nd", "reentrant"],
+)
+def test_metrics_count_each_forward_once_under_checkpointing(checkpointing):
+    # A recompute is not another forward (before: recomputes were tallied, so with every 2nd
+    # layer checkpointed the checkpointed MoE layers counted twice and the metrics moved).
+    model = tiny_model("deepseek_v3").train()
+    input_ids, _ = batch(pad=())
+    with torch.no_grad(), capture(model) as cap:
+        model(input_ids=input_ids)
+    routes = torch.from_numpy(np.stack(cap.routes())).long()
+    routes[:, :, 0] = (routes[:, :, 0] + 1) % cap.layout.num_experts  # MoE layer 0 disagrees
+
+    def step() -> dict:
+        with replay(model, routes, layout=cap.layout, tolerance=0.9) as block:
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+        return block.metrics()
+
+    plain = step()
+    assert plain["replay/rows_replayed"] == routes.shape[0] * routes.shape[1] * 2
+    assert 0 < plain["replay/native_agreement"] < 1 and plain["replay/replace_rate"] > 0
+    model.activation_checkpointing_enable(**checkpointing)
+    try:
+        assert step() == plain
+    finally:
+        model.activation_checkpointing_disable()

@@ -353,9 +353,11 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     if state.tolerance is not None:
         all_TE = scores_over_all(slot.score, module, scores_TE)
         ids_TK, replaced_TK = tolerate(all_TE, native_TK, ids_TK, state.tolerance)
+    recompute = not compiling and in_backward()  # a checkpoint's: counted and kept once
     with torch.no_grad():
-        tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)
-        if capturing(state) and (compiling or not in_backward()):  # (capture skips recomputes)
+        if not recompute:
+            tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)
+        if capturing(state) and not recompute:  # (capture records no recompute)
             chosen_TK = ids_TK if missing_T1 is None else torch.where(missing_T1, native_TK, ids_TK)
             slot.chosen[this_thread()] = chosen_TK
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)
