@@ -713,3 +713,24 @@ def test_metrics_count_each_forward_once_under_checkpointing(checkpointing):
         assert step() == plain
     finally:
         model.activation_checkpointing_disable()
+
+
+def test_a_forward_failing_inside_the_block_is_not_waited_for_by_its_exit():
+    # A forward that fails (an out-of-memory retried, say) has no backward: the block's exit
+    # does not warn that backward ran outside it (before: it counted the forward at its start).
+    model = tiny_model("qwen3_moe").train()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    input_ids, _ = batch(pad=())
+    routes = random_routes(layout_of(model), (B, S), seed=12)
+
+    def fail(module, args, output):
+        raise RuntimeError("out of memory (a stand-in)")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with replay(model, routes):
+            hook = model.model.layers[-1].register_forward_hook(fail)
+            with pytest.raises(RuntimeError, match="stand-in"):
+                model(input_ids=input_ids, labels=input_ids)
+            hook.remove()
+            model(input_ids=input_ids, labels=input_ids).loss.backward()

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from compiling import reset_dynamo
 from line_stops import interrupted_at
 from moe_models import tiny_model
 from test_two_stacks import stacks, tiny_diffusion_gemma
@@ -400,3 +401,55 @@ def test_no_forced_ids_are_kept_after_blocks_whose_calls_ran_in_other_threads():
         assert kept_ids(model) == 3  # the block's forward, one per router: not recorded here
         block.__exit__(None, None, None)
     assert kept_ids(model) == 0
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
+def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced(compiled):
+    # Thread B's forward holds after its embedding; thread A enters a replay block; B goes on.
+    # Eager, B's routers check their owner: native. Its layers compiled one by one (as
+    # torchtitan does) check only that replay is on: B is refused at its end (before: forced
+    # with A's routes, silently; eager B was refused as "a fused MoE kernel").
+    reset_dynamo()
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    with torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+    routes = experts_0_and_1(layout)
+    if compiled:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer, backend="eager")
+    with torch.no_grad():  # the model prepared (and both variants compiled) before the race
+        model(input_ids=PROMPT)
+        with replay(model, routes, layout=layout):
+            model(input_ids=PROMPT)
+    embedded, entered, outcome = threading.Event(), threading.Event(), []
+
+    def hold_b(module, args, output):
+        if threading.current_thread().name == "B":
+            embedded.set()
+            entered.wait(30)
+
+    def b():
+        try:
+            with torch.no_grad():
+                outcome.append(model(input_ids=PROMPT).logits)
+        except RoutingReplayError as e:
+            outcome.append(e)
+
+    hook = model.model.embed_tokens.register_forward_hook(hold_b)
+    worker = threading.Thread(target=b, name="B", daemon=True)
+    try:
+        worker.start()
+        assert embedded.wait(30)
+        with replay(model, routes, layout=layout):
+            entered.set()
+            worker.join(60)
+    finally:
+        entered.set()
+        hook.remove()
+    (result,) = outcome
+    if compiled:
+        assert isinstance(result, RoutingReplayError), "forced with the other thread's routes"
+        assert "begun before the replay block" in str(result)
+    else:
+        assert torch.equal(result, native)

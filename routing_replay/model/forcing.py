@@ -28,7 +28,15 @@ from routing_replay.model.adapters import (
     rows_of,
     split_rows,
 )
-from routing_replay.model.owner import Owner, current_owner, owns, owns_compiled, this_thread
+from routing_replay.model.owner import (
+    Owner,
+    admit,
+    admitted,
+    current_owner,
+    owns,
+    owns_compiled,
+    this_thread,
+)
 from routing_replay.model.recompute import LayerInputs, check_layer_inputs, wrap_checkpointing
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
@@ -365,8 +373,11 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
 
 def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     state: ReplayState = module.__dict__[_STATE]
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # (compiled as a whole, the frame guards that replay is on or off)
+        admit(state, False)
     if not state.active:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and not compiling:
             wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
         return
     if not (
@@ -380,14 +391,12 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             "block's routes. Call the model inside the block, in the thread and task that "
             "entered it (not through an executor), or give each thread its own model"
         )
+    if not compiling:
+        admit(state, True)
     state.ran_L = [False] * len(state.ran_L)
     kwarg = state.moe.row_kwarg
     if kwarg is not None:  # this forward's tokens of each type (ERNIE 4.5 VL)
         state.split = split_rows(kwargs.get(kwarg))
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not in_backward():
-        # Counted here, where the caller's grad mode holds: reentrant checkpointing runs
-        # the layers (and so the routers) under no_grad in the forward.
-        state.owner._grad_forwards += 1
     shape = _input_shape(args, kwargs)
     # Against the routes tensor's own sizes, not a tuple of ints: compiled with dynamic
     # shapes, a new batch shape then needs no recompile for this check.
@@ -409,6 +418,20 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
     state: ReplayState = module.__dict__[_STATE]
     if not state.active:
         return
+    compiling = torch.compiler.is_compiling()
+    if not compiling and admitted(state) is False:  # begun before the block, in another thread
+        if any(state.ran_L):  # layers compiled on their own check only that replay is on
+            raise RoutingReplayError(
+                "replay: a forward of another thread, begun before the replay block was "
+                "entered, ran into it: its layers compiled on their own may have been forced "
+                "with the block's routes. Run it again, not while a replay block of another "
+                "thread is entered on the model, or give each thread its own model"
+            )
+        return  # (eager, its routers checked their owner: routed natively)
+    if not compiling and torch.is_grad_enabled() and not in_backward():
+        # A forward done (one that fails has no backward to wait for), counted where the
+        # caller's grad mode holds: reentrant checkpointing runs the layers under no_grad.
+        state.owner._grad_forwards += 1
     ran, state.ran_L = state.ran_L, [False] * len(state.ran_L)
     if not all(ran):
         names = [r.name for r, done in zip(state.moe.routers, ran, strict=True) if not done]
