@@ -8,7 +8,8 @@ Read in this order:
   transformers caches without a device sync; `alignment` turns recorded forwards into
   per-sample routes);
 - `replay`: force recorded ids in the routers, weights from the live logits (`staging`
-  checks and places a batch's routes, `forcing` is the code installed in the model);
+  checks and places a batch's routes, `forcing` is the code installed in the model and
+  `install` puts it there);
 - `agreement`: how often native routing agrees with the recorded routes;
 - `aux_loss`: the load-balancing loss of the replayed experts.
 """

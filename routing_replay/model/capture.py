@@ -34,9 +34,10 @@ from routing_replay.model.adapters import (
 )
 from routing_replay.model.alignment import Forward, Group, Sample, continues, group_samples
 from routing_replay.model.blocks import ACTIVE, FULLGRAPH, Entry, Queue, dispatch, drop, recording
-from routing_replay.model.forcing import forced_ids, forget_forced, prepare_model
+from routing_replay.model.forcing import forced_ids, forget_forced
 from routing_replay.model.generation import followed_eos
 from routing_replay.model.hf_cache import cache_lengths, is_2d_mask, past_columns
+from routing_replay.model.install import prepare_model
 from routing_replay.model.owner import Owner, current_owner, escaped, mark, owns, unmark
 from routing_replay.model.stance import refuse_unguarded, warn_unguarded
 

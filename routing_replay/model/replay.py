@@ -39,7 +39,8 @@ from routing_replay.compat.torch import in_backward
 from routing_replay.errors import RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
-from routing_replay.model.forcing import ReplayState, forget_forced, is_prepared, prepare_model
+from routing_replay.model.forcing import ReplayState, forget_forced
+from routing_replay.model.install import is_prepared, prepare_model
 from routing_replay.model.owner import Owner, mark, unmark
 from routing_replay.model.staging import (
     DeviceRoutes,
