@@ -403,12 +403,15 @@ def test_no_forced_ids_are_kept_after_blocks_whose_calls_ran_in_other_threads():
     assert kept_ids(model) == 0
 
 
+@pytest.mark.parametrize("then", ["b-ends", "a-forwards", "a-exits"])
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
-def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced(compiled):
-    # Thread B's forward holds after its embedding; thread A enters a replay block; B goes on.
-    # Eager, B's routers check their owner: native. Its layers compiled one by one (as
-    # torchtitan does) check only that replay is on: B is refused at its end (before: forced
-    # with A's routes, silently; eager B was refused as "a fused MoE kernel").
+def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced(compiled, then):
+    # Thread B's forward holds after its embedding; thread A enters a replay block; B runs its
+    # layers and holds before its final norm; then B ends, or A forwards or exits first. B is
+    # never forced silently: eager, its routers check their owner (native, or refused); its
+    # layers compiled one by one (as torchtitan does) check only that replay is on, so B,
+    # whose forward overlapped the block's entry, is refused at its end (before: forced with
+    # A's routes, silently; eager B was refused as "a fused MoE kernel").
     reset_dynamo()
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
@@ -422,12 +425,16 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
         model(input_ids=PROMPT)
         with replay(model, routes, layout=layout):
             model(input_ids=PROMPT)
-    embedded, entered, outcome = threading.Event(), threading.Event(), []
+    steps = {name: threading.Event() for name in ("embedded", "entered", "layered", "go")}
+    outcome = []
 
-    def hold_b(module, args, output):
-        if threading.current_thread().name == "B":
-            embedded.set()
-            entered.wait(30)
+    def hold(at: str, until: str):
+        def hook(module, *args):
+            if threading.current_thread().name == "B":
+                steps[at].set()
+                steps[until].wait(30)
+
+        return hook
 
     def b():
         try:
@@ -436,20 +443,35 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
         except RoutingReplayError as e:
             outcome.append(e)
 
-    hook = model.model.embed_tokens.register_forward_hook(hold_b)
+    hooks = [
+        model.model.embed_tokens.register_forward_hook(hold("embedded", "entered")),
+        model.model.norm.register_forward_pre_hook(hold("layered", "go")),
+    ]
     worker = threading.Thread(target=b, name="B", daemon=True)
     try:
         worker.start()
-        assert embedded.wait(30)
-        with replay(model, routes, layout=layout):
-            entered.set()
-            worker.join(60)
+        assert steps["embedded"].wait(30)
+        # (under a capture block: B's forced layers keep their ids for capture, to be dropped)
+        with capture(model), replay(model, routes, layout=layout):
+            steps["entered"].set()
+            assert steps["layered"].wait(30)
+            if then == "a-forwards":
+                with torch.no_grad():
+                    model(input_ids=PROMPT)
+            if then != "a-exits":
+                steps["go"].set()
+                worker.join(60)
+        steps["go"].set()
+        worker.join(60)
     finally:
-        entered.set()
-        hook.remove()
+        for event in steps.values():
+            event.set()
+        for hook in hooks:
+            hook.remove()
     (result,) = outcome
-    if compiled:
+    if compiled or isinstance(result, RoutingReplayError):
         assert isinstance(result, RoutingReplayError), "forced with the other thread's routes"
-        assert "begun before the replay block" in str(result)
+        assert "while another thread entered or exited a replay block" in str(result)
     else:
         assert torch.equal(result, native)
+    assert kept_ids(model) == 0

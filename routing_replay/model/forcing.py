@@ -14,6 +14,7 @@ per layer to int64 inside the router's forward), `__exit__` deactivates it and f
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from routing_replay.model.replay import Replay
 
 _STATE = "_routing_replay_state"  # on the decoder: the model's ReplayState (also the mark)
+_EPOCHS = itertools.count(1)  # (next() on it is atomic: epochs are unique across threads)
 _TASK_COMPILED = (
     "replay: a block entered inside an asyncio task checks which task runs each forward of "
     "the model eagerly, between compiled graphs; compile without fullgraph=True, or enter "
@@ -80,6 +82,9 @@ class ReplayState:
         # each part (`adapters.split_rows`, set by the decoder's pre-hook), None: all part 0's.
         self.split: tuple[Tensor, Tensor] | None = None
         self.layer_checks: list[tuple[nn.Module, LayerInputs]] = []  # decoder layers' checks
+        # A new value each time a block turns replay on or off (`turn`): a forward that saw
+        # another value at its start overlapped a block's entry or exit (`_check_all_routed`).
+        self.epoch = 0
         # The model's queue of capture blocks (`blocks`, the decoder's `ACTIVE`), set by each
         # capture block's entry: while it holds a block, forced calls keep their ids.
         self.captures: list = []
@@ -119,8 +124,14 @@ class ReplayState:
         the flag first, the owner last: an exit stopped half-way finds itself the owner)."""
         self.__dict__.update(self._inactive())
 
+    def turn(self, active: bool) -> None:
+        """Replay on or off for the model: a new epoch first, then the flag."""
+        self.epoch = next(_EPOCHS)
+        self.active = active
+
     def _inactive(self) -> dict[str, Any]:
         return {
+            "epoch": next(_EPOCHS),
             "active": False,
             "owner_key": None,
             "layer_routes": None,
@@ -284,7 +295,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     state: ReplayState = module.__dict__[_STATE]
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (compiled as a whole, the frame guards that replay is on or off)
-        admit(state, False)
+        admit(state, (False, state.epoch))
     if not state.active:
         if torch.is_grad_enabled() and not compiling:
             wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
@@ -301,7 +312,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             "entered it (not through an executor), or give each thread its own model"
         )
     if not compiling:
-        admit(state, True)
+        admit(state, (True, state.epoch))
     state.ran_L = [False] * len(state.ran_L)
     kwarg = state.moe.row_kwarg
     if kwarg is not None:  # this forward's tokens of each type (ERNIE 4.5 VL)
@@ -325,18 +336,21 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
 
 def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
     state: ReplayState = module.__dict__[_STATE]
+    compiling = torch.compiler.is_compiling()
+    noted = None if compiling else admitted(state)
+    if noted is not None and not noted[0]:  # begun with replay off (else refused at its start)
+        if noted[1] != state.epoch:  # and a block entered or exited while it ran
+            forget_forced(state.moe, None)
+            raise RoutingReplayError(
+                "replay: a forward of this model ran while another thread entered or exited "
+                "a replay block on it: its layers may have been forced with that block's "
+                "routes (layers compiled on their own check only that replay is on). Run it "
+                "again, not while another thread's replay block begins or ends on the model, "
+                "or give each thread its own model"
+            )
+        return
     if not state.active:
         return
-    compiling = torch.compiler.is_compiling()
-    if not compiling and admitted(state) is False:  # begun before the block, in another thread
-        if any(state.ran_L):  # layers compiled on their own check only that replay is on
-            raise RoutingReplayError(
-                "replay: a forward of another thread, begun before the replay block was "
-                "entered, ran into it: its layers compiled on their own may have been forced "
-                "with the block's routes. Run it again, not while a replay block of another "
-                "thread is entered on the model, or give each thread its own model"
-            )
-        return  # (eager, its routers checked their owner: routed natively)
     if not compiling and torch.is_grad_enabled() and not in_backward():
         # A forward done (one that fails has no backward to wait for), counted where the
         # caller's grad mode holds: reentrant checkpointing runs the layers under no_grad.

@@ -72,16 +72,17 @@ def _in_thread(me: object) -> bool:
     return getattr(_THREAD, "me", None) is me
 
 
-def admit(key: object, admitted: bool) -> None:
-    """Note whether this thread's running forward of `key`'s model is its active block's:
-    the forward's start (the decoder's pre-hook, eager) tells its end."""
+def admit(key: object, admitted: tuple[bool, int]) -> None:
+    """Note whether this thread's running forward of `key`'s model is its active block's,
+    and the model's epoch then: the forward's start (the decoder's pre-hook, eager) tells
+    its end."""
     found = getattr(_THREAD, "admitted", None)
     if found is None:
         found = _THREAD.admitted = {}
     found[id(key)] = admitted
 
 
-def admitted(key: object) -> bool | None:
+def admitted(key: object) -> tuple[bool, int] | None:
     """What `admit` noted for this thread's running forward of `key`'s model, if anything."""
     return getattr(_THREAD, "admitted", {}).get(id(key))
 

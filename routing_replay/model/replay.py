@@ -137,7 +137,7 @@ class Replay:
                 )
             state.owner, self._owner = self, mark()
             self._fill(state)
-            state.active = True
+            state.turn(True)
             self._state = state
             return self
         except BaseException:
