@@ -475,3 +475,70 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
     else:
         assert torch.equal(result, native)
     assert kept_ids(model) == 0
+
+
+@pytest.mark.compile
+def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never_forced():
+    # Thread B's forward starts at each line of thread A's replay entry (layers compiled one
+    # by one, which check only that replay is on) and ends after it: B is refused or native,
+    # never forced (before: started between the entry's new epoch and its flag, B noted the
+    # new epoch with replay off, and its layers were forced with A's routes, silently).
+    reset_dynamo()
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = experts_0_and_1(layout)
+    with torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend="eager")
+    with torch.no_grad():  # both variants compiled before the races
+        model(input_ids=PROMPT)
+        with replay(model, routes, layout=layout):
+            model(input_ids=PROMPT)
+
+    def enter_with_b_at(stop: int) -> tuple[int, list]:
+        block, outcome, embedded, entered = (
+            replay(model, routes, layout=layout),
+            [],
+            *(
+                threading.Event(),
+                threading.Event(),
+            ),
+        )
+
+        def b():
+            try:
+                with torch.no_grad():
+                    outcome.append(model(input_ids=PROMPT).logits)
+            except RoutingReplayError as e:
+                outcome.append(e)
+
+        def hold(module, args, output):
+            if threading.current_thread().name == "B":
+                embedded.set()
+                entered.wait(30)
+
+        worker = threading.Thread(target=b, name="B", daemon=True)
+
+        def start_b():
+            worker.start()
+            embedded.wait(5)  # (B may instead be refused before its embedding)
+
+        hook = model.model.embed_tokens.register_forward_hook(hold)
+        try:
+            seen, _ = interrupted_at(stop, block.__enter__, action=start_b)
+            entered.set()
+            if stop and seen >= stop:
+                worker.join(60)
+            block.__exit__(None, None, None)
+        finally:
+            entered.set()
+            hook.remove()
+        return seen, outcome
+
+    events, _ = enter_with_b_at(0)
+    for stop in range(1, events + 1):
+        _, outcome = enter_with_b_at(stop)
+        (result,) = outcome
+        if not isinstance(result, RoutingReplayError):
+            assert torch.equal(result, native), f"B forced, started at line {stop} of {events}"

@@ -125,9 +125,10 @@ class ReplayState:
         self.__dict__.update(self._inactive())
 
     def turn(self, active: bool) -> None:
-        """Replay on or off for the model: a new epoch first, then the flag."""
-        self.epoch = next(_EPOCHS)
+        """Replay on or off for the model: the flag first, then a new epoch (a forward's
+        start reads them in the other order: it sees the flag on, or the epoch change)."""
         self.active = active
+        self.epoch = next(_EPOCHS)
 
     def _inactive(self) -> dict[str, Any]:
         return {
