@@ -403,6 +403,15 @@ def test_no_forced_ids_are_kept_after_blocks_whose_calls_ran_in_other_threads():
     assert kept_ids(model) == 0
 
 
+def forward_or_refusal(model, outcome: list) -> None:
+    """One forward of PROMPT: its logits, or its `RoutingReplayError`, into `outcome`."""
+    try:
+        with torch.no_grad():
+            outcome.append(model(input_ids=PROMPT).logits)
+    except RoutingReplayError as e:
+        outcome.append(e)
+
+
 @pytest.mark.parametrize("then", ["b-ends", "a-forwards", "a-exits"])
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compile)])
 def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced(compiled, then):
@@ -436,18 +445,13 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
 
         return hook
 
-    def b():
-        try:
-            with torch.no_grad():
-                outcome.append(model(input_ids=PROMPT).logits)
-        except RoutingReplayError as e:
-            outcome.append(e)
-
     hooks = [
         model.model.embed_tokens.register_forward_hook(hold("embedded", "entered")),
         model.model.norm.register_forward_pre_hook(hold("layered", "go")),
     ]
-    worker = threading.Thread(target=b, name="B", daemon=True)
+    worker = threading.Thread(
+        target=forward_or_refusal, args=(model, outcome), name="B", daemon=True
+    )
     try:
         worker.start()
         assert steps["embedded"].wait(30)
@@ -506,19 +510,14 @@ def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never
             ),
         )
 
-        def b():
-            try:
-                with torch.no_grad():
-                    outcome.append(model(input_ids=PROMPT).logits)
-            except RoutingReplayError as e:
-                outcome.append(e)
-
         def hold(module, args, output):
             if threading.current_thread().name == "B":
                 embedded.set()
                 entered.wait(30)
 
-        worker = threading.Thread(target=b, name="B", daemon=True)
+        worker = threading.Thread(
+            target=forward_or_refusal, args=(model, outcome), name="B", daemon=True
+        )
 
         def start_b():
             worker.start()
