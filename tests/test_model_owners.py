@@ -5,6 +5,7 @@ neither recorded nor forced, and capture says how many it saw."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import threading
 
@@ -541,3 +542,26 @@ def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never
         (result,) = outcome
         if not isinstance(result, RoutingReplayError):
             assert torch.equal(result, native), f"B forced, started at line {stop} of {events}"
+
+
+def test_the_notes_of_forwards_go_with_their_models():
+    # Each forward notes per thread whether it is its block's; models dropped leave no note
+    # (before: one per model state and thread, for good, and a new state given a freed id
+    # read the dead model's note).
+    import gc
+
+    from routing_replay.model import owner
+
+    model = tiny_model("qwen3_moe").eval()
+    routes = experts_0_and_1(find_routers(model).layout)
+    with torch.no_grad(), replay(model, routes, layout=find_routers(model).layout):
+        model(input_ids=PROMPT)
+    gc.collect()
+    before = len(owner._THREAD.admitted)  # (this model's, and those of models still alive)
+    for _ in range(5):
+        other = copy.deepcopy(model)
+        with torch.no_grad(), replay(other, routes, layout=find_routers(other).layout):
+            other(input_ids=PROMPT)
+        del other
+    gc.collect()
+    assert len(owner._THREAD.admitted) == before

@@ -16,6 +16,7 @@ import functools
 import itertools
 import sys
 import threading
+import weakref
 from typing import NamedTuple
 
 from routing_replay.compat.torch import break_graph, run_eagerly
@@ -77,14 +78,15 @@ def admit(key: object, admitted: tuple[bool, int]) -> None:
     and the model's epoch then: the forward's start (the decoder's pre-hook, eager) tells
     its end."""
     found = getattr(_THREAD, "admitted", None)
-    if found is None:
-        found = _THREAD.admitted = {}
-    found[id(key)] = admitted
+    if found is None:  # (weakly: a model's note goes with its state)
+        found = _THREAD.admitted = weakref.WeakKeyDictionary()
+    found[key] = admitted
 
 
 def admitted(key: object) -> tuple[bool, int] | None:
     """What `admit` noted for this thread's running forward of `key`'s model, if anything."""
-    return getattr(_THREAD, "admitted", {}).get(id(key))
+    found = getattr(_THREAD, "admitted", None)
+    return None if found is None else found.get(key)
 
 
 def unmark(owner: Owner | None) -> None:
