@@ -522,7 +522,8 @@ def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never
 
         def start_b():
             worker.start()
-            embedded.wait(5)  # (B may instead be refused before its embedding)
+            while not embedded.wait(0.01) and worker.is_alive():  # (or refused before it)
+                pass
 
         hook = model.model.embed_tokens.register_forward_hook(hold)
         try:

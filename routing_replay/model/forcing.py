@@ -248,9 +248,12 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     state, j = slot.state, slot.layers[slot.current]
     state.ran_L[j] = True
     compiling = torch.compiler.is_compiling()
+    # A checkpoint's recompute (eager: compiled recomputes replay graph inputs): counted
+    # per layer, not tallied, nothing kept for capture.
+    recompute = not compiling and in_backward()
     if not compiling:
-        if slot.rows is None or slot.rows.part == 0:
-            state.owner._count_pass(j)
+        if recompute and (slot.rows is None or slot.rows.part == 0):
+            state.owner._count_recompute(j)
         if state.all_missing_L[j]:
             return output
     rows_T = slot.output.rows(output)
@@ -282,7 +285,6 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
     if state.tolerance is not None:
         all_TE = scores_over_all(slot.score, module, scores_TE)
         ids_TK, replaced_TK = tolerate(all_TE, native_TK, ids_TK, state.tolerance)
-    recompute = not compiling and in_backward()  # a checkpoint's: counted and kept once
     with torch.no_grad():
         if not recompute:
             tally(state.tally_L[j], recorded_TK, native_TK, replaced_TK, missing_T1)

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward
 from routing_replay.errors import RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.model.adapters import MoeModel, find_routers
@@ -234,9 +233,8 @@ class Replay:
             self._on_device[device] = found
         return found
 
-    def _count_pass(self, j: int) -> None:  # eager only: compiled recomputes replay graph inputs
-        if in_backward():  # a checkpoint recompute (forwards are counted at the decoder)
-            self._recomputes_L[j] += 1
+    def _count_recompute(self, j: int) -> None:  # (forwards are counted at the decoder)
+        self._recomputes_L[j] += 1
 
 
 def replay(
