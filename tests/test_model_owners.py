@@ -483,6 +483,58 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
 
 
 @pytest.mark.compile
+def test_a_forward_nested_in_another_does_not_hide_a_block_entered_under_it():
+    # Thread A's forward (replay off, layers compiled one by one, which check only that
+    # replay is on) holds after its embedding while thread B enters a replay block; there A
+    # forwards the model again, nested, and is refused; then the outer forward runs its
+    # layers under B's block. It is refused at its end, never returned forced (before: the
+    # nested forward's note of the new epoch replaced the outer one's, which then passed).
+    reset_dynamo()
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = experts_0_and_1(layout)
+    with torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend="eager")
+    with torch.no_grad():  # both variants compiled before the race
+        model(input_ids=PROMPT)
+        with replay(model, routes, layout=layout):
+            forced = model(input_ids=PROMPT).logits
+    assert not torch.allclose(forced, native)
+    entered, done, nested = threading.Event(), threading.Event(), []
+
+    def b_holds_a_block():
+        with replay(model, routes, layout=layout):
+            entered.set()
+            done.wait(30)
+
+    def nest_once(module, args, output):
+        if threading.current_thread().name == "B" or nested:
+            return
+        worker.start()
+        assert entered.wait(30)
+        forward_or_refusal(model, nested)
+
+    worker = threading.Thread(target=b_holds_a_block, name="B", daemon=True)
+    hook = model.model.embed_tokens.register_forward_hook(nest_once)
+    outer = []
+    try:
+        forward_or_refusal(model, outer)
+    finally:
+        done.set()
+        hook.remove()
+        worker.join(60)
+    assert "thread or asyncio task other than the one" in str(nested[0])
+    (result,) = outer
+    assert isinstance(result, RoutingReplayError), "forced with the other thread's routes"
+    assert "while another thread entered or exited a replay block" in str(result)
+    with torch.no_grad():  # the notes of both forwards are gone: the next one is native
+        assert torch.equal(model(input_ids=PROMPT).logits, native)
+    reset_dynamo()
+
+
+@pytest.mark.compile
 def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never_forced():
     # Thread B's forward starts at each line of thread A's replay entry (layers compiled one
     # by one, which check only that replay is on) and ends after it: B is refused or native,

@@ -34,6 +34,7 @@ from routing_replay.model.owner import (
     admit,
     admitted,
     current_owner,
+    leave,
     owns,
     owns_compiled,
     this_thread,
@@ -297,8 +298,9 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
 def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     state: ReplayState = module.__dict__[_STATE]
     compiling = torch.compiler.is_compiling()
-    if not compiling:  # (compiled as a whole, the frame guards that replay is on or off)
-        admit(state, (False, state.epoch))
+    # Before anything can refuse: `_end_forward` takes it off however the forward ends.
+    # (Compiled as a whole, the frame guards that replay is on or off: no note.)
+    note = None if compiling else admit(state, state.epoch)
     if not state.active:
         if torch.is_grad_enabled() and not compiling:
             wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
@@ -314,8 +316,8 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             "block's routes. Call the model inside the block, in the thread and task that "
             "entered it (not through an executor), or give each thread its own model"
         )
-    if not compiling:
-        admit(state, (True, state.epoch))
+    if note is not None:
+        note[0] = True
     state.ran_L = [False] * len(state.ran_L)
     kwarg = state.moe.row_kwarg
     if kwarg is not None:  # this forward's tokens of each type (ERNIE 4.5 VL)
@@ -376,6 +378,14 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
             f"replay: the forward finished without calling the routers {names}; a fused MoE "
             "kernel (e.g. use_kernels=True) routes on its own and would ignore the routes"
         )
+
+
+def _end_forward(module: nn.Module, args: tuple, output: Any) -> None:
+    """The decoder's last hook, called however its forward ended (`always_call`): its note
+    off this thread's stack (`admit`)."""
+    state = module.__dict__.get(_STATE)
+    if state is not None and not torch.compiler.is_compiling():
+        leave(state)
 
 
 def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:

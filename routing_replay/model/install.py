@@ -21,6 +21,7 @@ from routing_replay.model.forcing import (
     ReplayState,
     _check_all_routed,
     _check_inputs,
+    _end_forward,
     _reaches_ours,
     wrapped,
 )
@@ -55,15 +56,16 @@ def prepare_model(moe: MoeModel) -> ReplayState:
             )
     check_layer_inputs(moe, state)
     live = [h for h in state.handles if _hook_registered(decoder, h)]
-    if len(live) != 2:
+    if len(live) != 3:
         for handle in live:
             handle.remove()
         # A registration stopped before its handles were kept (Ctrl-C) left hooks no handle
         # names: a second pair would count every forward twice (and refuse all of them).
-        remove_hooks(decoder, (_check_inputs, _check_all_routed))
-        state.handles = [
+        remove_hooks(decoder, (_check_inputs, _check_all_routed, _end_forward))
+        state.handles = [  # (in this order: the check reads the note the end takes off)
             decoder.register_forward_pre_hook(_check_inputs, with_kwargs=True),
             decoder.register_forward_hook(_check_all_routed),
+            decoder.register_forward_hook(_end_forward, always_call=True),
         ]
     return state
 
@@ -77,7 +79,7 @@ def is_prepared(model: nn.Module) -> bool:
         and all(
             _reaches_ours(r.module.__dict__.get(r.method), r.module, state) for r in moe.all_routers
         )
-        and sum(_hook_registered(moe.decoder, h) for h in state.handles) == 2
+        and sum(_hook_registered(moe.decoder, h) for h in state.handles) == 3
         and all(
             any(_hook_registered(r.pass_module, h) for h in state.pass_handles)
             for r in moe.all_routers

@@ -73,20 +73,30 @@ def _in_thread(me: object) -> bool:
     return getattr(_THREAD, "me", None) is me
 
 
-def admit(key: object, admitted: tuple[bool, int]) -> None:
-    """Note whether this thread's running forward of `key`'s model is its active block's,
-    and the model's epoch then: the forward's start (the decoder's pre-hook, eager) tells
-    its end."""
+def admit(key: object, epoch: int) -> list:
+    """Note a forward of `key`'s model starting in this thread: [whether it is its active
+    block's (set by the caller once checked), the model's epoch then]. Notes stack per
+    thread (a forward may run inside another's hooks); each end takes its own off (`leave`,
+    also on an error), so the forward's start (the decoder's pre-hook, eager) tells its end."""
     found = getattr(_THREAD, "admitted", None)
-    if found is None:  # (weakly: a model's note goes with its state)
+    if found is None:  # (weakly: a model's notes go with its state)
         found = _THREAD.admitted = weakref.WeakKeyDictionary()
-    found[key] = admitted
+    note = [False, epoch]
+    found.setdefault(key, []).append(note)
+    return note
 
 
-def admitted(key: object) -> tuple[bool, int] | None:
-    """What `admit` noted for this thread's running forward of `key`'s model, if anything."""
-    found = getattr(_THREAD, "admitted", None)
-    return None if found is None else found.get(key)
+def admitted(key: object) -> list | None:
+    """The note of this thread's innermost running forward of `key`'s model, if any."""
+    notes = getattr(_THREAD, "admitted", {}).get(key)
+    return notes[-1] if notes else None
+
+
+def leave(key: object) -> None:
+    """Take this thread's innermost note of `key`'s model off (its forward ended)."""
+    notes = getattr(_THREAD, "admitted", {}).get(key)
+    if notes:
+        notes.pop()
 
 
 def unmark(owner: Owner | None) -> None:
