@@ -483,6 +483,54 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
 
 
 @pytest.mark.compile
+def test_another_threads_forward_resumed_in_a_model_compiled_whole_is_never_forced():
+    # A model compiled as a whole with a graph break after its embedding: thread B's forward
+    # (replay off) holds at the break while thread A enters a replay block, then resumes in
+    # code compiled with replay on. It is refused at its end, never returned forced (before:
+    # its layers forced with A's routes, silently: the compiled decoder took no notes).
+    reset_dynamo()
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = experts_0_and_1(layout)
+    with torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+    held, entered = threading.Event(), threading.Event()
+
+    def hold(module, args, output):  # (untraceable: the graph breaks here in every thread)
+        if threading.current_thread().name == "B":
+            held.set()
+            entered.wait(30)
+
+    hook = model.model.embed_tokens.register_forward_hook(hold)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():  # both variants compiled before the race
+        compiled(input_ids=PROMPT)
+        with replay(model, routes, layout=layout):
+            forced = compiled(input_ids=PROMPT).logits
+    assert not torch.allclose(forced, native)
+    outcome = []
+    worker = threading.Thread(
+        target=forward_or_refusal, args=(compiled, outcome), name="B", daemon=True
+    )
+    try:
+        worker.start()
+        assert held.wait(30)
+        with replay(model, routes, layout=layout):
+            entered.set()
+            worker.join(60)
+            with torch.no_grad():  # the block's own forwards are forced as before
+                assert torch.equal(compiled(input_ids=PROMPT).logits, forced)
+    finally:
+        entered.set()
+        hook.remove()
+    (result,) = outcome
+    assert isinstance(result, RoutingReplayError), "forced with the other thread's routes"
+    assert "while another thread entered or exited a replay block" in str(result)
+    assert kept_ids(model) == 0
+    reset_dynamo()
+
+
+@pytest.mark.compile
 def test_a_forward_nested_in_another_does_not_hide_a_block_entered_under_it():
     # Thread A's forward (replay off, layers compiled one by one, which check only that
     # replay is on) holds after its embedding while thread B enters a replay block; there A

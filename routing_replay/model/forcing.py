@@ -14,13 +14,14 @@ per layer to int64 inside the router's forward), `__exit__` deactivates it and f
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward
+from routing_replay.compat.torch import in_backward, run_eagerly
 from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
 from routing_replay.model.adapters import (
     MoeModel,
@@ -34,6 +35,7 @@ from routing_replay.model.owner import (
     admit,
     admitted,
     current_owner,
+    in_block_thread,
     leave,
     owns,
     owns_compiled,
@@ -342,20 +344,17 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
 def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
     state: ReplayState = module.__dict__[_STATE]
     compiling = torch.compiler.is_compiling()
-    noted = None if compiling else admitted(state)
-    if noted is not None and not noted[0]:  # begun with replay off (else refused at its start)
-        if noted[1] != state.epoch:  # and a block entered or exited while it ran
-            forget_forced(state.moe, None)
-            raise RoutingReplayError(
-                "replay: a forward of this model ran while another thread entered or exited "
-                "a replay block on it: its layers may have been forced with that block's "
-                "routes (layers compiled on their own check only that replay is on). Run it "
-                "again, not while another thread's replay block begins or ends on the model, "
-                "or give each thread its own model"
-            )
+    note = None if compiling else admitted(state)
+    if note is not None and not note[0]:  # begun with replay off (else refused at its start)
+        if note[1] != state.epoch:  # and a block entered or exited while it ran
+            _refuse_overlapped(state)
         return
     if not state.active:
         return
+    if compiling and not in_block_thread(state.owner_key):
+        # Compiled as a whole (refused at its start if replay was on then): another thread's
+        # forward resumed after a graph break once a block began, its layers forced.
+        run_eagerly(functools.partial(_refuse_overlapped, state))
     if not compiling and torch.is_grad_enabled() and not in_backward():
         # A forward done (one that fails has no backward to wait for), counted where the
         # caller's grad mode holds: reentrant checkpointing runs the layers under no_grad.
@@ -378,6 +377,20 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
             f"replay: the forward finished without calling the routers {names}; a fused MoE "
             "kernel (e.g. use_kernels=True) routes on its own and would ignore the routes"
         )
+
+
+_OVERLAP = (
+    "replay: a forward of this model ran while another thread entered or exited a replay "
+    "block on it: its layers may have been forced with that block's routes (code compiled "
+    "apart from the decoder's start checks only that replay is on). Run it again, not while "
+    "another thread's replay block begins or ends on the model, or give each thread its own "
+    "model"
+)
+
+
+def _refuse_overlapped(state: ReplayState) -> None:
+    forget_forced(state.moe, None)  # (what its forced layers kept for a capture)
+    raise RoutingReplayError(_OVERLAP)
 
 
 def _end_forward(module: nn.Module, args: tuple, output: Any) -> None:

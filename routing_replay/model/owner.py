@@ -68,9 +68,10 @@ def this_thread() -> object:
     return me
 
 
-def _in_thread(me: object) -> bool:
-    """Whether this thread's object is `me` (traceable: Dynamo guards it per thread)."""
-    return getattr(_THREAD, "me", None) is me
+def in_block_thread(block: Owner | None) -> bool:
+    """Whether this is the thread that entered `block` (traceable: Dynamo guards this
+    thread's object per thread, no graph break)."""
+    return block is not None and getattr(_THREAD, "me", None) is block.thread
 
 
 def admit(key: object, epoch: int) -> list:
@@ -124,7 +125,7 @@ def owns_compiled(block: Owner | None, compiled_only: str) -> bool:
     """`owns`, from code Dynamo traces: the thread by its object (guarded per thread, no
     graph break); for a block entered inside an asyncio task, also the task, eagerly (a
     graph break; under `fullgraph=True` an error saying `compiled_only`)."""
-    if block is None or not _in_thread(block.thread):
+    if not in_block_thread(block):
         return False
     if not block.in_task:
         return True
