@@ -404,6 +404,52 @@ def test_no_forced_ids_are_kept_after_blocks_whose_calls_ran_in_other_threads():
     assert kept_ids(model) == 0
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.compile
+def test_a_recompute_in_another_thread_of_layers_compiled_one_by_one_is_forced(fullgraph):
+    # Gradient checkpointing of layers compiled one by one, the backward run in another thread
+    # (as autograd's device threads run it on CUDA): the recomputes, compiled code in a thread
+    # not the block's, are forced like the forward, so the gradients equal those of the
+    # backward in the block's own thread.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    reset_dynamo()
+    model = tiny_model("qwen3_moe").train()
+    layout = find_routers(model).layout
+    routes = experts_0_and_1(layout)
+    for i, layer in enumerate(model.model.layers):  # (checkpointed around the compiled layer)
+        compiled = torch.compile(layer, backend="eager", fullgraph=fullgraph)
+        model.model.layers[i] = checkpoint_wrapper(compiled)
+
+    def gradients(in_thread: bool) -> list[torch.Tensor]:
+        model.zero_grad()
+        with replay(model, routes, layout=layout):
+            loss = model(input_ids=PROMPT).logits.float().square().mean()
+            if in_thread:
+                failed = []
+                backward = threading.Thread(target=lambda: _or_error(loss.backward, failed))
+                backward.start()
+                backward.join()
+                assert not failed, failed[0]
+            else:
+                loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    own, other = gradients(False), gradients(True)
+    gate = model.model.layers[0].mlp.gate.weight.grad
+    assert gate is not None and gate.abs().sum() > 0
+    assert len(own) == len(other)
+    assert all(torch.equal(a, b) for a, b in zip(own, other, strict=True))
+    reset_dynamo()
+
+
+def _or_error(call, failed: list) -> None:
+    try:
+        call()
+    except Exception as e:
+        failed.append(e)
+
+
 def forward_or_refusal(model, outcome: list) -> None:
     """One forward of PROMPT: its logits, or its `RoutingReplayError`, into `outcome`."""
     try:
@@ -482,27 +528,44 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
     assert kept_ids(model) == 0
 
 
+@pytest.mark.parametrize("whole", ["model", "decoder"])
+@pytest.mark.parametrize("block", ["b-ends-inside", "b-ends-after"])
 @pytest.mark.compile
-def test_another_threads_forward_resumed_in_a_model_compiled_whole_is_never_forced():
-    # A model compiled as a whole with a graph break after its embedding: thread B's forward
-    # (replay off) holds at the break while thread A enters a replay block, then resumes in
-    # code compiled with replay on. It is refused at its end, never returned forced (before:
-    # its layers forced with A's routes, silently: the compiled decoder took no notes).
+def test_another_threads_forward_resumed_in_compiled_code_under_a_block_routes_natively(
+    block, whole
+):
+    # The model (or its decoder) compiled as a whole, graph breaks after its embedding and
+    # before its final norm: thread B's forward (replay off) holds at the first while thread
+    # A enters a replay block, runs its layers in code compiled with replay on, and holds at
+    # the second; B ends inside A's block, or after A exits it. B routes natively, never
+    # forced (before: its layers forced with A's routes, silently: compiled router code
+    # took every forward for the block's, and the compiled decoder took no notes).
     reset_dynamo()
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
     routes = experts_0_and_1(layout)
     with torch.no_grad():
         native = model(input_ids=PROMPT).logits
-    held, entered = threading.Event(), threading.Event()
+    steps = {name: threading.Event() for name in ("embedded", "entered", "layered", "go")}
 
-    def hold(module, args, output):  # (untraceable: the graph breaks here in every thread)
-        if threading.current_thread().name == "B":
-            held.set()
-            entered.wait(30)
+    def hold(at: str, until: str):
+        @torch._dynamo.disable  # (a graph break in every thread)
+        def hook(module, *args):
+            if threading.current_thread().name == "B":
+                steps[at].set()
+                steps[until].wait(30)
 
-    hook = model.model.embed_tokens.register_forward_hook(hold)
-    compiled = torch.compile(model, backend="eager")
+        return hook
+
+    hooks = [
+        model.model.embed_tokens.register_forward_hook(hold("embedded", "entered")),
+        model.model.norm.register_forward_pre_hook(hold("layered", "go")),
+    ]
+    if whole == "model":
+        compiled = torch.compile(model, backend="eager")
+    else:
+        model.model.compile(backend="eager")
+        compiled = model
     with torch.no_grad():  # both variants compiled before the race
         compiled(input_ids=PROMPT)
         with replay(model, routes, layout=layout):
@@ -514,18 +577,25 @@ def test_another_threads_forward_resumed_in_a_model_compiled_whole_is_never_forc
     )
     try:
         worker.start()
-        assert held.wait(30)
+        assert steps["embedded"].wait(30)
         with replay(model, routes, layout=layout):
-            entered.set()
-            worker.join(60)
+            steps["entered"].set()
+            assert steps["layered"].wait(30)
             with torch.no_grad():  # the block's own forwards are forced as before
                 assert torch.equal(compiled(input_ids=PROMPT).logits, forced)
+            if block == "b-ends-inside":
+                steps["go"].set()
+                worker.join(60)
+        steps["go"].set()
+        worker.join(60)
     finally:
-        entered.set()
-        hook.remove()
+        for event in steps.values():
+            event.set()
+        for hook in hooks:
+            hook.remove()
     (result,) = outcome
-    assert isinstance(result, RoutingReplayError), "forced with the other thread's routes"
-    assert "while another thread entered or exited a replay block" in str(result)
+    assert not isinstance(result, RoutingReplayError), result
+    assert torch.equal(result, native), "forced with the other thread's routes"
     assert kept_ids(model) == 0
     reset_dynamo()
 

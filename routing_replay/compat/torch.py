@@ -49,6 +49,26 @@ def run_eagerly(fn: Callable[[], Any]) -> Any:
     return dynamo.disable(fn)()
 
 
+def tracing_one_graph() -> bool:
+    """While Dynamo traces: whether the trace must stay one graph (`fullgraph=True`, or
+    graph breaks made errors). False when not tracing."""
+    return torch.compiler.is_compiling() and _one_graph()
+
+
+def _one_graph() -> bool:
+    """Run by Dynamo at trace time, its answer a constant of the trace: what
+    `torch.compiler.assume_constant_result` marks (`_dynamo_marked_constant`, set here so
+    importing this module does not import Dynamo); reads the tracer's `one_graph` /
+    `error_on_graph_break` (torch 2.4 - 2.13)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return bool(tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False)))
+
+
+_one_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def remove_hooks(module: torch.nn.Module, hooks: tuple[Any, ...]) -> None:
     """Remove `module`'s forward (pre-)hooks that are one of `hooks`, handles or not: from
     `Module._forward_pre_hooks` / `_forward_hooks` and their flag dicts (torch 2.0 - 2.13)."""

@@ -14,14 +14,13 @@ per layer to int64 inside the router's forward), `__exit__` deactivates it and f
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward, run_eagerly
+from routing_replay.compat.torch import in_backward, run_eagerly, tracing_one_graph
 from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
 from routing_replay.model.adapters import (
     MoeModel,
@@ -99,12 +98,17 @@ class ReplayState:
         return state
 
     def ours(self) -> bool:
-        """Whether the running forward is the active block's: its thread and task, a
-        checkpoint's recompute in autograd's thread, or compiled code (whose owner the
-        decoder's pre-hook checked, `owns_compiled`)."""
-        if torch.compiler.is_compiling() or in_backward():
-            return True
-        return owns(self.owner_key, current_owner())
+        """Whether the running forward is the active block's: its thread and task (compiled:
+        its thread, its task checked at the decoder's start, `owns_compiled`), or a
+        checkpoint's recompute in autograd's thread."""
+        if torch.compiler.is_compiling():
+            if in_block_thread(self.owner_key) or tracing_one_graph():
+                return True  # (one graph: a forward begun before the block cannot resume in it)
+            # Another thread: a forward resumed after a graph break once a block began
+            # (native), or a recompute in autograd's device thread (CUDA): told apart
+            # eagerly, a graph break in that thread's variant only.
+            return run_eagerly(in_backward)
+        return in_backward() or owns(self.owner_key, current_owner())
 
     def claim(self, block: Replay) -> bool:
         """Queue `block` for the model: True if it is the first block holding a claim (of
@@ -353,8 +357,9 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
         return
     if compiling and not in_block_thread(state.owner_key):
         # Compiled as a whole (refused at its start if replay was on then): another thread's
-        # forward resumed after a graph break once a block began, its layers forced.
-        run_eagerly(functools.partial(_refuse_overlapped, state))
+        # forward resumed after a graph break once a block began, routed natively
+        # (`ReplayState.ours`). Not the block's forward: its checks are not this one's.
+        return
     if not compiling and torch.is_grad_enabled() and not in_backward():
         # A forward done (one that fails has no backward to wait for), counted where the
         # caller's grad mode holds: reentrant checkpointing runs the layers under no_grad.
@@ -379,18 +384,15 @@ def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
         )
 
 
-_OVERLAP = (
-    "replay: a forward of this model ran while another thread entered or exited a replay "
-    "block on it: its layers may have been forced with that block's routes (code compiled "
-    "apart from the decoder's start checks only that replay is on). Run it again, not while "
-    "another thread's replay block begins or ends on the model, or give each thread its own "
-    "model"
-)
-
-
 def _refuse_overlapped(state: ReplayState) -> None:
     forget_forced(state.moe, None)  # (what its forced layers kept for a capture)
-    raise RoutingReplayError(_OVERLAP)
+    raise RoutingReplayError(
+        "replay: a forward of this model ran while another thread entered or exited a "
+        "replay block on it: its layers may have been forced with that block's routes "
+        "(layers compiled on their own with fullgraph=True check only that replay is on). "
+        "Run it again, not while another thread's replay block begins or ends on the model, "
+        "or give each thread its own model"
+    )
 
 
 def _end_forward(module: nn.Module, args: tuple, output: Any) -> None:
