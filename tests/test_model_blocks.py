@@ -161,6 +161,48 @@ def test_a_recompute_of_a_forward_run_outside_the_block_is_refused(qwen, reentra
 
 
 @QUIET
+@pytest.mark.parametrize(
+    ("mode", "wrapped"), [("train", "before"), ("eval", "after"), ("eval", "before")]
+)
+def test_a_recompute_under_torchs_checkpoint_wrapper_is_refused_in_any_mode(mode, wrapped):
+    # torch's checkpoint_wrapper on the layers (reentrant), put on before or after the model
+    # was first prepared, in train or eval mode (grad on): the recompute of a forward run
+    # outside the block, backwarded inside it, is refused (before: forced with the block's
+    # routes, silently: the check sat on the wrapper, whose recompute skips its hooks, or
+    # assumed checkpointing recomputes only in training mode).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    model = tiny_model("qwen3_moe")
+    layout = find_routers(model).layout
+    routes = forced_routes(layout, PROMPT.shape, seed=1)
+
+    def wrap():
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(
+                layer, checkpoint_impl=CheckpointImpl.REENTRANT
+            )
+
+    if wrapped == "before":
+        wrap()
+    with replay(model, routes, layout=layout):  # prepared, as after a first step
+        pass
+    if wrapped == "after":
+        wrap()
+    model.train(mode == "train")
+    outside = model(input_ids=PROMPT).logits.square().mean()
+    refused = pytest.raises(RoutingReplayError, match="did not run in the active replay block")
+    with replay(model, routes, layout=layout), refused:
+        outside.backward()
+    model.zero_grad()
+    with replay(model, routes, layout=layout):  # the block's own forward: recomputed, forced
+        model(input_ids=PROMPT).logits.square().mean().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+@QUIET
 def test_another_threads_recompute_is_refused_not_forced(qwen):
     model, layout, routes = qwen[:3]
     model.train()

@@ -69,6 +69,20 @@ def _one_graph() -> bool:
 _one_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module under torch's wrappers of a layer: `torch.compile`'s `OptimizedModule`
+    (`_orig_mod`) and `checkpoint_wrapper`'s `CheckpointWrapper` (`_checkpoint_wrapped_module`,
+    whose recompute calls that module, hooks and all), in any nesting (torch 2.4 - 2.13)."""
+    for _ in range(8):
+        inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(module, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+    return module
+
+
 def remove_hooks(module: torch.nn.Module, hooks: tuple[Any, ...]) -> None:
     """Remove `module`'s forward (pre-)hooks that are one of `hooks`, handles or not: from
     `Module._forward_pre_hooks` / `_forward_hooks` and their flag dicts (torch 2.0 - 2.13)."""

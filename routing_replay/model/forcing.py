@@ -338,7 +338,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             "top_k), aligned with the same padding or packing"
         )
     embeds = kwargs.get("inputs_embeds")
-    if module.training and isinstance(embeds, Tensor) and not torch.compiler.is_compiling():
+    if isinstance(embeds, Tensor) and not torch.compiler.is_compiling():
         # The block's own copy of embeddings a caller may pass again outside it: the first
         # layer's input then tells this forward's recompute apart (`LayerInputs`).
         return args, {**kwargs, "inputs_embeds": embeds.clone()}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward
+from routing_replay.compat.torch import in_backward, unwrapped
 from routing_replay.compat.transformers import (
     layer_checkpoint_function,
     set_layer_checkpoint_function,
@@ -42,8 +42,9 @@ class LayerInputs:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         state = self.state
-        # Checkpointing recomputes only in training mode; compiled code is not checked.
-        if not state.active or not module.training or torch.compiler.is_compiling():
+        # In eval mode too: torch's checkpoint recomputes whatever the mode (compiled code is
+        # not checked: its recompute replays the graph's inputs).
+        if not state.active or torch.compiler.is_compiling():
             return
         hidden = next((a for a in args if isinstance(a, Tensor)), kwargs.get("hidden_states"))
         owner = state.owner
@@ -84,7 +85,7 @@ class _Checked:
 
 def check_layer_inputs(moe: MoeModel, state: ReplayState) -> None:
     """Give each decoder layer holding a router its `LayerInputs` check (once): as a forward
-    pre-hook (torch's checkpoint_wrapper recomputes inside the layer's hooks) and around
+    pre-hook of the layer under torch's wrappers (their recompute runs its hooks) and around
     transformers' checkpoint function (which recomputes the forward alone)."""
     routers = {id(r.module) for r in moe.all_routers}
     checks = []
@@ -92,7 +93,7 @@ def check_layer_inputs(moe: MoeModel, state: ReplayState) -> None:
         if not (isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LISTS):
             continue
         for listed in module:
-            layer = getattr(listed, "_orig_mod", listed)  # compiled on its own (torchtitan)
+            layer = unwrapped(listed)  # compiled on its own (torchtitan), checkpoint-wrapped
             if not any(id(m) in routers for m in layer.modules()):
                 continue
             check = next((h for h in layer._forward_pre_hooks.values() if _checks(h, state)), None)
