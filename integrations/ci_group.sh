@@ -73,12 +73,20 @@ verl)
 esac
 py="$venv/bin/python"
 [ -x "$py" ] || python3 -m venv "$venv"
-if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == '${pin[1]}'" 2>/dev/null; then
-    "$py" -m pip install -q torch==2.13.0 "${pin[0]}==${pin[1]}"
-    [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
+# What the venv was filled from: once filled (and its imports checked) for these inputs and
+# this checkout, a later run (the one after `prepare`) skips pip's resolver, minutes here.
+stamp="$venv/.rr-filled"
+inputs="$(cat pyproject.toml "$0" | sha256sum | cut -c1-16) $(pwd) ${pin[*]} $extras ${extra[*]} ${nodeps[*]}"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$inputs" ]; then
+    rm -f "$stamp"
+    if ! "$py" -c "import importlib.metadata as m; assert m.version('${pin[0]}') == '${pin[1]}'" 2>/dev/null; then
+        "$py" -m pip install -q torch==2.13.0 "${pin[0]}==${pin[1]}"
+        [ ${#unneeded[@]} -eq 0 ] || "$py" -m pip uninstall -y -q "${unneeded[@]}"
+    fi
+    "$py" -m pip install -q -e ".$extras" pytest "${extra[@]}"
+    [ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-deps "${nodeps[@]}"
+    "$py" -c "import $imports"  # fail loudly, never skip silently
+    echo "$inputs" >"$stamp"
 fi
-"$py" -m pip install -q -e ".$extras" pytest "${extra[@]}"
-[ ${#nodeps[@]} -eq 0 ] || "$py" -m pip install -q --no-deps "${nodeps[@]}"
-"$py" -c "import $imports"  # fail loudly, never skip silently
 [ "$build_only" -eq 0 ] || exit 0
 "$py" -m pytest -q -p no:cacheprovider -rs "${tests[@]}" "$@"

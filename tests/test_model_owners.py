@@ -407,10 +407,11 @@ def test_no_forced_ids_are_kept_after_blocks_whose_calls_ran_in_other_threads():
 @pytest.mark.parametrize("fullgraph", [False, True])
 @pytest.mark.compile
 def test_a_recompute_in_another_thread_of_layers_compiled_one_by_one_is_forced(fullgraph):
-    # Gradient checkpointing of layers compiled one by one, the backward run in another thread
-    # (as autograd's device threads run it on CUDA): the recomputes, compiled code in a thread
-    # not the block's, are forced like the forward, so the gradients equal those of the
-    # backward in the block's own thread.
+    # Torch's checkpoint_wrapper around layers compiled one by one, the backward run in
+    # another thread (as autograd's device threads run it on CUDA): the recomputes, compiled
+    # code in a thread not the block's, are forced like the forward, so the gradients equal
+    # those of the backward in the block's own thread. Under fullgraph=True, where that
+    # cannot be told without a graph break, the backward fails saying so (never native).
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     reset_dynamo()
@@ -430,16 +431,22 @@ def test_a_recompute_in_another_thread_of_layers_compiled_one_by_one_is_forced(f
                 backward = threading.Thread(target=lambda: _or_error(loss.backward, failed))
                 backward.start()
                 backward.join()
-                assert not failed, failed[0]
+                if failed:
+                    raise failed[0]
             else:
                 loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    own, other = gradients(False), gradients(True)
-    gate = model.model.layers[0].mlp.gate.weight.grad
-    assert gate is not None and gate.abs().sum() > 0
-    assert len(own) == len(other)
-    assert all(torch.equal(a, b) for a, b in zip(own, other, strict=True))
+    own = gradients(False)
+    if fullgraph:
+        with pytest.raises(Exception, match="a thread other than the replay block's ran router"):
+            gradients(True)
+    else:
+        other = gradients(True)
+        gate = model.model.layers[0].mlp.gate.weight.grad
+        assert gate is not None and gate.abs().sum() > 0
+        assert len(own) == len(other)
+        assert all(torch.equal(a, b) for a, b in zip(own, other, strict=True))
     reset_dynamo()
 
 
@@ -529,7 +536,8 @@ def test_another_threads_forward_running_when_a_block_is_entered_is_never_forced
 
 
 @pytest.mark.parametrize(
-    ("whole", "block"), [("model", "b-ends-after"), ("decoder", "b-ends-inside")]
+    ("whole", "block"),
+    [("model", "b-ends-after"), ("decoder", "b-ends-inside"), ("model+fullgraph-layers", "")],
 )
 @pytest.mark.compile
 def test_another_threads_forward_resumed_in_compiled_code_under_a_block_routes_natively(
@@ -562,7 +570,10 @@ def test_another_threads_forward_resumed_in_compiled_code_under_a_block_routes_n
         model.model.embed_tokens.register_forward_hook(hold("embedded", "entered")),
         model.model.norm.register_forward_pre_hook(hold("layered", "go")),
     ]
-    if whole == "model":
+    if whole == "model+fullgraph-layers":  # (each layer one graph, begun under the block)
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer, backend="eager", fullgraph=True)
+    if whole.startswith("model"):
         compiled = torch.compile(model, backend="eager")
     else:
         model.model.compile(backend="eager")
@@ -573,9 +584,16 @@ def test_another_threads_forward_resumed_in_compiled_code_under_a_block_routes_n
             forced = compiled(input_ids=PROMPT).logits
     assert not torch.allclose(forced, native)
     outcome = []
-    worker = threading.Thread(
-        target=forward_or_refusal, args=(compiled, outcome), name="B", daemon=True
-    )
+
+    def b_forwards():
+        try:
+            with torch.no_grad():
+                outcome.append(compiled(input_ids=PROMPT).logits)
+        except Exception as e:  # (torch's error under fullgraph=True: no hold reached)
+            outcome.append(e)
+            steps["layered"].set()
+
+    worker = threading.Thread(target=b_forwards, name="B", daemon=True)
     try:
         worker.start()
         assert steps["embedded"].wait(30)
@@ -595,8 +613,12 @@ def test_another_threads_forward_resumed_in_compiled_code_under_a_block_routes_n
         for hook in hooks:
             hook.remove()
     (result,) = outcome
-    assert not isinstance(result, RoutingReplayError), result
-    assert torch.equal(result, native), "forced with the other thread's routes"
+    if whole == "model+fullgraph-layers":  # (a graph break is an error there: said so)
+        assert isinstance(result, Exception), "forced with the other thread's routes"
+        assert "a thread other than the replay block's ran router code" in str(result)
+    else:
+        assert not isinstance(result, Exception), result
+        assert torch.equal(result, native), "forced with the other thread's routes"
     assert kept_ids(model) == 0
     reset_dynamo()
 
@@ -714,6 +736,38 @@ def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never
         (result,) = outcome
         if not isinstance(result, RoutingReplayError):
             assert torch.equal(result, native), f"B forced, started at line {stop} of {events}"
+
+
+def test_forwards_stopped_by_ctrl_c_leave_a_bounded_number_of_notes():
+    # A KeyboardInterrupt inside a forward skips its end (torch's always_call hooks run for
+    # an Exception only): its note stays. A thread keeps at most 32 per model, and forwards
+    # after them are checked by their own notes (before: one more per interrupt, for good).
+    from routing_replay.model import owner
+    from routing_replay.model.forcing import _STATE
+
+    model = tiny_model("qwen3_moe").eval()
+    layout = find_routers(model).layout
+    routes = experts_0_and_1(layout)
+    with torch.no_grad():
+        native = model(input_ids=PROMPT).logits
+        with replay(model, routes, layout=layout):
+            forced = model(input_ids=PROMPT).logits
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    hook = model.model.embed_tokens.register_forward_hook(interrupt)
+    for _ in range(40):
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(input_ids=PROMPT)
+    hook.remove()
+    state = model.model.__dict__[_STATE]
+    assert len(owner._THREAD.admitted[state]) == 32
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=PROMPT).logits, native)
+        with replay(model, routes, layout=layout):
+            assert torch.equal(model(input_ids=PROMPT).logits, forced)
+    assert len(owner._THREAD.admitted[state]) <= 32
 
 
 def test_the_notes_of_forwards_go_with_their_models():

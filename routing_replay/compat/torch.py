@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+# The id of the backward autograd's engine runs in this thread, -1 outside one:
+# `torch._C._current_graph_task_id` (torch 2.4 - 2.13; absent: always -1). A builtin: called
+# from eager code under a compiled region, it starts no Python frame for Dynamo to compile.
+graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", None) or (
+    functools.partial(int, -1)
+)
+
 
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward in this thread (a checkpoint recompute
-    runs the forward inside one). `torch._C._current_graph_task_id`: -1 outside a backward;
-    absent in a torch without it, where this says False (no recompute is counted)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    runs the forward inside one)."""
+    return graph_task_id() != -1
 
 
 def skips_guards() -> bool:
@@ -47,26 +53,6 @@ def run_eagerly(fn: Callable[[], Any]) -> Any:
     import torch._dynamo as dynamo
 
     return dynamo.disable(fn)()
-
-
-def tracing_one_graph() -> bool:
-    """While Dynamo traces: whether the trace must stay one graph (`fullgraph=True`, or
-    graph breaks made errors). False when not tracing."""
-    return torch.compiler.is_compiling() and _one_graph()
-
-
-def _one_graph() -> bool:
-    """Run by Dynamo at trace time, its answer a constant of the trace: what
-    `torch.compiler.assume_constant_result` marks (`_dynamo_marked_constant`, set here so
-    importing this module does not import Dynamo); reads the tracer's `one_graph` /
-    `error_on_graph_break` (torch 2.4 - 2.13)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    tx = InstructionTranslator.current_tx()
-    return bool(tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False)))
-
-
-_one_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -1,14 +1,14 @@
-"""The code replay installs in a model (`install` puts it there): a `forward` on each MoE
-router, two decoder hooks.
+"""The code replay installs in a model's routers (`install` puts it there), and the per-model
+state it reads.
 
-The first `replay(model, routes)` block on a model (or `prepare_replay(model)`)
-installs, once and for good, a `forward` on each MoE router module (an instance attribute
-that calls the class's own forward, then forces the ids) and two hooks on the decoder (the
-batch-shape check before it runs, the "every router was called" check after). They all
-read one per-model state object: outside a `replay` block it is inactive and the model
-routes natively (one Python call and one flag test per router); `Replay.__enter__` puts the
-batch's routes there (on the routers' device, ids in the narrowest integer dtype, widened
-per layer to int64 inside the router's forward), `__exit__` deactivates it and frees them.
+The first `replay(model, routes)` block on a model (or `prepare_replay(model)`) installs,
+once and for good, a `forward` on each MoE router module (an instance attribute that calls
+the class's own forward, then forces the ids) and hooks on the decoder (`decoder_hooks`).
+They all read one per-model state object: outside a `replay` block it is inactive and the
+model routes natively (one Python call and one flag test per router); `Replay.__enter__`
+puts the batch's routes there (on the routers' device, ids in the narrowest integer dtype,
+widened per layer to int64 inside the router's forward), `__exit__` deactivates it and
+frees them.
 """
 
 from __future__ import annotations
@@ -20,27 +20,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward, run_eagerly, tracing_one_graph
-from routing_replay.errors import InvalidRoutesError, RoutingReplayError, UnsupportedModelError
-from routing_replay.model.adapters import (
-    MoeModel,
-    Router,
-    input_tokens,
-    rows_of,
-    split_rows,
-)
+from routing_replay.compat.torch import break_graph, in_backward, run_eagerly
+from routing_replay.errors import InvalidRoutesError
+from routing_replay.model.adapters import MoeModel, Router, rows_of
 from routing_replay.model.owner import (
     Owner,
-    admit,
-    admitted,
     current_owner,
     in_block_thread,
-    leave,
     owns,
-    owns_compiled,
     this_thread,
 )
-from routing_replay.model.recompute import LayerInputs, wrap_checkpointing
+from routing_replay.model.recompute import LayerInputs
 from routing_replay.model.scores import ScoreFunction
 from routing_replay.model.staging import DeviceRoutes
 from routing_replay.model.tolerance import scores_over_all, tally, tolerate
@@ -50,10 +40,15 @@ if TYPE_CHECKING:
 
 _STATE = "_routing_replay_state"  # on the decoder: the model's ReplayState (also the mark)
 _EPOCHS = itertools.count(1)  # (next() on it is atomic: epochs are unique across threads)
-_TASK_COMPILED = (
-    "replay: a block entered inside an asyncio task checks which task runs each forward of "
-    "the model eagerly, between compiled graphs; compile without fullgraph=True, or enter "
-    "the block outside the event loop"
+
+
+_OTHER_THREAD_ONE_GRAPH = (
+    "replay: a thread other than the replay block's ran router code compiled with "
+    "fullgraph=True while the block was on: whether it is a forward begun before the block "
+    "(to route natively) or a checkpoint's recompute in autograd's thread (to be forced) is "
+    "told eagerly, a graph break. Compile the layers without fullgraph=True, or put the "
+    "checkpoint inside the compiled code (checkpoint_wrapper first, then torch.compile), "
+    "and run the model only in the block's thread"
 )
 
 
@@ -102,11 +97,13 @@ class ReplayState:
         its thread, its task checked at the decoder's start, `owns_compiled`), or a
         checkpoint's recompute in autograd's thread."""
         if torch.compiler.is_compiling():
-            if in_block_thread(self.owner_key) or tracing_one_graph():
-                return True  # (one graph: a forward begun before the block cannot resume in it)
+            if in_block_thread(self.owner_key):
+                return True
             # Another thread: a forward resumed after a graph break once a block began
             # (native), or a recompute in autograd's device thread (CUDA): told apart
-            # eagerly, a graph break in that thread's variant only.
+            # eagerly, a graph break in that thread's variant only (under fullgraph=True an
+            # error saying so: even one graph of a layer may run in a forward begun before).
+            break_graph(_OTHER_THREAD_ONE_GRAPH)
             return run_eagerly(in_backward)
         return in_backward() or owns(self.owner_key, current_owner())
 
@@ -299,115 +296,3 @@ def _force(slot: ReplayingForward, module: nn.Module, output: tuple, args: tuple
             chosen_TK = ids_TK if missing_T1 is None else torch.where(missing_T1, native_TK, ids_TK)
             slot.chosen[this_thread()] = chosen_TK
     return slot.output.force(module, output, slot.score, ids_TK, missing_T1, args)
-
-
-def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-    state: ReplayState = module.__dict__[_STATE]
-    compiling = torch.compiler.is_compiling()
-    # Before anything can refuse: `_end_forward` takes it off however the forward ends.
-    # (Compiled as a whole, the frame guards that replay is on or off: no note.)
-    note = None if compiling else admit(state, state.epoch)
-    if not state.active:
-        if torch.is_grad_enabled() and not compiling:
-            wrap_checkpointing(state)  # a forward outside blocks: its recompute checked too
-        return
-    if not (
-        owns_compiled(state.owner_key, _TASK_COMPILED)
-        if torch.compiler.is_compiling()
-        else owns(state.owner_key, current_owner())
-    ):
-        raise RoutingReplayError(
-            "replay: the model was called from a thread or asyncio task other than the one "
-            "whose replay block is active on it; its forwards would be forced with that "
-            "block's routes. Call the model inside the block, in the thread and task that "
-            "entered it (not through an executor), or give each thread its own model"
-        )
-    if note is not None:
-        note[0] = True
-    state.ran_L = [False] * len(state.ran_L)
-    kwarg = state.moe.row_kwarg
-    if kwarg is not None:  # this forward's tokens of each type (ERNIE 4.5 VL)
-        state.split = split_rows(kwargs.get(kwarg))
-    shape = _input_shape(args, kwargs)
-    # Against the routes tensor's own sizes, not a tuple of ints: compiled with dynamic
-    # shapes, a new batch shape then needs no recompile for this check.
-    if shape is not None and shape != tuple(state.layer_routes[0].ids.shape[:-2]):
-        raise InvalidRoutesError(
-            f"routes have batch shape {list(state.batch_shape)} but the model is called with "
-            f"input shape {list(shape)}: routes must be input_ids.shape + (num_moe_layers, "
-            "top_k), aligned with the same padding or packing"
-        )
-    embeds = kwargs.get("inputs_embeds")
-    if isinstance(embeds, Tensor) and not torch.compiler.is_compiling():
-        # The block's own copy of embeddings a caller may pass again outside it: the first
-        # layer's input then tells this forward's recompute apart (`LayerInputs`).
-        return args, {**kwargs, "inputs_embeds": embeds.clone()}
-    return None
-
-
-def _check_all_routed(module: nn.Module, args: tuple, output: Any) -> None:
-    state: ReplayState = module.__dict__[_STATE]
-    compiling = torch.compiler.is_compiling()
-    note = None if compiling else admitted(state)
-    if note is not None and not note[0]:  # begun with replay off (else refused at its start)
-        if note[1] != state.epoch:  # and a block entered or exited while it ran
-            _refuse_overlapped(state)
-        return
-    if not state.active:
-        return
-    if compiling and not in_block_thread(state.owner_key):
-        # Compiled as a whole (refused at its start if replay was on then): another thread's
-        # forward resumed after a graph break once a block began, routed natively
-        # (`ReplayState.ours`). Not the block's forward: its checks are not this one's.
-        return
-    if not compiling and torch.is_grad_enabled() and not in_backward():
-        # A forward done (one that fails has no backward to wait for), counted where the
-        # caller's grad mode holds: reentrant checkpointing runs the layers under no_grad.
-        state.owner._grad_forwards += 1
-    ran, state.ran_L = state.ran_L, [False] * len(state.ran_L)
-    if not all(ran):
-        names = [r.name for r, done in zip(state.moe.routers, ran, strict=True) if not done]
-        taken = [
-            r.name
-            for r in state.moe.routers
-            if not _reaches_ours(r.module.__dict__.get(r.method), r.module, state)
-        ]
-        if taken:
-            raise UnsupportedModelError(
-                f"replay: the routers {taken} were prepared for replay by another model since "
-                "this block began (the two models share these modules); their forwards went "
-                "to that model's block. Replay one of the models at a time"
-            )
-        raise UnsupportedModelError(
-            f"replay: the forward finished without calling the routers {names}; a fused MoE "
-            "kernel (e.g. use_kernels=True) routes on its own and would ignore the routes"
-        )
-
-
-def _refuse_overlapped(state: ReplayState) -> None:
-    forget_forced(state.moe, None)  # (what its forced layers kept for a capture)
-    raise RoutingReplayError(
-        "replay: a forward of this model ran while another thread entered or exited a "
-        "replay block on it: its layers may have been forced with that block's routes "
-        "(layers compiled on their own with fullgraph=True check only that replay is on). "
-        "Run it again, not while another thread's replay block begins or ends on the model, "
-        "or give each thread its own model"
-    )
-
-
-def _end_forward(module: nn.Module, args: tuple, output: Any) -> None:
-    """The decoder's last hook, called however its forward ended (`always_call`): its note
-    off this thread's stack (`admit`)."""
-    state = module.__dict__.get(_STATE)
-    if state is not None and not torch.compiler.is_compiling():
-        leave(state)
-
-
-def _input_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-    input_ids = input_tokens(args, kwargs)
-    if isinstance(input_ids, Tensor):
-        return tuple(input_ids.shape)
-    embeds = kwargs.get("inputs_embeds")
-    if isinstance(embeds, Tensor):
-        return tuple(embeds.shape[:-1])
-    return None

@@ -1,10 +1,10 @@
 """Installing replay in a model, once and for good: its router forwards and decoder hooks.
 
 `prepare_model` puts a `ReplayingForward` on each MoE router (beneath capture's dispatcher
-where one is there, on top of other code's wrappers otherwise), the two decoder hooks
-(`forcing._check_inputs`, `forcing._check_all_routed`), the recompute checks of the decoder
-layers and, for looped layers, the hook that tells each call its pass. Run again, it adds
-only what is missing (a stop, or another model's preparation, may have taken some away).
+where one is there, on top of other code's wrappers otherwise), the three decoder hooks
+(`decoder_hooks`), the recompute checks of the decoder layers and, for looped layers, the
+hook that tells each call its pass. Run again, it adds only what is missing (a stop, or
+another model's preparation, may have taken some away).
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from torch import nn
 
 from routing_replay.compat.torch import remove_hooks
 from routing_replay.model.adapters import MoeModel, Router, find_routers
+from routing_replay.model.decoder_hooks import _check_all_routed, _check_inputs, _end_forward
 from routing_replay.model.forcing import (
     _STATE,
     ReplayingForward,
     ReplayState,
-    _check_all_routed,
-    _check_inputs,
-    _end_forward,
     _reaches_ours,
     wrapped,
 )

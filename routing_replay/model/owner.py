@@ -28,6 +28,9 @@ _NEXT = itertools.count(1)  # (next() on it is atomic: marks are unique across t
 # Per thread, one object for good: compiled code compares it with its block's (Dynamo
 # guards a thread-local per calling thread, and cannot trace `threading.get_ident`).
 _THREAD = threading.local()
+# Notes a thread keeps per model: a `KeyboardInterrupt` skips a forward's end (torch runs
+# `always_call` hooks for an `Exception` only), leaving its note; no forward nests this deep.
+_MAX_NOTES = 32
 
 
 class Owner(NamedTuple):
@@ -83,7 +86,10 @@ def admit(key: object, epoch: int) -> list:
     if found is None:  # (weakly: a model's notes go with its state)
         found = _THREAD.admitted = weakref.WeakKeyDictionary()
     note = [False, epoch]
-    found.setdefault(key, []).append(note)
+    notes = found.setdefault(key, [])
+    if len(notes) >= _MAX_NOTES:  # the oldest: left by interrupted forwards, not live ones
+        del notes[0]
+    notes.append(note)
     return note
 
 

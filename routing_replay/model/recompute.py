@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from routing_replay.compat.torch import in_backward, unwrapped
+from routing_replay.compat.torch import graph_task_id, unwrapped
 from routing_replay.compat.transformers import (
     layer_checkpoint_function,
     set_layer_checkpoint_function,
@@ -51,7 +51,7 @@ class LayerInputs:
         if not isinstance(hidden, Tensor) or owner is None:
             return
         key = (id(module), hidden.data_ptr(), tuple(hidden.shape))
-        if not in_backward():
+        if graph_task_id() == -1:  # not in a backward (no frame: see `graph_task_id`)
             if state.ours():  # (reentrant checkpointing runs it under no_grad: noted anyway)
                 owner._layer_inputs.add(key)
         elif key not in owner._layer_inputs:
