@@ -41,13 +41,13 @@ sample needs; a new put (sharing the group's prompt) and a read of it succeed. A
 unexpected exception is a failure naming the stop point (event index, file:line, function).
 Failures are collected over all stop points and reported together, one line per point.
 
-Tiers. The scenarios have 2743, 1757 and 582 events (890, 605 and 237 distinct lines). A
-stop point costs a fork, a fill and a check: 20-40 ms, in two lean `forkserver` workers
-that each count the events themselves (a fork of the pytest process costs 3x more). The
-stress tier (slow) stops at each distinct (file, line) at its first and its second event:
-1445, 990 and 372 stop points for kill and interrupt, and for nested only the lines where
-a lock is held (850, 368, 292): 7,124 in all, 155 s on the 2-core machine. The default
-tier runs the spill scenario, every STRIDE-th of its stop points (16, 16 and 9): about 3 s.
+Tiers. The scenarios have 2819, 1790 and 584 events. A stop point costs a fork, a fill and
+a check: 20-40 ms, in two lean `forkserver` workers that each count the events themselves
+(a fork of the pytest process costs 3x more). The stress tier (slow) stops at each distinct
+(file, line) at its first and its second event: 1498, 1030 and 374 stop points for kill
+and interrupt; for nested, each line where a lock is held at its first event (532, 235,
+184): 6,755 in all. The default
+tier runs the spill scenario, every STRIDE-th of its stop points (17, 17 and 6): about 3 s.
 """
 
 from __future__ import annotations
@@ -659,13 +659,15 @@ def nested(run: Run, at: str) -> list[str]:
 
 def stop_points(events: list[str], every: bool, mode: str) -> list[int]:
     """The stress tier's stop points: each distinct line at its first and second event (for
-    "nested", only those where the call holds a lock: elsewhere a nested call simply runs);
+    "nested", its first, and only where the call holds a lock: elsewhere a nested call
+    simply runs);
     the default tier's: every STRIDE-th of those."""
     seen: Counter[str] = Counter()
     points = []
+    runs = 1 if mode == "nested" else 2  # (a nested call: the lock held at a line, once)
     for n, place in enumerate(events):
         seen[place] += 1
-        if seen[place] <= 2 and (mode != "nested" or place.endswith(HELD)):
+        if seen[place] <= runs and (mode != "nested" or place.endswith(HELD)):
             points.append(n)
     return points if every else points[STRIDE // 2 :: STRIDE]
 
