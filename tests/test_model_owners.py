@@ -623,13 +623,10 @@ def test_another_threads_forward_resumed_in_compiled_code_under_a_block_routes_n
     reset_dynamo()
 
 
-@pytest.mark.compile
-def test_a_forward_nested_in_another_does_not_hide_a_block_entered_under_it():
-    # Thread A's forward (replay off, layers compiled one by one, which check only that
-    # replay is on) holds after its embedding while thread B enters a replay block; there A
-    # forwards the model again, nested, and is refused; then the outer forward runs its
-    # layers under B's block. It is refused at its end, never returned forced (before: the
-    # nested forward's note of the new epoch replaced the outer one's, which then passed).
+def compiled_layers_model():
+    """qwen3_moe with its layers compiled one by one (backend eager), its native and its
+    forced (experts 0 and 1) variants compiled before a race: model, layout, routes,
+    native logits, forced logits."""
     reset_dynamo()
     model = tiny_model("qwen3_moe").eval()
     layout = find_routers(model).layout
@@ -638,10 +635,21 @@ def test_a_forward_nested_in_another_does_not_hide_a_block_entered_under_it():
         native = model(input_ids=PROMPT).logits
     for i, layer in enumerate(model.model.layers):
         model.model.layers[i] = torch.compile(layer, backend="eager")
-    with torch.no_grad():  # both variants compiled before the race
+    with torch.no_grad():
         model(input_ids=PROMPT)
         with replay(model, routes, layout=layout):
             forced = model(input_ids=PROMPT).logits
+    return model, layout, routes, native, forced
+
+
+@pytest.mark.compile
+def test_a_forward_nested_in_another_does_not_hide_a_block_entered_under_it():
+    # Thread A's forward (replay off, layers compiled one by one, which check only that
+    # replay is on) holds after its embedding while thread B enters a replay block; there A
+    # forwards the model again, nested, and is refused; then the outer forward runs its
+    # layers under B's block. It is refused at its end, never returned forced (before: the
+    # nested forward's note of the new epoch replaced the outer one's, which then passed).
+    model, layout, routes, native, forced = compiled_layers_model()
     assert not torch.allclose(forced, native)
     entered, done, nested = threading.Event(), threading.Event(), []
 
@@ -681,18 +689,7 @@ def test_another_threads_forward_starting_at_each_line_of_a_block_entry_is_never
     # by one, which check only that replay is on) and ends after it: B is refused or native,
     # never forced (before: started between the entry's new epoch and its flag, B noted the
     # new epoch with replay off, and its layers were forced with A's routes, silently).
-    reset_dynamo()
-    model = tiny_model("qwen3_moe").eval()
-    layout = find_routers(model).layout
-    routes = experts_0_and_1(layout)
-    with torch.no_grad():
-        native = model(input_ids=PROMPT).logits
-    for i, layer in enumerate(model.model.layers):
-        model.model.layers[i] = torch.compile(layer, backend="eager")
-    with torch.no_grad():  # both variants compiled before the races
-        model(input_ids=PROMPT)
-        with replay(model, routes, layout=layout):
-            model(input_ids=PROMPT)
+    model, layout, routes, native, _ = compiled_layers_model()
 
     def enter_with_b_at(stop: int) -> tuple[int, list]:
         block, outcome, embedded, entered = (

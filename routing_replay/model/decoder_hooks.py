@@ -5,8 +5,8 @@ off the thread's stack however it ended.
 A forward of a block's own thread and task is checked against the block's routes (batch
 shape) and counted; another thread's, begun while a block is on, is refused at its start.
 Each forward notes per thread how it began (`owner.admit`): one begun with replay off that
-ends after a block began or ended on the model is refused, since layers compiled on their
-own with `fullgraph=True` check only that replay is on.
+ends after a block began or ended on the model is refused, as its layers may have run
+under that block.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         return
     if not (
         owns_compiled(state.owner_key, _TASK_COMPILED)
-        if torch.compiler.is_compiling()
+        if compiling
         else owns(state.owner_key, current_owner())
     ):
         raise RoutingReplayError(
@@ -75,7 +75,7 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             "top_k), aligned with the same padding or packing"
         )
     embeds = kwargs.get("inputs_embeds")
-    if isinstance(embeds, Tensor) and not torch.compiler.is_compiling():
+    if isinstance(embeds, Tensor) and not compiling:
         # The block's own copy of embeddings a caller may pass again outside it: the first
         # layer's input then tells this forward's recompute apart (`LayerInputs`).
         return args, {**kwargs, "inputs_embeds": embeds.clone()}
@@ -125,10 +125,9 @@ def _refuse_overlapped(state: ReplayState) -> None:
     forget_forced(state.moe, None)  # (what its forced layers kept for a capture)
     raise RoutingReplayError(
         "replay: a forward of this model ran while another thread entered or exited a "
-        "replay block on it: its layers may have been forced with that block's routes "
-        "(layers compiled on their own with fullgraph=True check only that replay is on). "
-        "Run it again, not while another thread's replay block begins or ends on the model, "
-        "or give each thread its own model"
+        "replay block on it: its layers may have run under that block. Run it again, not "
+        "while another thread's replay block begins or ends on the model, or give each "
+        "thread its own model"
     )
 
 
