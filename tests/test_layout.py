@@ -385,7 +385,7 @@ def test_unroutable_configs_are_refused_saying_why(config, message):
     ],
 )  # fmt: skip
 def test_mtp_layers_are_left_out_unless_asked_for(config, main, with_mtp, count):
-    from routing_replay.layout import mtp_layer_count
+    from routing_replay.hf_config import mtp_layer_count
 
     config = config()
     assert RoutingLayout.from_hf_config(config) == main
@@ -409,7 +409,7 @@ def test_mtp_layers_route_where_transformers_mtp_model_routes(config_class, mode
     `mtp=True` layout says."""
     from transformers.modeling_layers import MtpModel
 
-    from routing_replay.layout import mtp_layer_count
+    from routing_replay.hf_config import mtp_layer_count
 
     config = tiny(config_class, **fields)
     model = build(model_class, config)

@@ -8,7 +8,7 @@ import torch
 from hf_configs import build, routers, tiny
 
 from routing_replay import RoutingLayout
-from routing_replay.layout import loop_layers
+from routing_replay.hf_config import loop_layers
 from routing_replay.model.adapters import find_routers
 
 

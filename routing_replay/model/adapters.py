@@ -16,7 +16,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from routing_replay.errors import InvalidRoutesError, LayoutMismatchError, UnsupportedModelError
-from routing_replay.layout import RoutingLayout, loop_layers
+from routing_replay.hf_config import loop_layers
+from routing_replay.layout import RoutingLayout
 from routing_replay.model import outputs, scores
 from routing_replay.model.scores import ScoreFunction
 
@@ -441,7 +442,7 @@ def _passes(
     router: Router, looped: Any, model: nn.Module, layer_path: str, config: Any
 ) -> list[Router]:
     """The router as its layout layers see it: itself, or one Router per pass where its decoder
-    layer loops (layers numbered by `layout.loop_layers`)."""
+    layer loops (layers numbered by `hf_config.loop_layers`)."""
     if looped is None:
         return [router]
     index = {step: v for v, step in enumerate(looped)}
