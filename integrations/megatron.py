@@ -32,7 +32,6 @@ filler experts would change its output and the loss, unless `fill_real="filler"`
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -192,7 +191,6 @@ class MegatronRouterFeed:
         *,
         replay_mask: torch.Tensor | None = None,
         fill_real: Literal["error", "filler"] = "error",
-        fill: bool | None = None,
     ) -> list[torch.Tensor]:
         """One int64 `[S * B, K]` tensor per router of this stage (seq-major), validated.
 
@@ -207,21 +205,9 @@ class MegatronRouterFeed:
           expert;
         - missing where it is True, or anywhere without a mask: `InvalidRoutesError`,
           naming the row, because filler experts would change that token's output. With
-          `fill_real="filler"` such rows get filler ids too (the old `fill=True`): only for
-          tokens whose outputs you know do not matter.
-
-        `fill` is deprecated: `fill=True` is `fill_real="filler"`, `fill=False` is
-        `fill_real="error"`.
+          `fill_real="filler"` such rows get filler ids too: only for tokens whose outputs
+          you know do not matter.
         """
-        if fill is not None:
-            warnings.warn(
-                "MegatronRouterFeed: fill= is deprecated; pass replay_mask= (padding and each "
-                "sequence's final token get filler ids) and, to give filler ids to real "
-                "tokens without routes too, fill_real='filler' (fill=True did that)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            fill_real = "filler" if fill else "error"
         if fill_real not in ("error", "filler"):
             raise InvalidArgumentError(
                 f"fill_real must be 'error' or 'filler', got {fill_real!r} (Megatron's "
@@ -304,20 +290,11 @@ class MegatronRouterFeed:
         *,
         replay_mask: torch.Tensor | None = None,
         fill_real: Literal["error", "filler"] = "error",
-        fill: bool | None = None,
     ) -> None:
         """Hand one micro-batch's routes to every router of this feed and replay them.
 
         `replay_mask`, `fill_real`: as in `tensors` (rows without routes).
         """
-        if fill is not None:  # warn here, at the caller's line
-            warnings.warn(
-                "MegatronRouterFeed: fill= is deprecated; pass replay_mask= and, for real "
-                "tokens without routes, fill_real='filler' (fill=True did that)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            fill_real = "filler" if fill else "error"
         per_router = self.tensors(routes, replay_mask=replay_mask, fill_real=fill_real)
         forward = _replay_module().RouterReplayAction.REPLAY_FORWARD
         for instance, ids in zip(self._instances, per_router, strict=True):

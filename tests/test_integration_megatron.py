@@ -203,23 +203,6 @@ def test_real_token_without_routes_is_refused_unless_opted_in():
     feed.close()
 
 
-def test_deprecated_fill_keeps_its_old_meaning():
-    cfg = config()
-    routers = build_stage(cfg, [0, 2, 3])
-    feed = MegatronRouterFeed(LAYOUT, cfg, model=routers)
-    routes = distinct_routes(8)
-    routes[0, 1] = -1
-    with pytest.warns(DeprecationWarning, match="fill= is deprecated"):
-        old = feed.tensors(routes, fill=True)
-    assert [t.view(S, B, 2)[1, 0].tolist() for t in old] == [filler(0), filler(1), filler(2)]
-    with (
-        pytest.warns(DeprecationWarning, match="fill= is deprecated"),
-        pytest.raises(InvalidRoutesError, match="batch 0, position 1 has no route for layer 0"),
-    ):
-        feed.set(routes, fill=False)
-    feed.close()
-
-
 def test_packed_cp_sliced_batch_mask_follows_the_routes():
     # Packed, CP=2: routes and mask sliced the same way; the final tokens are filled.
     cfg = config()
