@@ -40,3 +40,8 @@ def test_docs_build_strict_and_readme_links_resolve(tmp_path):
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 350
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
+    assert f"```bash\n{ci}\n```" in (ROOT / "README.md").read_text()
