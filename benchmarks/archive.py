@@ -22,12 +22,11 @@ import argparse
 import os
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
-from harness import MB, RESULTS, layout_of_model, machine, write_json
+from harness import MB, RESULTS, layout_of_model, machine, timed, write_json
 
 from routing_replay import RoutingStore, load_routes, save_routes
 
@@ -97,41 +96,38 @@ def run(samples: int, tokens: int, repeat: int, directory: str) -> dict:
         raw_bytes = ids.nbytes + toks.nbytes
         npy, arc = os.path.join(directory, "raw.bin"), os.path.join(directory, "routes.arrow")
 
-        def t_tofile() -> float:
-            t0 = time.perf_counter()
+        def tofile() -> None:
             fsynced_tofile(ids, npy)
             fsynced_tofile(toks, npy + ".tok")
-            return time.perf_counter() - t0
 
-        def t_fromfile() -> float:
+        held: list[np.ndarray] = []  # what a read returned, freed outside the timing
+
+        def drop() -> None:
+            held.clear()
             drop_cache(npy)
             drop_cache(npy + ".tok")
-            t0 = time.perf_counter()
-            a = np.fromfile(npy, np.uint8)
-            b = np.fromfile(npy + ".tok", np.int32)
-            took = time.perf_counter() - t0
-            assert a.nbytes + b.nbytes == raw_bytes
-            return took
+
+        def fromfile() -> None:
+            held.extend((np.fromfile(npy, np.uint8), np.fromfile(npy + ".tok", np.int32)))
 
         def t_save() -> tuple[float, int]:
             with PeakAnon() as peak:
-                t0 = time.perf_counter()
-                save_routes(arc, refs, read=src.read)
-                took = time.perf_counter() - t0
+                (took,) = timed(lambda: save_routes(arc, refs, read=src.read))
             return took, peak.extra
 
         def t_load() -> tuple[float, int]:
             drop_cache(arc)
+            new: list = []
             with PeakAnon() as peak:
-                t0 = time.perf_counter()
-                new = load_routes(arc, dst)
-                took = time.perf_counter() - t0
+                (took,) = timed(lambda: new.extend(load_routes(arc, dst)))
             assert len(new) == samples
             dst.release(new)
             return took, peak.extra
 
-        tofile = min(t_tofile() for _ in range(repeat))
-        fromfile = min(t_fromfile() for _ in range(repeat))
+        tofile_s = min(timed(tofile, repeat))
+        fromfile_s = min(timed(fromfile, repeat, setup=drop))
+        assert sum(a.nbytes for a in held) == raw_bytes
+        held.clear()
         saves = [t_save() for _ in range(repeat)]
         loads = [t_load() for _ in range(repeat)]
         new = load_routes(arc, dst)
@@ -151,12 +147,12 @@ def run(samples: int, tokens: int, repeat: int, directory: str) -> dict:
         "routes_bytes": total * layout.bytes_per_token,
         "raw_bytes": raw_bytes,
         "archive_bytes": archive_bytes,
-        "tofile_seconds": tofile,
-        "fromfile_seconds": fromfile,
+        "tofile_seconds": tofile_s,
+        "fromfile_seconds": fromfile_s,
         "save_seconds": save_s,
         "load_seconds": load_s,
-        "save_over_tofile": save_s / tofile,
-        "load_over_fromfile": load_s / fromfile,
+        "save_over_tofile": save_s / tofile_s,
+        "load_over_fromfile": load_s / fromfile_s,
         "save_peak_anon_bytes": max(m for _, m in saves),
         "load_peak_anon_bytes": max(m for _, m in loads),
         "repeat": repeat,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import ROOT, layout_of_model, write_json
+from harness import ROOT, layout_of_model, paired, write_json
 
 from routing_replay import RoutingLayout, RoutingStore, capture, replay, to_torch
 from routing_replay.model.agreement import routing_agreement
@@ -126,26 +126,22 @@ def replay_cost(device: str, batch: int, seq: int, pairs: int) -> dict:
     routes = torch.from_numpy(np.stack(cap.routes()).astype(np.int16))
     layout = RoutingLayout.from_hf_config(model.config)
 
-    def step(with_replay: bool) -> float:
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        if with_replay:
-            with replay(model, routes, layout=layout):
-                model(input_ids=ids).logits.float().mean().backward()
-        else:
-            model(input_ids=ids).logits.float().mean().backward()
-        sync()
-        return time.perf_counter() - t0
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    step(True), step(False)  # warm-up (the first replay prepares the model)
-    ratios = []
-    for i in range(pairs):
-        first = i % 2 == 0  # alternate which runs first
-        a = step(not first)
-        b = step(first)
-        plain, with_ = (a, b) if first else (b, a)
-        ratios.append(with_ / plain)
+    def step() -> None:
+        model(input_ids=ids).logits.float().mean().backward()
+
+    def plain() -> None:  # each ends synchronized: the next starts on an idle device
+        step()
+        sync()
+
+    def with_replay() -> None:
+        with replay(model, routes, layout=layout):
+            step()
+        sync()
+
+    a, b = paired(plain, with_replay, pairs)  # its warm-up prepares the model
+    ratios = [y / x for x, y in zip(a, b, strict=True)]
     return {"device": device, "batch": batch, "seq": seq, "overhead": statistics.median(ratios) - 1}
 
 

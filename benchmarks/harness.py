@@ -1,6 +1,6 @@
-"""What every benchmark shares: paths, model shapes, generated workloads, memory probes, a
-simulated Ray cluster, the machine's description, the results file, tables and plots. Each
-benchmark says only what it measures."""
+"""What every benchmark shares: paths, model shapes, generated workloads, timing, memory
+probes, a simulated Ray cluster, the machine's description, the results file, tables and
+plots. Each benchmark says only what it measures."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import platform
 import re
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,43 @@ def to_int32(narrow: np.ndarray, layout: Any) -> np.ndarray:
     out = narrow.astype(np.int32)
     out[narrow == layout.missing] = -1
     return out
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def timed(
+    fn: Callable[[], Any], repeat: int = 1, setup: Callable[[], Any] | None = None
+) -> list[float]:
+    """Seconds of each of `repeat` calls of fn(), with setup() (untimed) before each; the caller
+    takes the best (min) or the median."""
+    times: list[float] = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def paired(
+    a: Callable[[], Any], b: Callable[[], Any], repeat: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of a() and of b() in `repeat` adjacent pairs (a first, then b first, ...) after
+    one untimed call of each, so that drift and other load hit both: compare per-pair ratios."""
+    a()
+    b()
+    times_a: list[float] = []
+    times_b: list[float] = []
+    for i in range(repeat):
+        if i % 2 == 0:
+            times_a += timed(a)
+            times_b += timed(b)
+        else:
+            times_b += timed(b)
+            times_a += timed(a)
+    return times_a, times_b
 
 
 # -- memory ----------------------------------------------------------------------------

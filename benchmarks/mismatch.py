@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import PLOTS, RESULTS, write_json
+from harness import PLOTS, RESULTS, machine, write_json
 from mismatch_report import plot, print_off_policy_table, print_table
 from tiny_moe import MODELS, VOCAB, build
 
@@ -306,11 +305,9 @@ def main() -> None:
             "seed": args.seed,
             "rollout_dtype": "bfloat16",
             "train_dtype": "float32",
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "processor": platform.processor(),
             "off_policy": op,
         },
+        "machine": machine(),
         "models": results,
     }
     suffix = "-quick" if args.quick else ""

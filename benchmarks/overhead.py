@@ -29,7 +29,6 @@ import argparse
 import copy
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,21 +38,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import RESULTS, write_json
+from harness import RESULTS, machine, paired, timed, write_json
 from tiny_moe import MODELS, MORE_MODELS, VOCAB, build
 
 from routing_replay import RoutingLayout, capture, replay, with_layout
-from routing_replay.model.capture import Capture
+from routing_replay.model.capture import Capture, _Recorder
 from routing_replay.model.replay import Replay
 from routing_replay.testing import seeded_moe, tiny_moe_config
 
 forcing_module = sys.modules["routing_replay.model.forcing"]
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 class LibraryClock:
@@ -79,19 +72,13 @@ class LibraryClock:
 
         return wrapper
 
-    def _hook_factory(self, factory):
-        def make(*args, **kwargs):
-            return self._timed(factory(*args, **kwargs))
-
-        return make
-
     def __enter__(self) -> LibraryClock:
         for owner, name, wrap in (
             (Capture, "__init__", self._timed),
             (Capture, "_begin", self._timed),
             (Capture, "_end", self._timed),
             (Capture, "routes", self._timed),
-            (Capture, "_recorder", self._hook_factory),
+            (_Recorder, "__call__", self._timed),  # a router's hook, per router call
             (Replay, "__init__", self._timed),
             (Replay, "__enter__", self._timed),
             (Replay, "__exit__", self._timed),
@@ -130,19 +117,6 @@ class LibraryClock:
             setattr(owner, name, original)
 
 
-def paired(plain, with_lib, repeat: int) -> tuple[list[float], list[float]]:
-    """Times of plain() and with_lib() in adjacent pairs (alternating order), after a warm-up."""
-    plain()
-    with_lib()
-    a, b = [], []
-    for i in range(repeat):
-        pair = (plain, with_lib) if i % 2 == 0 else (with_lib, plain)
-        first, second = timed(pair[0]), timed(pair[1])
-        a.append(first if i % 2 == 0 else second)
-        b.append(second if i % 2 == 0 else first)
-    return a, b
-
-
 def alternate(plain, with_lib, repeat: int, model=None) -> dict:
     """Time plain() and with_lib() in adjacent pairs after a warm-up; overhead = median ratio - 1.
 
@@ -153,7 +127,7 @@ def alternate(plain, with_lib, repeat: int, model=None) -> dict:
     own = []
     for _ in range(repeat):  # time inside routing_replay's code, as a share of a plain run
         with LibraryClock(model) as clock:
-            total = timed(with_lib)
+            (total,) = timed(with_lib)
         own.append(clock.seconds / total)
     return {
         "own_code_share": statistics.median(own),
@@ -338,11 +312,9 @@ def main() -> None:
             "dtype": "float32",
             "device": "cpu",
             "threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
             "load_average_before_after": [load_before, os.getloadavg()[0]],
-            "torch": torch.__version__,
-            "machine": platform.machine(),
         },
+        "machine": machine(),
         "models": results,
         "replay_device_memory": memory,
     }

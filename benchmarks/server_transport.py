@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -50,7 +49,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS, ROOT, write_json
+from harness import RESULTS, ROOT, machine, write_json
 
 sys.path.insert(0, str(ROOT))
 
@@ -316,14 +315,10 @@ def main() -> None:
             "its previous round); rounds differ only in how requests were batched (bf16)",
             "server_start_s": starts,
             "vllm": vllm.__version__,
-            "ray": ray.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "machine": platform.machine(),
             "load_average_before_after": [load_before, os.getloadavg()[0]],
             "benchmark_s": time.perf_counter() - started,
         },
+        "machine": machine(),
         "ways": WAYS,
         "results": results,
     }

@@ -34,25 +34,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from archive import drop_cache
-from harness import MB, RESULTS, layout_of_model, machine, write_json
+from harness import MB, RESULTS, layout_of_model, machine, timed, write_json
 
 from routing_replay import PutRequest, RoutingStore, to_torch
 
 LAYOUT = layout_of_model("qwen3-30b-a3b")
+# Forked, not spawned like transport_runners' long-lived workers: writers_s counts the
+# processes' start, which a fork makes instant (and no Ray is imported yet: see main).
 FORK = mp.get_context("fork")
 
 
 def routes(rng: np.random.Generator, tokens: int) -> np.ndarray:
     return LAYOUT.random_routes(rng, tokens, np.uint8)
-
-
-def median_s(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 # -- 1. reads and puts --------------------------------------------------------------------
@@ -87,7 +80,7 @@ def reads(tokens: int, directory: str) -> dict:
             for ref in refs_:
                 if cold:
                     drop_cache(files[ref.serial])
-                out.append(median_s(lambda r=ref: action(r), 1 if cold else 5))
+                out.append(statistics.median(timed(lambda r=ref: action(r), 1 if cold else 5)))
             return statistics.median(out)
 
         def full(r):
@@ -116,7 +109,7 @@ def reads(tokens: int, directory: str) -> dict:
         plain = [s for s, did in put_s if not did]
         data = np.concatenate([samples[int(r.sample_id[1:])] for r in spilled[:1]])
         path = os.path.join(directory, "tofile.bin")
-        tofile = median_s(lambda: data.tofile(path), 5)
+        tofile = statistics.median(timed(lambda: data.tofile(path), 5))
         os.unlink(path)
         result["put_ms"] = {
             "no_spill": 1e3 * statistics.median(plain),

@@ -19,17 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from harness import RESULTS, layout_of_model, machine, write_json
+from harness import RESULTS, layout_of_model, machine, timed, write_json
 
 from routing_replay import RoutingLayout, RoutingStore, to_torch
-
-
-def best_of(fn, repeat: int) -> float:
-    """Fastest of `repeat` timed calls (each after a fresh setup inside fn)."""
-    times = []
-    for _ in range(repeat):
-        times.append(fn())
-    return min(times)
 
 
 def run(samples: int, tokens: int, repeat: int) -> dict:
@@ -43,68 +35,39 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
     dst = np.empty_like(routes)
     np.copyto(dst, routes)  # fault the pages in before timing
 
-    def t_copy() -> float:
-        t0 = time.perf_counter()
-        np.copyto(dst, routes)
-        return time.perf_counter() - t0
+    copy_s = min(timed(lambda: np.copyto(dst, routes), repeat))
 
-    copy_s = best_of(t_copy, repeat)
-
-    def t_copy_per_sample() -> float:
-        t0 = time.perf_counter()
+    def copy_per_sample() -> None:
         for i in range(samples):
             np.copyto(dst[i], routes[i])
-        return time.perf_counter() - t0
 
-    copy_each_s = best_of(t_copy_per_sample, repeat)
+    copy_each_s = min(timed(copy_per_sample, repeat))
     ids = [f"s{i}" for i in range(samples)]
     name = f"bench-{uuid.uuid4().hex[:8]}"
     out: dict = {}
     with RoutingStore.create(name, layout, capacity_tokens=samples * tokens) as store:
 
-        def t_put() -> float:
+        def empty() -> None:
             if len(store):
                 store.release(ids)
-            t0 = time.perf_counter()
+
+        def put() -> None:
             for i, sid in enumerate(ids):
                 store.put(sid, routes[i])
-            return time.perf_counter() - t0
 
-        put_s = best_of(t_put, repeat)
+        put_s = min(timed(put, repeat, setup=empty))
 
-        def t_check() -> float:
-            t0 = time.perf_counter()
+        def check() -> None:
             for i in range(samples):
                 layout.check_distinct(routes[i])
-            return time.perf_counter() - t0
 
-        check_s = best_of(t_check, repeat)  # what put would pay to refuse repeated top-k ids
-
-        def t_read() -> float:
-            t0 = time.perf_counter()
-            batch = store.read(ids)
-            out["batch"] = batch
-            return time.perf_counter() - t0
-
-        read_s = best_of(t_read, repeat)
+        check_s = min(timed(check, repeat))  # what put would pay to refuse repeated top-k ids
+        read_s = min(timed(lambda: out.update(batch=store.read(ids)), repeat))
         batch = out.pop("batch")
         reused = np.empty(routes.nbytes, dtype=np.uint8)  # a trainer's buffer, every step
         store.read(ids, out=reused)  # first touch, untimed
-
-        def t_read_into() -> float:
-            t0 = time.perf_counter()
-            store.read(ids, out=reused)
-            return time.perf_counter() - t0
-
-        read_into_s = best_of(t_read_into, repeat)
-
-        def t_torch() -> float:
-            t0 = time.perf_counter()
-            tensor = to_torch(batch)
-            out["tensor"] = tensor
-            return time.perf_counter() - t0
-
-        torch_s = best_of(t_torch, repeat)
+        read_into_s = min(timed(lambda: store.read(ids, out=reused), repeat))
+        torch_s = min(timed(lambda: out.update(tensor=to_torch(batch)), repeat))
         tensor = out.pop("tensor")
         assert np.array_equal(tensor[:tokens].numpy(), layout.decode(routes[0]))
 
@@ -116,12 +79,7 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
         received = pa.ipc.open_stream(sink.getvalue()).read_next_batch()
         assert not received.column("routed_experts").flatten().flatten().buffers()[1].is_mutable
 
-        def t_torch_read_only() -> float:
-            t0 = time.perf_counter()
-            out["tensor"] = to_torch(received)
-            return time.perf_counter() - t0
-
-        torch_read_only_s = best_of(t_torch_read_only, repeat)
+        torch_read_only_s = min(timed(lambda: out.update(tensor=to_torch(received)), repeat))
         assert np.array_equal(out.pop("tensor").numpy(), tensor.numpy())
 
         assert np.array_equal(
@@ -133,32 +91,24 @@ def run(samples: int, tokens: int, repeat: int) -> dict:
         # back as the token_ids column. Distinct tokens per sample: nothing is shared.
         token_ids = rng.integers(0, 150_000, (samples, tokens))
 
-        def t_put_tokens() -> float:
-            if len(store):
-                store.release(ids)
-            t0 = time.perf_counter()
+        def put_tokens() -> None:
             for i, sid in enumerate(ids):
                 store.put(sid, routes[i], token_ids=token_ids[i])
-            return time.perf_counter() - t0
 
-        put_tokens_s = best_of(t_put_tokens, repeat)
-
-        def t_read_tokens() -> float:
-            t0 = time.perf_counter()
-            out["batch"] = store.read(ids)
-            return time.perf_counter() - t0
-
-        read_tokens_s = best_of(t_read_tokens, repeat)
+        put_tokens_s = min(timed(put_tokens, repeat, setup=empty))
+        read_tokens_s = min(timed(lambda: out.update(batch=store.read(ids)), repeat))
         got = out.pop("batch").column("token_ids")
         assert np.array_equal(got.flatten().to_numpy().reshape(samples, tokens), token_ids)
 
         # The int32 input path (what SGLang/base64 payloads decode to), per token.
         store.release(ids)
         n32 = len(routes_i32)
-        t0 = time.perf_counter()
-        for i in range(n32):
-            store.put(f"i{i}", routes_i32[i])
-        put_i32_s = (time.perf_counter() - t0) * samples / n32
+
+        def put_i32() -> None:
+            for i in range(n32):
+                store.put(f"i{i}", routes_i32[i])
+
+        put_i32_s = timed(put_i32)[0] * samples / n32
 
     rows = {
         "copyto (narrow bytes)": copy_s,
