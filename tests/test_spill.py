@@ -161,6 +161,49 @@ def test_both_full_refuses_and_loses_nothing(name, tmp_path):
         store.verify()
 
 
+@pytest.mark.parametrize("timeout", [0.0, 0.3])
+def test_a_put_that_spills_keeps_its_timeout(name, tmp_path, monkeypatch, timeout):
+    """A put spills within its timeout: at least one sample whatever the timeout, and none
+    once it has passed; then StoreFullError saying so, every earlier sample exact, spilled
+    or not. Before: after each spill the put tried again without looking at its deadline,
+    so on a slow disk a put with timeout=0 spilled every victim it needed (~2 s here)."""
+    layout = LAYOUTS[0]
+    rng = np.random.default_rng(6)
+    with make(name, tmp_path, pages=80) as store:
+        kept = {f"s{i}": layout.random_routes(rng, P) for i in range(80)}  # one page each
+        for sid, r in kept.items():
+            store.put(sid, r)
+        real_write = spill_module._write_all
+
+        def slow_write(fd, data):  # a slow disk: 50 ms a write, one write a one-page file
+            time.sleep(0.05)
+            real_write(fd, data)
+
+        monkeypatch.setattr(spill_module, "_write_all", slow_write)
+        big = layout.random_routes(rng, 40 * P)  # needs 40 victims: 2 s of writes
+        start = time.monotonic()
+        with pytest.raises(StoreFullError, match=r"spilling to .* was still making room"):
+            store.put("big", big, timeout=timeout)
+        elapsed = time.monotonic() - start
+        assert elapsed < timeout + 1.0, f"a put with timeout={timeout} took {elapsed:.2f}s"
+        stats = store.stats()
+        assert 1 <= stats.samples_spilled < 40, stats
+        assert len(spilled_serials(store)) == stats.samples_spilled
+        assert "big" not in store and len(store) == 80
+        for sid, r in kept.items():  # spilled or in memory: exact
+            assert np.array_equal(store.get(sid), r), sid
+        store.verify()
+        monkeypatch.setattr(spill_module, "_write_all", real_write)
+        store.put("big", big)  # the default timeout: spills what it needs, and fills the store
+        spilled = store.stats().samples_spilled
+        one = layout.random_routes(rng, P)
+        store.put("one", one, timeout=0)  # one victim makes room: at any timeout
+        assert store.stats().samples_spilled == spilled + 1
+        for sid, r in {**kept, "one": one, "big": big}.items():
+            assert np.array_equal(store.get(sid), r), sid
+        store.verify()
+
+
 def test_damaged_files_raise(name, tmp_path):
     rng = np.random.default_rng(3)
     with make(name, tmp_path, pages=4) as store:

@@ -17,7 +17,10 @@ A put, top to bottom:
    then raise `next_serial` past their serials: the one commit point of the batch. Unlock.
 
 A plan found invalid at 6 (a shared page was released meanwhile) starts the put over;
-any error leaves nothing stored and gives the reserved pages back.
+any error leaves nothing stored and gives the reserved pages back. Too few free pages at 4:
+the put spills samples to disk (a store with `spill_dir`) or waits for releases, then tries
+again, both within its timeout: it spills at least one sample whatever its timeout, and
+starts no spill once its timeout has passed.
 """
 
 from __future__ import annotations
@@ -236,6 +239,7 @@ class PutTransaction:
         lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
         resv, wait, token = Reservation(), 0.001, object()
         samples = core.samples
+        spilled = made = False  # whether this put has spilled; whether its last spill made room
         try:
             core.puts_running.add(token)
             while True:
@@ -258,10 +262,15 @@ class PutTransaction:
                         # A shared page was released, or the slots taken: again.
                         core.pages.unreserve(hold, resv)
                     continue
-                if slots and core.spill.enabled and core.spill.make_room(count, lock_deadline):
-                    continue  # samples moved to disk: their pages are free
+                # Spilling counts against the put's timeout: it spills at least once (at least
+                # one sample, whatever its timeout), and starts no spill past its deadline.
+                if slots and core.spill.enabled and (not spilled or time.monotonic() < deadline):
+                    spilled = True
+                    made = core.spill.make_room(count, deadline, lock_deadline)
+                    if made:
+                        continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:
-                    raise self._full_error(count, slots)
+                    raise self._full_error(count, slots, spilling=made and slots)
                 if core.closing:
                     raise closed_error(core.name)
                 time.sleep(wait)
@@ -377,7 +386,8 @@ class PutTransaction:
         t.timed("put", time.monotonic_ns() - self.started)
         return refs
 
-    def _full_error(self, needed_pages: int, slots: bool) -> StoreFullError:
+    def _full_error(self, needed_pages: int, slots: bool, spilling: bool) -> StoreFullError:
+        """`spilling`: the put's last spill made room, but its timeout ran out first."""
         s = self.core.stats()
         what = (
             f"sample {sample_id_str(self.samples[0])!r}"
@@ -398,15 +408,21 @@ class PutTransaction:
             )
         return StoreFullError(
             f"store {self.core.name!r} is full: {need} and none were released within "
-            f"{self.timeout:.1f}s; {self._spill_state(s)}nothing of it was stored. Release "
-            "consumed samples with store.release(refs), or create the store with a larger "
+            f"{self.timeout:.1f}s; {self._spill_state(s, spilling)}nothing of it was stored. "
+            "Release consumed samples with store.release(refs), or create the store with a larger "
             f"{'capacity_tokens (or spill_dir and spill_budget)' if slots else 'max_samples'}"
         )
 
-    def _spill_state(self, s: StoreStats) -> str:
+    def _spill_state(self, s: StoreStats, spilling: bool) -> str:
         if not s.spill_budget:
             return ""
         spill = self.core.spill
+        if spilling:
+            return (
+                f"spilling to {spill.dir} was still making room when the put's timeout ran "
+                f"out ({s.samples_spilled} samples spilled, {s.spilled_bytes} of their "
+                f"{s.spill_budget}-byte budget): a longer timeout lets it spill what it needs; "
+            )
         if spill.error is not None:
             return (
                 f"spilling to {spill.dir} failed ({spill.error.strerror or spill.error}: "

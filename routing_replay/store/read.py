@@ -7,7 +7,7 @@
 3. lock: every page is still at its generation and every slot still holds the same put,
    else `ConcurrentReleaseError` (the copy may be torn); unlock.
 
-A spilled sample (`spill`) is copied from its file instead, mapped after step 1; one spilled
+A spilled sample (`spill`) is copied from its file instead, read after step 1; one spilled
 between steps 1 and 3 (same put, its pages taken) is read again (`read_settled`).
 
 Readers pin nothing, so a killed reader leaks nothing; a release that races a read makes

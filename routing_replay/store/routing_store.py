@@ -155,7 +155,8 @@ class RoutingStore:
 
     @property
     def put_timeout(self) -> float:
-        """How long a put waits for room (and every call for the lock), in seconds."""
+        """How long a put waits for room, spilling included (and every call for the lock, at
+        least 1 s), in seconds."""
         return self._core.put_timeout
 
     @put_timeout.setter
@@ -464,8 +465,10 @@ class RoutingStore:
         `token_ids` (`[T]`, the tokens the routes were recorded for) are stored with the
         routes: they let samples with a common prefix share pages, and trainers check
         their batch against them (`to_torch(..., input_ids=)`). Waits up to `timeout`
-        (default `put_timeout`) for room, and for the lock, then raises `StoreFullError`
-        (or `StoreBusyError`); on any error nothing is stored. `policy_version` (the
+        (default `put_timeout`) for room, and for the lock (at least 1 s), then raises
+        `StoreFullError` (or `StoreBusyError`); on any error nothing is stored. A spilling
+        store's put spills within the same `timeout`: at least one sample whatever the
+        timeout, none once it has passed (what it spilled stays spilled). `policy_version` (the
         version of the policy that generated the sample, or `(first token, version)` spans
         for an episode whose turns came from several) rides on the ref, for staleness
         filters (`routing_replay.ray.split_stale`).
@@ -483,7 +486,7 @@ class RoutingStore:
         must not be half-stored: one commit point for all of them, so an error (a full
         store, a duplicate id, a bad sample, a killed writer) leaves none stored. Samples of
         the put that share a prefix (GRPO's n samples of a prompt, with `token_ids`) store
-        its full pages once.
+        its full pages once. Waits for room, and spills, as `put` does, within `timeout`.
         """
         if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
             raise InvalidArgumentError(

@@ -4,10 +4,10 @@ order repair relies on, read top to bottom in one place.)
 
 A store created with `spill_dir` spills instead of stalling: a put that finds too few free
 pages moves published samples, unread ones first, oldest put first, into one file each in
-the store's own directory, then takes their pages. Reads of a spilled sample map its file
-(same rows, same Arrow, the slot's checks plus a CRC-32 per page of the file); a release
-removes it. The files hold at most `spill_budget` bytes; a put finding both full raises
-`StoreFullError` as before.
+the store's own directory, then takes their pages. Reads of a spilled sample read its file
+into memory (not mapped: see `SpillFile`; same rows, same Arrow, the slot's checks plus a
+CRC-32 per page of the file); a release removes it. The files hold at most `spill_budget`
+bytes; a put finding both full raises `StoreFullError` as before.
 
 A spill, in the putting process, one at a time per handle (the threads of a process share
 a handle, its writer lease and so its file names):
@@ -16,7 +16,8 @@ a handle, its writer lease and so its file names):
 2. without the lock: write each victim's rows and token ids to `spill_name(serial, code)`
    (`code` names this writer's lease: files of a dead writer are known as such). A disk
    error (full, failing, removed, not ours) stops here: the store cannot spill, the put
-   waits for releases and names the error if its time runs out;
+   waits for releases and names the error if its time runs out. Past the put's deadline no
+   victim is written after the first (the put then starts no other spill);
 3. lock: for each victim still the same put, still in memory and within the budget,
    `mark_spilled` (the spill field: the commit point; the checksum; the chain fields, the
    order `Spiller.finish` completes from after a stop) and drop its pages. Unlock;
@@ -54,6 +55,7 @@ from routing_replay.store.format import (
     ATTACH_WAIT_S,
     LEASE_HELD,
     MAX_SPILL_DIR_BYTES,
+    MIN_LOCK_WAIT_S,
     NO_DIGEST,
     NO_PAGE,
     NOT_SPILLED,
@@ -152,6 +154,15 @@ def spill_slots(layout: RoutingLayout, page_tokens: int, num_pages: int, budget:
     return min(budget // page_file_bytes(layout, page_tokens), num_pages * page_bytes // slot_bytes)
 
 
+def spill_files(path: str) -> list[tuple[str, re.Match]]:
+    """The spill files in a store's directory `path`: each name, parsed ([] if it cannot be
+    listed: removed, or not ours)."""
+    try:
+        return [(n, m) for n in os.listdir(path) if (m := _NAME.match(n))]
+    except OSError:
+        return []
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         data = data[os.write(fd, data) :]
@@ -231,7 +242,7 @@ class SpillFile:
         self._checked = np.zeros(n_chunks, dtype=bool)
 
     def check(self, a: int, b: int) -> None:
-        """Check the CRCs of the chunks holding rows [a, b) (each once per mapping)."""
+        """Check the CRCs of the chunks holding rows [a, b) (each once per read of the file)."""
         P = self._P
         for c in range(a // P, -(-b // P)):
             if self._checked[c]:
@@ -282,18 +293,19 @@ class Spiller:
 
     # -- the protocol ---------------------------------------------------------------------
 
-    def make_room(self, pages: int, deadline: float) -> bool:
+    def make_room(self, pages: int, deadline: float, lock_deadline: float) -> bool:
         """Make `pages` pages free by spilling; True if they are free now or a spill freed
         some (try again), False if nothing could be spilled: nothing in memory, the budget
-        spent, or the disk failed (`self.error`). Writing stops at `deadline` after the first
-        victim."""
-        if not self._mutex.acquire(deadline, self.core.name):
+        spent, the disk failed (`self.error`), or another thread of this handle was spilling
+        past `lock_deadline`. Writing stops at `deadline` (the put's) after the first victim;
+        the lock and the handle's spill are waited for until `lock_deadline`."""
+        if not self._mutex.acquire(lock_deadline, self.core.name):
             return False  # another thread of this handle spills, past our deadline
         try:
             due = time.monotonic() - self._cleaned >= CLEAN_EVERY_S
             if due and self.core.tables.hdr["spill_garbage"]:
-                self.clean(deadline)
-            return self._spill(pages, deadline)
+                self.clean(lock_deadline)
+            return self._spill(pages, deadline, lock_deadline)
         finally:
             self._mutex.release_if_mine()
 
@@ -307,9 +319,9 @@ class Spiller:
         thread holding it."""
         self._mutex.release_if_mine()
 
-    def _spill(self, pages: int, deadline: float) -> bool:
+    def _spill(self, pages: int, deadline: float, lock_deadline: float) -> bool:
         core = self.core
-        with core.lock.held("spill.pick", deadline) as hold:
+        with core.lock.held("spill.pick", lock_deadline) as hold:
             needed = pages - core.pages.free_count()
             if needed <= 0:
                 return True  # another writer's spill or release made the room
@@ -333,12 +345,14 @@ class Spiller:
                 self.error = OSError(e.errno, e.strerror, e.filename)
             if not written:
                 return False
-            with core.lock.held("spill.commit", deadline) as hold:
+            # What was written is committed even if writing took the lock's wait (timeout=0).
+            commit_by = max(lock_deadline, time.monotonic() + MIN_LOCK_WAIT_S)
+            with core.lock.held("spill.commit", commit_by) as hold:
                 done = self._commit(hold, written, code)
             return done > 0
         finally:
             if done < len(victims):  # also when interrupted: `_discard` asks the slots
-                self._discard(victims, code, deadline)
+                self._discard(victims, code, lock_deadline)
 
     def _pick(self, pages: int) -> list[Victim]:
         """In-memory samples to spill, unread first, oldest put first, until `pages` would be
@@ -509,12 +523,9 @@ class Spiller:
         self._cleaned = time.monotonic()
         if not self.enabled:
             return 0
-        try:
-            names = [(n, m) for n in os.listdir(self.dir) if (m := _NAME.match(n))]
-        except OSError:
-            return 0  # no directory (removed), nothing of ours to clean
+        names = spill_files(self.dir)
         if not names:
-            return 0
+            return 0  # none, or no directory (removed): nothing of ours to clean
         t = self.core.tables
         deadline = self.core.deadline() if deadline is None else deadline
         with self.core.lock.held("spill.clean", deadline):
@@ -534,10 +545,7 @@ class Spiller:
         names and no live writer is spilling (`leased`: nor a writer whose lease the table
         still holds, dead or not: reclaiming that lease marks its files for cleaning)."""
         if names is None:
-            try:
-                names = [(n, m) for n in os.listdir(self.dir) if (m := _NAME.match(n))]
-            except OSError:
-                return []
+            names = spill_files(self.dir)
         t = self.core.tables
         published = t.s_state == PUBLISHED
         by_serial = dict(

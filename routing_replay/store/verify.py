@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,7 +16,7 @@ from routing_replay.store.format import (
     NOT_SPILLED,
     PUBLISHED,
 )
-from routing_replay.store.spill import file_bytes
+from routing_replay.store.spill import file_bytes, spill_files, spill_name
 
 if TYPE_CHECKING:
     from routing_replay.store.core import StoreCore
@@ -31,8 +32,17 @@ def verify(core: StoreCore) -> None:
     key; free slots are on the free-slot stack; a spilled sample holds no pages and its
     file is there, whole; a spill file no sample needs is marked for cleaning; the header
     counters agree.
+
+    The spill directory is listed, and its files' sizes read, before taking the lock (a
+    store call waits for none of that); under it, only what the listing and the tables
+    disagree on is looked at again: a spilled sample's file the listing missed or saw with
+    another size (a spill that committed meanwhile), a file no sample names (a release
+    that removed it meanwhile). A file a slot names is never removed or rewritten while the
+    slot names it, so one the listing saw whole is there under the lock.
     """
     t, samples, prefix = core.tables, core.samples, core.prefix
+    names = spill_files(core.spill.dir) if core.spill.enabled else []
+    sizes = {name: _size(os.path.join(core.spill.dir, name)) for name, _ in names}
     with core.lock.held("verify", core.deadline()):
         published = samples.published()
         chains = []
@@ -76,19 +86,24 @@ def verify(core: StoreCore) -> None:
         spilled = published[t.s_spill[published] != NOT_SPILLED]
         spilled_bytes = 0
         for s in spilled.tolist():
-            path = core.spill.path(int(t.s_serial[s]), int(t.s_spill[s]))
+            name = spill_name(int(t.s_serial[s]), int(t.s_spill[s]))
+            path = os.path.join(core.spill.dir, name)
             size = file_bytes(
                 core.layout, t.page_tokens, int(t.s_num_tokens[s]), int(t.s_digest[s])
             )
             if t.s_num_pages[s] != 0 or t.s_last_page[s] != NO_PAGE:
                 raise t.corrupt(f"spilled slot {s} still names pages")
-            if not os.path.isfile(path) or os.path.getsize(path) != size:
+            if sizes.get(name) != size and _size(path) != size:  # listed otherwise: again
                 raise t.corrupt(f"spilled slot {s}: {path} is missing or not {size} bytes")
             spilled_bytes += size
         if (t.s_spill[t.s_state != PUBLISHED] != NOT_SPILLED).any():
             raise t.corrupt("a free slot still names a spill file")
         if core.spill.enabled and not int(t.hdr["spill_garbage"]):
-            stray = core.spill.unneeded(leased=True)
+            stray = [  # of the listing, those still there (not removed by a release since)
+                name
+                for name in core.spill.unneeded(names, leased=True)
+                if os.path.lexists(os.path.join(core.spill.dir, name))
+            ]
             if stray:
                 raise t.corrupt(f"spill files no sample needs, and none marked to clean: {stray}")
         counters = {
@@ -103,3 +118,12 @@ def verify(core: StoreCore) -> None:
         for field, value in counters.items():
             if int(t.hdr[field]) != value:
                 raise t.corrupt(f"header {field}={int(t.hdr[field])}, the tables say {value}")
+
+
+def _size(path: str) -> int | None:
+    """The size of the regular file at `path` (links followed); None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
