@@ -18,10 +18,13 @@ def interrupted_at(
     call: Callable[[], Any],
     error: type[BaseException] = KeyboardInterrupt,
     action: Callable[[], Any] | None = None,
+    lines: list[str] | None = None,
 ) -> tuple[int, Any]:
     """Run `call`, raising `error` at its `stop`-th line event in package code (0: never),
     or with `action` running it there instead (a signal handler; `call`'s own errors then
-    propagate). Returns the line events seen and what `call` returned (None if stopped)."""
+    propagate). Returns the line events seen and what `call` returned (None if stopped).
+    `lines`: a list each event's place is appended to (`file:line function`, the file
+    relative to the package), up to the stop's own (`lines[-1]` at the stop)."""
     seen = 0
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -30,6 +33,10 @@ def interrupted_at(
             return None
         if event == "line":
             seen += 1
+            if lines is not None:
+                code = frame.f_code
+                where = os.path.relpath(code.co_filename, PACKAGE)
+                lines.append(f"{where}:{frame.f_lineno} {code.co_name}")
             if seen == stop:
                 if action is None:
                     raise error

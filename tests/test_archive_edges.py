@@ -1,15 +1,18 @@
 """Route archive edges: a `read` that reuses one `out` buffer, saves to one path at once,
-policy versions an archive cannot hold, and a disk or path that refuses the file. Each
-save either writes exactly the samples read or raises a routing_replay error and leaves
-nothing behind."""
+policy versions an archive cannot hold, the syncs a save makes, and a disk or path that
+refuses the file. Each save either writes exactly the samples read or raises a
+routing_replay error and leaves nothing behind (but for a directory that fails to sync
+after the rename: the archive is complete, and the error says so)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import os
 import resource
 import signal
+import stat
 import sys
 import threading
 import uuid
@@ -168,6 +171,51 @@ def test_a_disk_that_refuses_the_file_is_a_store_unavailable_error_and_leaves_no
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert isinstance(raised.value, OSError) and "routes.arrow" in str(raised.value)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_file_is_synced_before_its_rename_and_its_directory_after(
+    stores, tmp_path, monkeypatch
+):
+    """A save survives a power cut: the file's data is on disk before the rename makes it the
+    archive, and the rename itself once the directory is synced after it (a relative path's
+    too: the current directory). A directory that fails to sync is a StoreUnavailableError
+    that says the archive is complete but its rename may not survive."""
+    src = stores()
+    refs = put_samples(src, "x", 3, 20)
+    real_fsync, real_replace = os.fsync, os.replace
+    done: list[tuple] = []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        done.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        if failing and stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_fsync(fd)
+
+    def replace(src_path, dst_path, **kwargs):
+        real_replace(src_path, dst_path, **kwargs)
+        done.append(("rename", os.path.abspath(dst_path)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    failing = False
+    (tmp_path / "in").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for path in (tmp_path / "in" / "routes.arrow", "routes.arrow"):
+        done.clear()
+        save_routes(path, refs, read=src.read)
+        archive_path = os.path.abspath(path)
+        file_ino, dir_ino = os.stat(path).st_ino, os.stat(os.path.dirname(archive_path)).st_ino
+        assert done == [
+            ("fsync", "file", file_ino),
+            ("rename", archive_path),
+            ("fsync", "dir", dir_ino),
+        ], f"{path}: syncs and renames in order {done}"
+        assert_loads_exactly(stores, path, src, refs)
+    failing = True
+    with pytest.raises(StoreUnavailableError, match="rename may not survive a power cut"):
+        save_routes(tmp_path / "in" / "other.arrow", refs, read=src.read)
+    assert_loads_exactly(stores, tmp_path / "in" / "other.arrow", src, refs)  # complete
 
 
 def test_a_path_in_a_missing_directory_or_naming_one_is_refused_before_any_read(stores, tmp_path):

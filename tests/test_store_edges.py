@@ -10,6 +10,7 @@ import functools
 import inspect
 import multiprocessing as mp
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -22,7 +23,15 @@ import pytest
 import torch
 from line_stops import collect_until, interrupted_at
 
-from routing_replay import Episode, RoutingLayout, RoutingStore, cli, load_routes, save_routes
+from routing_replay import (
+    Episode,
+    RoutingLayout,
+    RoutingStore,
+    cli,
+    load_routes,
+    save_routes,
+    to_torch,
+)
 from routing_replay.errors import (
     CorruptStoreError,
     InvalidArgumentError,
@@ -533,6 +542,61 @@ def test_spill_files_and_dirs_that_are_not_ours_are_refused(name, tmp_path):
         os.chmod(store.spill_dir, 0o700)
         store.put("c", TINY.random_routes(rng, 4 * P))  # spills b
         assert stat.S_IMODE(os.stat(store.spill_dir).st_mode) == 0o700
+        store.verify()
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_spill_files_and_dirs_of_another_user_are_refused(name, tmp_path):
+    """A spill file or a store's spill directory that belongs to another user (here: root's,
+    given to nobody) is not trusted: a read of the file's sample raises CorruptStoreError
+    naming the owner, a put that must spill there waits its timeout and raises
+    StoreFullError naming the directory; every other sample reads back exactly, nothing is
+    stored half-way, and once the owner is ours again both work."""
+    rng = np.random.default_rng(7)
+    with RoutingStore.create(
+        name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path, put_timeout=0.2
+    ) as store:
+        a, a_tokens = TINY.random_routes(rng, 2 * P), rng.integers(0, 1000, 2 * P)
+        b = TINY.random_routes(rng, 2 * P)
+        store.put("a", a, token_ids=a_tokens)
+        store.put("b", b)
+        store.put("c", c := TINY.random_routes(rng, 2 * P))  # a spilled
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        path = os.path.join(store.spill_dir, file)
+        me = os.geteuid()
+        os.chown(path, NOBODY, NOBODY)
+        who = rf"belongs to nobody \(uid {NOBODY}\), not to you \(root \(uid 0\)\)"
+        for read in (lambda: store.get("a"), lambda: store.read(["b", "a"])):
+            with pytest.raises(CorruptStoreError, match=rf"spill file {re.escape(path)} .*{who}"):
+                read()
+        assert np.array_equal(store.get("b"), b) and np.array_equal(store.get("c"), c)
+        assert len(store) == 3 and store.stats().samples_spilled == 1
+        os.chown(path, me, me)
+        batch = store.read(["a", "b"])
+        assert np.array_equal(to_torch(batch).numpy(), np.concatenate([a, b]))
+        assert batch.column("token_ids").to_pylist() == [a_tokens.tolist(), None]
+
+        os.chown(store.spill_dir, NOBODY, NOBODY)
+        start = time.monotonic()
+        with pytest.raises(StoreFullError) as raised:
+            store.put("d", TINY.random_routes(rng, 4 * P))  # must spill b and c
+        assert time.monotonic() - start >= 0.2  # it waited for a release
+        assert f"spilling to {store.spill_dir} failed" in str(raised.value)
+        assert "not this user's own directory with mode 0700" in str(raised.value)
+        assert "nothing of it was stored" in str(raised.value)
+        assert "d" not in store and len(store) == 3
+        assert sorted(os.listdir(store.spill_dir)) == sorted([file, "owner.lock"])  # none written
+        assert np.array_equal(store.get("a"), a)  # its file is still ours: read
+        assert np.array_equal(store.get("b"), b) and np.array_equal(store.get("c"), c)
+        store.verify()
+        os.chown(store.spill_dir, me, me)
+        store.put("d", d := TINY.random_routes(rng, 4 * P))  # spills b and c
+        assert store.stats().samples_spilled == 3
+        for sample_id, want in (("a", a), ("b", b), ("c", c), ("d", d)):
+            assert np.array_equal(store.get(sample_id), want), sample_id
         store.verify()
 
 

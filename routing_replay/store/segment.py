@@ -31,7 +31,6 @@ import re
 import stat
 import warnings
 import weakref
-from collections.abc import Sequence
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.ofd_locks import lease_try
@@ -110,7 +109,9 @@ def untrusted_reason(st: os.stat_result, mode: int = SEGMENT_MODE) -> str | None
 class Segment:
     """One mapped shared-memory file: create (owner) or attach (same user, mode 0600)."""
 
-    def __init__(self, name: str, fd: int, lock_fd: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(
+        self, name: str, fd: int, lock_fd: int, mm: mmap.mmap, owner: bool, fds: list[int]
+    ) -> None:
         self.name = name
         self.path = segment_path(name)
         self.fd = fd  # the mapped description: fstat, reopening; never locked
@@ -118,7 +119,9 @@ class Segment:
         self.epoch = _fork_epoch
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
-        self._to_close = [f for f in (fd, lock_fd) if f >= 0]  # what close() closes, once
+        # What close() closes, once: the list create/attach filled as they opened, so that
+        # their clean-up after a stop here and this finalizer never both close a number.
+        self._to_close = fds
         st = os.fstat(fd)
         self._inode = (st.st_dev, st.st_ino)  # the file this mapping is, for unlink()
         _SEGMENTS.add(self)
@@ -159,24 +162,25 @@ class Segment:
                 "stores, or give the container more shared memory (docker run --shm-size=16g; "
                 "Ray's object store lives there too)"
             )
-        fd = lock_fd = -1
+        fd = -1
+        fds: list[int] = []  # every descriptor opened, appended on the line that opens it
         mm = None
         try:  # whatever stops it (an OSError, Ctrl-C), nothing it made stays
-            fd = os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
+            fds.append(fd := os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, SEGMENT_MODE))
             os.fchmod(fd, SEGMENT_MODE)
-            lock_fd = _reopen(fd)
+            fds.append(lock_fd := _reopen(fd))
             lease_try(lock_fd, owner_lease)  # a new file: nobody else can hold it
             # Commit the memory now: a full tmpfs fails here with ENOSPC instead of
             # killing a writer with SIGBUS half-way through a put later.
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
-            return cls(name, fd, lock_fd, mm, owner=True)
+            return cls(name, fd, lock_fd, mm, owner=True, fds=fds)
         except BaseException as e:
             if fd < 0:  # not ours: the name was taken, or nothing was made
                 if isinstance(e, FileExistsError):
                     raise StoreUnavailableError(_exists_message(name, path)) from None
             else:
-                _discard(path, mm, (fd, lock_fd))
+                _discard(path, mm, fds)
             if isinstance(e, OSError) and not isinstance(e, StoreUnavailableError):
                 raise StoreUnavailableError(
                     f"could not allocate {size / 2**20:.1f} MiB in {SHM_DIR} for store "
@@ -194,21 +198,22 @@ class Segment:
         another user and is refused.
         """
         path = segment_path(name)
-        fd = lock_fd = -1
+        fd = -1
+        fds: list[int] = []  # as in create
         mm = None
         try:  # one try: a stop at any line of it closes what it opened
-            fd = os.open(path, OPEN_FLAGS)
+            fds.append(fd := os.open(path, OPEN_FLAGS))
             st = os.fstat(fd)
             reason = untrusted_reason(st)
             if reason:
                 raise StoreUnavailableError(_refusal(path, reason))
             if st.st_size == 0:
                 raise StoreUnavailableError(f"store {name!r} is still being created; retry")
-            lock_fd = _reopen(fd)
+            fds.append(lock_fd := _reopen(fd))
             mm = mmap.mmap(fd, st.st_size, flags=MAP_FLAGS)
-            return cls(name, fd, lock_fd, mm, owner=False)
+            return cls(name, fd, lock_fd, mm, owner=False, fds=fds)
         except BaseException as e:
-            _release(mm, (fd, lock_fd))
+            _release(mm, fds)
             if fd < 0 and isinstance(e, FileNotFoundError):
                 raise StoreUnavailableError(
                     f"no routing store named {name!r} on this node ({path} does not exist): "
@@ -302,19 +307,19 @@ def _dropped(name: str, fds: list[int]) -> None:
         )
 
 
-def _discard(path: str, mm: mmap.mmap | None, fds: Sequence[int]) -> None:
+def _discard(path: str, mm: mmap.mmap | None, fds: list[int]) -> None:
     """Unlink a half-made segment, close its descriptors, unmap it if no view is alive."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     _release(mm, fds)
 
 
-def _release(mm: mmap.mmap | None, fds: Sequence[int]) -> None:
-    """Close the descriptors of a segment never handed out; unmap it if no view is alive."""
-    for f in fds:
-        if f >= 0:
-            with contextlib.suppress(OSError):
-                os.close(f)
+def _release(mm: mmap.mmap | None, fds: list[int]) -> None:
+    """Close the descriptors of a segment never handed out (each once: a half-made
+    `Segment`'s finalizer shares the list); unmap it if no view is alive."""
+    while fds:
+        with contextlib.suppress(OSError):
+            close_each(fds)
     if mm is not None:
         with contextlib.suppress(BufferError):
             mm.close()
