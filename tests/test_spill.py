@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -200,6 +201,38 @@ def test_a_put_that_spills_keeps_its_timeout(name, tmp_path, monkeypatch, timeou
         store.put("one", one, timeout=0)  # one victim makes room: at any timeout
         assert store.stats().samples_spilled == spilled + 1
         for sid, r in {**kept, "one": one, "big": big}.items():
+            assert np.array_equal(store.get(sid), r), sid
+        store.verify()
+
+
+def test_a_put_waiting_for_another_threads_spill_says_so(name, tmp_path, monkeypatch):
+    """Two threads of one handle: one spills slowly; the other's put, which finds the store
+    full and waits past its 1 s lock wait for that spill, fails saying so (before: "too full
+    for more" with most of the budget free). Nothing lost; the slow put completes."""
+    layout = LAYOUTS[0]
+    rng = np.random.default_rng(8)
+    with make(name, tmp_path, pages=80) as store:
+        kept = {f"s{i}": layout.random_routes(rng, P) for i in range(80)}
+        for sid, r in kept.items():
+            store.put(sid, r)
+        real_write = spill_module._write_all
+        writing = threading.Event()
+
+        def slow_write(fd, data):  # 50 ms a one-page file: 40 victims take 2 s
+            writing.set()
+            time.sleep(0.05)
+            real_write(fd, data)
+
+        monkeypatch.setattr(spill_module, "_write_all", slow_write)
+        big = layout.random_routes(rng, 40 * P)
+        slow = threading.Thread(target=store.put, args=("big", big))
+        slow.start()
+        assert writing.wait(10)
+        with pytest.raises(StoreFullError, match="another thread of this process was still"):
+            store.put("other", layout.random_routes(rng, P), timeout=0.05)
+        slow.join()
+        assert "other" not in store and np.array_equal(store.get("big"), big)
+        for sid, r in kept.items():
             assert np.array_equal(store.get(sid), r), sid
         store.verify()
 

@@ -423,6 +423,11 @@ class PutTransaction:
                 f"out ({s.samples_spilled} samples spilled, {s.spilled_bytes} of their "
                 f"{s.spill_budget}-byte budget): a longer timeout lets it spill what it needs; "
             )
+        if spill.was_busy():
+            return (
+                f"another thread of this process was still spilling to {spill.dir} when the "
+                "put's wait for it ran out; "
+            )
         if spill.error is not None:
             return (
                 f"spilling to {spill.dir} failed ({spill.error.strerror or spill.error}: "

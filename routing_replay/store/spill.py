@@ -42,6 +42,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 import weakref
 import zlib
@@ -279,6 +280,7 @@ class Spiller:
         self.core = core
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
+        self._waited = threading.local()  # .busy: this thread's last make_room found one running
         self.error: OSError | None = None  # why the last spill could not write, if it failed
         self._cleaned = -CLEAN_EVERY_S  # when this handle last cleaned (time.monotonic)
         if not users and self.enabled:
@@ -299,7 +301,8 @@ class Spiller:
         spent, the disk failed (`self.error`), or another thread of this handle was spilling
         past `lock_deadline`. Writing stops at `deadline` (the put's) after the first victim;
         the lock and the handle's spill are waited for until `lock_deadline`."""
-        if not self._mutex.acquire(lock_deadline, self.core.name):
+        self._waited.busy = not self._mutex.acquire(lock_deadline, self.core.name)
+        if self._waited.busy:
             return False  # another thread of this handle spills, past our deadline
         try:
             due = time.monotonic() - self._cleaned >= CLEAN_EVERY_S
@@ -308,6 +311,10 @@ class Spiller:
             return self._spill(pages, deadline, lock_deadline)
         finally:
             self._mutex.release_if_mine()
+
+    def was_busy(self) -> bool:
+        """Whether this thread's last `make_room` gave up waiting for another thread's spill."""
+        return getattr(self._waited, "busy", False)
 
     def close(self) -> None:
         """The handle closes: its shared lock on the directory goes with it."""
