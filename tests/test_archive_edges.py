@@ -322,9 +322,23 @@ def test_a_save_killed_mid_write_leaves_a_file_the_next_save_removes(stores, tmp
     assert glob.glob(path + ".partial-*") == [live]
     stale = os.stat(live).st_mtime - archive.DEAD_PARTIAL_S - 1
     os.utime(live, (stale, stale))  # a minute later
+    mine = path + ".partial-backup"  # a user's file that shares the prefix: never touched
+    Path(mine).write_bytes(b"keep")
+    os.utime(mine, (stale, stale))
     save_routes(path, refs, read=src.read)
-    assert glob.glob(path + ".partial-*") == []
+    assert glob.glob(path + ".partial-*") == [mine]
     assert_loads_exactly(stores, path, src, refs)
+
+
+def test_a_fifo_given_to_load_routes_is_refused_not_waited_on(stores, tmp_path):
+    """A FIFO at the path: an InvalidArgumentError at once, the store empty (before: the load
+    blocked forever opening it)."""
+    path = str(tmp_path / "routes.arrow")
+    os.mkfifo(path)
+    dst = stores()
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
+        load_routes(path, dst)
+    assert len(dst) == 0
 
 
 def test_an_archive_that_cannot_be_opened_is_not_called_damaged(stores, tmp_path):

@@ -237,6 +237,115 @@ def test_a_put_waiting_for_another_threads_spill_says_so(name, tmp_path, monkeyp
         store.verify()
 
 
+def test_spill_files_are_readable_whatever_the_writers_umask(name, tmp_path):
+    """A writer whose umask drops the owner's write bit still writes its spill files 0600
+    (before: 0400, which every read then refused as damaged, the sample lost)."""
+    rng = np.random.default_rng(9)
+    a = LAYOUTS[0].random_routes(rng, 3 * P)
+    old = os.umask(0o222)
+    try:
+        with make(name, tmp_path, pages=4) as store:
+            store.put("a", a)
+            store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # "a" spills
+            assert store.stats().samples_spilled == 1
+            assert np.array_equal(store.get("a"), a)
+            store.verify()
+    finally:
+        os.umask(old)
+
+
+def test_a_put_renews_its_lock_wait_after_a_spill(name, tmp_path, monkeypatch):
+    """A put with timeout=0 that spills for over a second, then meets the lock held (another
+    handle's call), waits for it as any put does, at least 1 s, and stores its sample
+    (before: its lock wait had run out during the spill: StoreBusyError)."""
+    rng = np.random.default_rng(10)
+    with make(name, tmp_path, pages=4) as store, RoutingStore.attach(name) as other:
+        store.put("a", LAYOUTS[0].random_routes(rng, 4 * P))
+        real_write = spill_module._write_all
+
+        def slow_write(fd, data):  # a slow disk: 1.1 s for the one victim
+            time.sleep(1.1)
+            real_write(fd, data)
+
+        held = threading.Event()
+
+        def hold_lock():  # another handle's call, holding the lock just after the spill
+            with other._core.lock.held("test", time.monotonic() + 5):
+                held.set()
+                time.sleep(0.3)
+
+        real_make_room = store._core.spill.make_room
+
+        def make_room(*args):
+            made = real_make_room(*args)
+            threading.Thread(target=hold_lock).start()
+            assert held.wait(5)
+            return made
+
+        monkeypatch.setattr(spill_module, "_write_all", slow_write)
+        monkeypatch.setattr(store._core.spill, "make_room", make_room)
+        b = LAYOUTS[0].random_routes(rng, 2 * P)
+        store.put("b", b, timeout=0)
+        assert np.array_equal(store.get("b"), b) and store.stats().samples_spilled == 1
+        store.verify()
+
+
+def test_verify_keeps_a_file_a_clean_kept_for_a_spill_whose_sample_was_released(
+    name, tmp_path, monkeypatch
+):
+    """A clean (another handle's reclaim) while a spill writes its victim's file keeps the
+    file and the mark to clean; the victim is then released: verify() passes, and so it does
+    after the spill ends (before: the clean cleared the mark, and verify called the store
+    corrupt, "spill files no sample needs")."""
+    rng = np.random.default_rng(11)
+    with make(name, tmp_path, pages=4) as store, RoutingStore.attach(name) as other:
+        a, b = (LAYOUTS[0].random_routes(rng, 2 * P) for _ in range(2))
+        store.put("a", a)
+        store.put("b", b)
+        real_write = spill_module._write_all
+        writing, go = threading.Event(), threading.Event()
+
+        def paused_write(fd, data):
+            writing.set()
+            assert go.wait(10)
+            real_write(fd, data)
+
+        monkeypatch.setattr(spill_module, "_write_all", paused_write)
+        c = LAYOUTS[0].random_routes(rng, 2 * P)
+        putting = threading.Thread(target=store.put, args=("c", c))
+        putting.start()
+        assert writing.wait(10)  # "a", the oldest, is being written to its file
+        other.reclaim()  # a clean: keeps the file of the spill in progress
+        other.release(["a"])
+        other.verify()
+        go.set()
+        putting.join()
+        other.reclaim()
+        other.verify()
+        assert "a" not in other and np.array_equal(other.get("b"), b)
+        assert np.array_equal(other.get("c"), c)
+
+
+def test_a_fifo_in_a_spill_files_place_is_refused_not_waited_on(name, tmp_path):
+    """A FIFO where a spilled sample's file was: the read raises CorruptStoreError at once
+    and verify() says so (before: the read blocked forever in open)."""
+    rng = np.random.default_rng(12)
+    with make(name, tmp_path, pages=4) as store:
+        store.put("a", LAYOUTS[0].random_routes(rng, 3 * P))
+        store.put("b", LAYOUTS[0].random_routes(rng, 4 * P))  # "a" spills
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        path = os.path.join(store.spill_dir, file)
+        os.unlink(path)
+        os.mkfifo(path, 0o600)
+        with pytest.raises(CorruptStoreError, match="not a regular file"):
+            store.get("a")
+        with pytest.raises(CorruptStoreError, match="not a regular file of this user"):
+            store.verify()
+        os.unlink(path)
+        store.release(["a"])
+        store.verify()
+
+
 def test_damaged_files_raise(name, tmp_path):
     rng = np.random.default_rng(3)
     with make(name, tmp_path, pages=4) as store:

@@ -957,6 +957,64 @@ def test_a_create_out_of_file_descriptors_says_so_and_leaves_nothing(name, tmp_p
     assert (left, segment_left, dirs) == ([], False, [])
 
 
+ATTACH_EMFILE_CHILD = """
+import os, resource, sys
+from routing_replay import RoutingStore
+from routing_replay.errors import RoutingReplayError
+from routing_replay.store import sweep_spill_dirs
+name, spill_root = sys.argv[1], sys.argv[2]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+before = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+seen = []
+for spare in range(0, 16):  # the descriptors left free to attach: every point of running out
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 1 + spare, hard))
+    try:
+        store = RoutingStore.attach(name)
+    except RoutingReplayError as e:
+        seen.append(type(e).__name__)
+        continue
+    except OSError as e:
+        seen.append("raw " + type(e).__name__)
+        continue
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # attached: its handle holds the spill directory, so a sweep keeps it
+    seen.append(("attached", sweep_spill_dirs(spill_root, dry_run=True), len(store.get("a"))))
+    store.close()
+    break
+print(repr(seen))
+"""
+
+
+@pytest.mark.slow
+def test_an_attach_out_of_file_descriptors_says_so_or_holds_its_spill_dir(name, tmp_path):
+    """Out of descriptors at each point of a spilling store's attach (its owner's handle
+    closed): a StoreUnavailableError, or a handle that holds the spill directory so that a
+    sweep keeps it (before: with 3 descriptors free the handle attached without that lock, so
+    a sweep removed its spilled samples; with 1 or 2, a raw OSError)."""
+    owner = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    rows = TINY.random_routes(np.random.default_rng(0), 3 * P)
+    owner.put("a", rows)
+    owner.put("b", rows[: 2 * P])  # "a" spills
+    assert owner.stats().samples_spilled == 1
+    owner.close()  # the segment stays: the child's handle is the directory's only user
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", ATTACH_EMFILE_CHILD, name, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        seen = eval(out.stdout)
+        assert seen[-1] == ("attached", [], 3 * P), seen
+        assert set(seen[:-1]) == {"StoreUnavailableError"}, seen
+    finally:
+        with RoutingStore.attach(name) as again:  # (the name fixture removes the segment)
+            np.testing.assert_array_equal(again.get("a"), rows)
+        assert len(sweep_spill_dirs(tmp_path)) == 1
+
+
 def test_a_close_stopped_at_each_line_then_closed_again_never_closes_another_handles_files(
     name, tmp_path
 ):

@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import numbers
 import os
+import re
 import secrets
 import stat
 import struct
@@ -80,6 +81,7 @@ CRC_KEY = b"crc32"  # record batch metadata: `batch_crc` of the batch
 POLICY_VERSIONS, TOKENS_DIGEST, SERIAL = "policy_versions", "tokens_digest", "serial"
 DEFAULT_CHUNK_TOKENS = 1 << 18  # tokens read and written at a time (~100 MB of Qwen3 routes)
 DEAD_PARTIAL_S = 60.0  # a killed save's temporary file, unlocked and unwritten this long, goes
+_PARTIAL = re.compile(r"\.partial-\d+-[0-9a-f]{12}")  # what `_temp_file` names: no other file
 SPANS = pa.list_(pa.struct([("start", pa.int64()), ("version", pa.int64())]))
 
 
@@ -286,7 +288,11 @@ def _remove_dead_partials(path: str) -> None:
     live save holds its file's flock). Anything in doubt stays."""
     folder, base = os.path.split(path)
     try:
-        names = [n for n in os.listdir(folder or ".") if n.startswith(f"{base}.partial-")]
+        names = [
+            n
+            for n in os.listdir(folder or ".")
+            if n.startswith(base) and _PARTIAL.fullmatch(n[len(base) :])
+        ]
     except OSError:
         return
     for name in names:
@@ -465,6 +471,12 @@ class RouteArchive:
         self.path = _file_path(path, "load_routes")
         if os.path.isdir(self.path):
             raise InvalidArgumentError(f"load_routes: {self.path} is a directory, not an archive")
+        with contextlib.suppress(OSError):  # (opening says what is wrong with a missing one)
+            if not stat.S_ISREG(os.stat(self.path).st_mode):  # a FIFO would block the open
+                raise InvalidArgumentError(
+                    f"load_routes: {self.path} is not a regular file (a FIFO, socket or device): "
+                    "pass the path of an archive save_routes wrote"
+                )
         try:
             file = pa.OSFile(self.path)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:

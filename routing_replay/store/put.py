@@ -19,8 +19,9 @@ A put, top to bottom:
 A plan found invalid at 6 (a shared page was released meanwhile) starts the put over;
 any error leaves nothing stored and gives the reserved pages back. Too few free pages at 4:
 the put spills samples to disk (a store with `spill_dir`) or waits for releases, then tries
-again, both within its timeout: it spills at least one sample whatever its timeout, and
-starts no spill once its timeout has passed.
+again, both within its timeout: it spills at least one sample whatever its timeout (unless
+another thread of the handle is spilling: it waits for that one, at least 1 s), and starts
+no spill once its timeout has passed.
 """
 
 from __future__ import annotations
@@ -236,25 +237,28 @@ class PutTransaction:
             raise removed_error(core.name)
         self.started = time.monotonic_ns()
         deadline = time.monotonic() + self.timeout
-        lock_deadline = max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
+
+        def lock_deadline() -> float:  # each wait for the lock: the timeout, at least 1 s
+            return max(deadline, time.monotonic() + MIN_LOCK_WAIT_S)
+
         resv, wait, token = Reservation(), 0.001, object()
         samples = core.samples
         spilled = made = False  # whether this put has spilled; whether its last spill made room
         try:
             core.puts_running.add(token)
             while True:
-                with core.lock.held("put.lookup", lock_deadline):
+                with core.lock.held("put.lookup", lock_deadline()):
                     self._refuse_duplicates()
                     plans = [core.prefix.candidates(s.keys) for s in self.samples]
                 for s, plan in zip(self.samples, plans, strict=True):
                     s.plan, s.equal = plan, core.prefix.equal_prefix(plan, s.keyed, s.tokens)
-                with core.lock.held("put.reserve", lock_deadline) as hold:
+                with core.lock.held("put.reserve", lock_deadline()) as hold:
                     count = self._lay_out()
                     slots = samples.free_count() >= len(self.samples)
                     ok = slots and self._reserve(hold, count, resv)
                 if ok:
                     self._fill(resv.pages)
-                    with core.lock.held("put.publish", lock_deadline) as hold:
+                    with core.lock.held("put.publish", lock_deadline()) as hold:
                         if samples.free_count() >= len(self.samples) and all(
                             core.prefix.valid(s.plan) for s in self.samples
                         ):
@@ -266,7 +270,7 @@ class PutTransaction:
                 # one sample, whatever its timeout), and starts no spill past its deadline.
                 if slots and core.spill.enabled and (not spilled or time.monotonic() < deadline):
                     spilled = True
-                    made = core.spill.make_room(count, deadline, lock_deadline)
+                    made = core.spill.make_room(count, deadline, lock_deadline())
                     if made:
                         continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:

@@ -468,7 +468,8 @@ class RoutingStore:
         (default `put_timeout`) for room, and for the lock (at least 1 s), then raises
         `StoreFullError` (or `StoreBusyError`); on any error nothing is stored. A spilling
         store's put spills within the same `timeout`: at least one sample whatever the
-        timeout, none once it has passed (what it spilled stays spilled). `policy_version` (the
+        timeout (or it waits, at least 1 s, for another thread's spill), none once it has
+        passed (what it spilled stays spilled). `policy_version` (the
         version of the policy that generated the sample, or `(first token, version)` spans
         for an episode whose turns came from several) rides on the ref, for staleness
         filters (`routing_replay.ray.split_stale`).

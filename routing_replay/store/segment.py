@@ -222,6 +222,11 @@ class Segment:
                 ) from None
             if fd < 0 and isinstance(e, OSError):  # another user's, a link, a socket, ...
                 raise StoreUnavailableError(_unopenable(name, path, e)) from None
+            if isinstance(e, OSError) and not isinstance(e, StoreUnavailableError):
+                raise StoreUnavailableError(  # reopening or mapping it: descriptors, memory
+                    f"cannot attach store {name!r} ({type(e).__name__}: {e}): raise `ulimit -n` "
+                    "if out of file descriptors, or free memory; nothing was attached"
+                ) from None
             raise
 
     @property

@@ -192,7 +192,8 @@ class SpillFile:
         layout, P = core.layout, core.page_tokens
         self.path, self._P = path, P
         try:  # FileNotFoundError: gone
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO in its place opens at once (and is refused as not a file).
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise self._corrupt("a symbolic link is in its place") from None
@@ -418,6 +419,7 @@ class Spiller:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self.path(v.serial, code), flags, FILE_MODE)
         try:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask: reads refuse any other mode
             os.ftruncate(fd, where["end"])
             os.pwrite(fd, head.tobytes(), 0)
             os.pwrite(fd, crcs.tobytes(), where["crcs"])
@@ -537,9 +539,11 @@ class Spiller:
         deadline = self.core.deadline() if deadline is None else deadline
         with self.core.lock.held("spill.clean", deadline):
             seen = int(t.hdr["spill_garbage"])  # cleared below once what is judged here is gone
-            doomed = self.unneeded(names)
+            doomed, writing = self._judge(names, leased=False)
         removed = sum(_unlink(os.path.join(self.dir, name)) for name in doomed)
-        if removed == len(doomed) and seen:
+        # A file kept for a spill in progress keeps the mark: its sample may be released
+        # before that spill's commit, which then removes the file.
+        if removed == len(doomed) and seen and not writing:
             with self.core.lock.held("spill.clean", deadline):
                 if int(t.hdr["spill_garbage"]) == seen:  # no file was orphaned since
                     t.hdr["spill_garbage"] = 0
@@ -551,14 +555,16 @@ class Spiller:
         """Under the lock: the spill files (of `names`, else of the directory) that no slot
         names and no live writer is spilling (`leased`: nor a writer whose lease the table
         still holds, dead or not: reclaiming that lease marks its files for cleaning)."""
-        if names is None:
-            names = spill_files(self.dir)
+        return self._judge(spill_files(self.dir) if names is None else names, leased)[0]
+
+    def _judge(self, names: list[tuple[str, re.Match]], leased: bool) -> tuple[list[str], int]:
+        """`unneeded`'s files, and how many others were kept as spills in progress."""
         t = self.core.tables
         published = t.s_state == PUBLISHED
         by_serial = dict(
             zip(t.s_serial[published].tolist(), np.flatnonzero(published).tolist(), strict=True)
         )
-        doomed = []
+        doomed, writing = [], 0
         for name, m in names:
             serial, code = int(m.group(1), 16), int(m.group(2), 16)
             slot = by_serial.get(serial)
@@ -566,9 +572,10 @@ class Spiller:
                 continue  # the sample's file
             in_progress = self._writer_alive(code) or (leased and self._writer_leased(code))
             if slot is not None and int(t.s_spill[slot]) == NOT_SPILLED and in_progress:
+                writing += 1
                 continue  # a spill in progress
             doomed.append(name)
-        return doomed
+        return doomed, writing
 
     def _writer_alive(self, code: int) -> bool:
         return self._writer_leased(code) and self.core.leases.alive((code >> 32) - 1)
@@ -656,6 +663,7 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
         # store being created) or a held one, never a free lock of a live store.
         flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         users.append(os.open(os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE))
+        os.fchmod(users[0], FILE_MODE)  # whatever the umask
         fcntl.flock(users[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody holds it
         os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
         return path
@@ -676,7 +684,8 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
 
 def use_spill_dir(path: str, users: list[int]) -> None:
     """Take a handle's shared lock on its store's directory into the empty list `users`
-    (left empty if the directory is gone: its spilled samples then read as missing). A sweep
+    (left empty if the directory is gone: its spilled samples then read as missing; any other
+    failure is a `StoreUnavailableError`). A sweep
     probing the lock holds it exclusively for an instant: waited for, up to ATTACH_WAIT_S."""
     try:  # one try, no nested one: a stop at any line of it closes what it opened
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -690,8 +699,15 @@ def use_spill_dir(path: str, users: list[int]) -> None:
             raise FileNotFoundError("a sweep took the directory away meanwhile")
     except BaseException as e:
         close_each(users)
-        if not isinstance(e, OSError):
-            raise
+        if isinstance(e, FileNotFoundError):
+            return  # the directory is gone: nothing to hold
+        if isinstance(e, OSError):  # out of descriptors, a sweep holding it, not ours, ...
+            raise StoreUnavailableError(
+                f"cannot hold the spill directory {path} of this store ({e}): without its lock "
+                "a sweep could remove it under this handle. Raise `ulimit -n` if out of "
+                "descriptors, check the directory's owner, or retry; nothing was attached"
+            ) from None
+        raise
 
 
 def _shared_lock(fd: int) -> bool:

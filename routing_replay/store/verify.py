@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import stat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,7 +15,8 @@ from routing_replay.store.format import (
     NOT_SPILLED,
     PUBLISHED,
 )
-from routing_replay.store.spill import file_bytes, spill_files, spill_name
+from routing_replay.store.segment import untrusted_reason
+from routing_replay.store.spill import FILE_MODE, file_bytes, spill_files, spill_name
 
 if TYPE_CHECKING:
     from routing_replay.store.core import StoreCore
@@ -94,7 +94,10 @@ def verify(core: StoreCore) -> None:
             if t.s_num_pages[s] != 0 or t.s_last_page[s] != NO_PAGE:
                 raise t.corrupt(f"spilled slot {s} still names pages")
             if sizes.get(name) != size and _size(path) != size:  # listed otherwise: again
-                raise t.corrupt(f"spilled slot {s}: {path} is missing or not {size} bytes")
+                raise t.corrupt(
+                    f"spilled slot {s}: {path} is missing, not a regular file of this user with "
+                    f"mode 0600, or not {size} bytes"
+                )
             spilled_bytes += size
         if (t.s_spill[t.s_state != PUBLISHED] != NOT_SPILLED).any():
             raise t.corrupt("a free slot still names a spill file")
@@ -121,9 +124,10 @@ def verify(core: StoreCore) -> None:
 
 
 def _size(path: str) -> int | None:
-    """The size of the regular file at `path` (links followed); None if there is none."""
+    """The size of the spill file at `path`; None if there is none that reads would take (a
+    regular file, not a link, this user's, mode 0600)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return None if untrusted_reason(st, FILE_MODE) else st.st_size
