@@ -326,6 +326,49 @@ def test_verify_keeps_a_file_a_clean_kept_for_a_spill_whose_sample_was_released(
         assert np.array_equal(other.get("c"), c)
 
 
+def test_verify_keeps_a_file_made_after_a_clean_listed_the_directory(name, tmp_path, monkeypatch):
+    """A writer picks its victim; a clean (another handle's reclaim) lists the directory
+    before the victim's file exists and clears the mark to clean; the victim is released;
+    the writer then creates and writes the file. verify() passes while it is there (before:
+    "spill files no sample needs, and none marked to clean": a healthy store called
+    corrupt), and after the writer removes it."""
+    rng = np.random.default_rng(13)
+    with make(name, tmp_path, pages=4) as store, RoutingStore.attach(name) as other:
+        rows = {s: LAYOUTS[0].random_routes(rng, 2 * P) for s in "abcd"}
+        for s in "abc":
+            store.put(s, rows[s])  # "a" spills: the directory holds a file
+        real_check, real_write = spill_module.check_dir, spill_module._write_all
+        picked, created, go = threading.Event(), threading.Event(), threading.Event()
+
+        def check_dir(path):  # the victim "b" picked, its file not made yet
+            picked.set()
+            assert go.wait(10)
+            go.clear()
+            real_check(path)
+
+        def write_all(fd, data):  # the file made, being written
+            created.set()
+            assert go.wait(10)
+            real_write(fd, data)
+
+        monkeypatch.setattr(spill_module, "check_dir", check_dir)
+        monkeypatch.setattr(spill_module, "_write_all", write_all)
+        putting = threading.Thread(target=store.put, args=("d", rows["d"]))
+        putting.start()
+        assert picked.wait(10)
+        other.reclaim()  # lists "a"'s file only
+        other.release(["b"])
+        go.set()
+        assert created.wait(10)
+        other.verify()  # b's file is there, its sample gone, its writer alive
+        go.set()
+        putting.join()
+        other.reclaim()
+        other.verify()
+        for s in "acd":
+            assert np.array_equal(other.get(s), rows[s]), s
+
+
 def test_a_fifo_in_a_spill_files_place_is_refused_not_waited_on(name, tmp_path):
     """A FIFO where a spilled sample's file was: the read raises CorruptStoreError at once
     and verify() says so (before: the read blocked forever in open)."""

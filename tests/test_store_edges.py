@@ -957,6 +957,81 @@ def test_a_create_out_of_file_descriptors_says_so_and_leaves_nothing(name, tmp_p
     assert (left, segment_left, dirs) == ([], False, [])
 
 
+def test_fifos_planted_among_a_stores_files_are_refused_not_waited_on(name, tmp_path):
+    """A FIFO at the name the next spill file takes, in place of a spill directory's users
+    lock, or under /dev/shm at the name of a store whose spill directory is left: every call
+    returns (the put spills, a StoreUnavailableError, the directory left alone) instead of
+    blocking forever in open (before: each of them hung)."""
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
+        rng = np.random.default_rng(0)
+        store.put("a", TINY.random_routes(rng, 2 * P))
+        store.put("b", b := TINY.random_routes(rng, 2 * P))
+        store.put("c", TINY.random_routes(rng, 2 * P))  # "a" spills
+        (first,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        code = first.split("-")[1]  # this writer's: the next spill file is b's (serial 2)
+        fifo = os.path.join(store.spill_dir, f"{2:016x}-{code}")
+        os.mkfifo(fifo, 0o600)
+        # The open fails at once (no reader); the attempt's file name, not a slot's, is
+        # removed, and the put's next spill writes b's file there.
+        store.put("d", d := TINY.random_routes(rng, 2 * P), timeout=5)
+        assert stat.S_ISREG(os.lstat(fifo).st_mode)
+        np.testing.assert_array_equal(store.get("b"), b)
+        np.testing.assert_array_equal(store.get("d"), d)
+        store.verify()
+        users = os.path.join(store.spill_dir, "owner.lock")
+        os.rename(users, users + ".real")
+        os.mkfifo(users, 0o600)
+        with pytest.raises(StoreUnavailableError, match="users lock is not a regular file"):
+            RoutingStore.attach(name)
+        assert sweep_spill_dirs(tmp_path) == []
+        os.unlink(users)
+        os.rename(users + ".real", users)
+    # A store's spill directory left after a wipe, and a FIFO under its name in /dev/shm:
+    # another store's create sweeps the spill root and leaves that directory alone.
+    left = RoutingStore.create(name + "-w", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    os.unlink(segment_path(name + "-w"))  # the wipe
+    left.close()
+    os.mkfifo(segment_path(name + "-w"), 0o600)
+    try:
+        with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path):
+            assert len(store_dirs(tmp_path)) == 2
+    finally:
+        os.unlink(segment_path(name + "-w"))
+    assert len(sweep_spill_dirs(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 5])
+def test_a_spilling_put_and_a_spilled_read_stopped_at_each_line_leave_no_descriptor(
+    name, tmp_path, stride
+):
+    """Ctrl-C at each line of a put that spills and of a read of the spilled sample: no
+    descriptor of the store or its spill files stays open once the error is gone (before: a
+    stop right after a spill file's open, or at its close, left the descriptor open)."""
+    rng = np.random.default_rng(1)
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
+        before = open_fds(name, str(tmp_path))
+        rows = {}
+
+        def put_and_read(i: int) -> None:
+            rows[f"s{i}"] = TINY.random_routes(rng, 2 * P)
+            store.put(f"s{i}", rows[f"s{i}"])  # the store holds 2: one spills
+            np.testing.assert_array_equal(store.get("s0"), rows["s0"])  # spilled, read
+
+        for i in range(3):
+            rows[f"s{i}"] = TINY.random_routes(rng, 2 * P)
+            store.put(f"s{i}", rows[f"s{i}"])  # "s0" spills
+        events, _ = interrupted_at(0, lambda: put_and_read(3))
+        assert events > 100
+        for n, stop in enumerate(range(1, events + 1, stride)):
+            interrupted_at(stop, functools.partial(put_and_read, 4 + n))
+            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before, f"line event {stop} of {events}"
+        store.verify()
+        for sid in rows:
+            if sid in store:
+                np.testing.assert_array_equal(store.get(sid), rows[sid])
+
+
 ATTACH_EMFILE_CHILD = """
 import os, resource, sys
 from routing_replay import RoutingStore

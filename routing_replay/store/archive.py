@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import numbers
 import os
 import re
@@ -67,6 +68,7 @@ from routing_replay.schema import (
 from routing_replay.store.format import NO_DIGEST
 from routing_replay.store.refs import PutRequest, RoutingRef
 from routing_replay.store.samples import token_digest
+from routing_replay.store.segment import open_file
 
 if TYPE_CHECKING:
     from routing_replay.layout import RoutingLayout
@@ -257,7 +259,8 @@ def _temp_file(path: str, made: list[str]) -> Any:
         tmp = f"{path}.partial-{os.getpid()}-{secrets.token_hex(6)}"
         made[:] = [tmp]
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            # Owned by the file object from this line: a stop anywhere leaks no descriptor.
+            raw = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             made.clear()  # another save's file (a 48-bit name collision): never ours to remove
             continue
@@ -274,10 +277,10 @@ def _temp_file(path: str, made: list[str]) -> Any:
                 "and that this process may write in its directory; nothing was saved"
             ) from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while the save lives
-            return os.fdopen(fd, "wb")
+            fcntl.flock(raw.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while the save lives
+            return io.BufferedWriter(raw)
         except BaseException:
-            os.close(fd)
+            raw.close()
             raise
     raise StoreUnavailableError(f"save_routes: no free temporary name next to {path}")
 
@@ -297,16 +300,12 @@ def _remove_dead_partials(path: str) -> None:
         return
     for name in names:
         full = os.path.join(folder, name)
-        with contextlib.suppress(OSError):
-            fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                st = os.fstat(fd)
-                old = time.time() - st.st_mtime > DEAD_PARTIAL_S
-                if old and st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: alive
-                    os.unlink(full)
-            finally:
-                os.close(fd)
+        with contextlib.suppress(OSError), open_file(full, os.O_RDONLY) as file:
+            st = os.fstat(file.fileno())
+            old = time.time() - st.st_mtime > DEAD_PARTIAL_S
+            if old and st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode):
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # blocks: alive
+                os.unlink(full)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import mmap
 import os
 import pwd
@@ -289,6 +290,14 @@ class Segment:
                 os.close(self._lock_fd)  # the parent's locks stay the parent's
         self._lock_fd = -1
         self.epoch = _fork_epoch
+
+
+def open_file(path: str, flags: int, mode: int = 0o600) -> io.FileIO:
+    """`path` opened as a file object that owns its descriptor from the line that opens it (a
+    stop anywhere after leaves it to the object: closed at its `with` exit, or when it is
+    collected); never through a link, never waiting on a FIFO (O_NONBLOCK: check the type)."""
+    how = "rb" if flags & os.O_ACCMODE == os.O_RDONLY else "wb"
+    return io.FileIO(os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode), how)
 
 
 def close_each(fds: list[int]) -> None:

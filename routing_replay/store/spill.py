@@ -73,6 +73,7 @@ from routing_replay.store.samples import EMPTY, checksum
 from routing_replay.store.segment import (
     close_each,
     is_store_name,
+    open_file,
     untrusted_reason,
 )
 from routing_replay.store.tables import Tables, uid_on_node
@@ -192,13 +193,13 @@ class SpillFile:
         layout, P = core.layout, core.page_tokens
         self.path, self._P = path, P
         try:  # FileNotFoundError: gone
-            # O_NONBLOCK: a FIFO in its place opens at once (and is refused as not a file).
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            file = open_file(path, os.O_RDONLY)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise self._corrupt("a symbolic link is in its place") from None
             raise
-        try:
+        with file:
+            fd = file.fileno()
             st = os.fstat(fd)
             reason = untrusted_reason(st, FILE_MODE)
             if reason:
@@ -214,8 +215,6 @@ class SpillFile:
                 if n == 0:  # truncated since the fstat
                     raise self._corrupt(f"{got} bytes read, {size} expected")
                 got += n
-        finally:
-            os.close(fd)
         head = np.frombuffer(self._map, SPILL_HEADER, 1)[0]
         want = (SPILL_MAGIC, core.store_uid, serial, digest, num_tokens, P)
         got = tuple(
@@ -305,6 +304,7 @@ class Spiller:
         self._waited.busy = not self._mutex.acquire(lock_deadline, self.core.name)
         if self._waited.busy:
             return False  # another thread of this handle spills, past our deadline
+        lock_deadline = max(lock_deadline, time.monotonic() + MIN_LOCK_WAIT_S)  # its own wait
         try:
             due = time.monotonic() - self._cleaned >= CLEAN_EVERY_S
             if due and self.core.tables.hdr["spill_garbage"]:
@@ -416,9 +416,10 @@ class Spiller:
             crc = zlib.crc32(tokens[page * P : page * P + n]) if has else 0
             crcs[i] = zlib.crc32(routes[page * P : page * P + n], crc)
         check_dir(self.dir)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self.path(v.serial, code), flags, FILE_MODE)
-        try:
+        with open_file(self.path(v.serial, code), os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as file:
+            fd = file.fileno()
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO with a reader, a device
+                raise PermissionError(errno.EPERM, "not a regular file", file.name)
             os.fchmod(fd, FILE_MODE)  # whatever the umask: reads refuse any other mode
             os.ftruncate(fd, where["end"])
             os.pwrite(fd, head.tobytes(), 0)
@@ -429,8 +430,6 @@ class Spiller:
                 for i, first, count in runs(v.pages.tolist()):
                     n = min(count * P, v.num_tokens - i * P)
                     _write_all(fd, memoryview(rows[first * P : first * P + n]).cast("B"))
-        finally:
-            os.close(fd)
 
     def _commit(self, hold: Hold, victims: list[Victim], code: int) -> int:
         """Make every victim still the same put, in memory and within the budget a spilled
@@ -571,9 +570,12 @@ class Spiller:
             if slot is not None and int(t.s_spill[slot]) == code:
                 continue  # the sample's file
             in_progress = self._writer_alive(code) or (leased and self._writer_leased(code))
-            if slot is not None and int(t.s_spill[slot]) == NOT_SPILLED and in_progress:
+            # A spill in progress: its victim still in memory; for `verify` (`leased`) any
+            # file of a live or leased writer, whose victim may have been released since the
+            # writer picked it (the spill then removes the file, or a reclaim of its lease).
+            if in_progress and (leased or (slot is not None and t.s_spill[slot] == NOT_SPILLED)):
                 writing += 1
-                continue  # a spill in progress
+                continue
             doomed.append(name)
         return doomed, writing
 
@@ -688,8 +690,10 @@ def use_spill_dir(path: str, users: list[int]) -> None:
     failure is a `StoreUnavailableError`). A sweep
     probing the lock holds it exclusively for an instant: waited for, up to ATTACH_WAIT_S."""
     try:  # one try, no nested one: a stop at any line of it closes what it opened
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         users.append(os.open(os.path.join(path, USERS_FILE), flags))
+        if not stat.S_ISREG(os.fstat(users[0]).st_mode):  # a FIFO planted there
+            raise PermissionError(errno.EPERM, "its users lock is not a regular file", path)
         deadline = time.monotonic() + ATTACH_WAIT_S
         while not _shared_lock(users[0]):
             if time.monotonic() >= deadline:
@@ -778,19 +782,19 @@ def remove_spill_dir_if_unused(path: str) -> bool:
     a handle arriving meanwhile finds no directory rather than losing it under its feet."""
     lock = os.path.join(path, USERS_FILE)
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        file = open_file(lock, os.O_RDONLY)
     except FileNotFoundError:  # being created, for a minute; else half made and left
         return _half_made(path) and _bury(path)
     except OSError:
         return False  # something we cannot judge: left alone
-    try:
+    with file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            return False  # not ours to judge
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             return False  # a handle holds it (BlockingIOError), or it cannot be judged
-        return _same_file(fd, lock) and _bury(path)
-    finally:
-        os.close(fd)
+        return _same_file(file.fileno(), lock) and _bury(path)
 
 
 def _half_made(path: str) -> bool:
@@ -829,19 +833,18 @@ def _unused(path: str) -> bool:
     """Whether no handle of its store holds a store directory's users lock (a directory
     without the file, of a store being created, counts as used for a minute)."""
     try:
-        fd = os.open(os.path.join(path, USERS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        file = open_file(os.path.join(path, USERS_FILE), os.O_RDONLY)
     except FileNotFoundError:
         return _half_made(path)
     except OSError:
         return False  # something we cannot judge: left alone
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # (drops the lock if we took it)
+    with file:  # (closing drops the lock if we took it)
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            return False
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: a handle holds it
+            return False
     return True
 
 

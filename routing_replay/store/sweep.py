@@ -24,6 +24,7 @@ from routing_replay.store.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,
     is_store_name,
+    open_file,
     untrusted_reason,
 )
 from routing_replay.store.spill import remove_spill_dir_if_unused
@@ -71,7 +72,7 @@ def _read_info(path: str) -> StoreInfo:
             owner_uid=st.st_uid, problem=problem,
         )  # fmt: skip
     # (a file object's exit runs no line of Python: a stop cannot land between open and close)
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", 0) as f:
+    with open_file(path, os.O_RDONLY) as f:  # (its type was checked above: a regular file)
         alive = lease_held(f.fileno(), OWNER_LEASE)
         raw = os.pread(f.fileno(), HEADER_DTYPE.itemsize, 0)
     info = header_info(raw)
@@ -168,10 +169,11 @@ def _unlink_judged(info: StoreInfo) -> bool:
     """Unlink `info.path` only if it is still the very file judged stale (same inode, this
     user's, owner lease still free): a store created again under the name meanwhile stays."""
     try:
-        fd = os.open(info.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        file = open_file(info.path, os.O_RDONLY)
     except OSError:
         return False  # gone (unlinked by another sweeper or its owner), or not ours
-    try:
+    with file:
+        fd = file.fileno()
         st = os.fstat(fd)
         if (
             (st.st_dev, st.st_ino) != info.inode
@@ -180,16 +182,15 @@ def _unlink_judged(info: StoreInfo) -> bool:
             or lease_held(fd, OWNER_LEASE)
         ):
             return False
-        now = os.stat(info.path, follow_symlinks=False)
-        if (now.st_dev, now.st_ino) != info.inode:
+        try:
+            now = os.stat(info.path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != info.inode:
+                return False
+            os.unlink(info.path)
+        except FileNotFoundError:
             return False
-        os.unlink(info.path)
         if os.path.basename(info.spill_dir).startswith(f"rr_{info.name}-"):
             # Its spill files die with it, unless handles still attached read them: then a
             # later sweep of the spill directory removes them, once the last has closed.
             remove_spill_dir_if_unused(info.spill_dir)
         return True
-    except FileNotFoundError:
-        return False
-    finally:
-        os.close(fd)

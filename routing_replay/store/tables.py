@@ -9,6 +9,7 @@ them (`checked_index`, and bounded walks), and a break raises `CorruptStoreError
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from routing_replay.store.format import (
     VERSION,
     regions,
 )
-from routing_replay.store.segment import segment_path
+from routing_replay.store.segment import open_file, segment_path
 
 # What parsing a header's layout JSON and node id may raise (UnicodeDecodeError and
 # JSONDecodeError are ValueErrors; Infinity in an int field overflows; deep nesting recurses).
@@ -51,17 +52,18 @@ def uid_on_node(name: str) -> int | None:
     """The incarnation (`store_uid`) of store `name` in this node's shared memory: None if
     there is no such segment, 0 if one is being created or cannot be read."""
     try:
-        fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        file = open_file(segment_path(name), os.O_RDONLY)
     except FileNotFoundError:
         return None
     except OSError:
         return 0
-    try:
-        raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
-    except OSError:
-        return 0
-    finally:
-        os.close(fd)
+    with file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            return 0  # a FIFO or device planted under the name: not read
+        try:
+            raw = os.pread(file.fileno(), HEADER_DTYPE.itemsize, 0)
+        except OSError:
+            return 0
     if len(raw) < HEADER_DTYPE.itemsize or raw[:8] != MAGIC:
         return 0
     return int(np.frombuffer(raw, HEADER_DTYPE)[0]["store_uid"])
