@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import collect_until, interrupted_at
+from line_stops import PACKAGE, collect_until, interrupted_at
 
 from routing_replay import (
     Episode,
@@ -1030,6 +1030,107 @@ def test_a_spilling_put_and_a_spilled_read_stopped_at_each_line_leave_no_descrip
         for sid in rows:
             if sid in store:
                 np.testing.assert_array_equal(store.get(sid), rows[sid])
+
+
+def interrupted_after_open(k: int, call) -> bool:
+    """Run `call`, raising KeyboardInterrupt as the k-th `os.open` that package code calls
+    returns (where a signal handler runs: Python checks for signals as a C call returns);
+    whether it was stopped there."""
+    opens = 0
+
+    def profile(frame, event, arg):
+        nonlocal opens
+        if (
+            event == "c_return"
+            and arg is os.open
+            and frame.f_code.co_filename.startswith(PACKAGE)
+            and frame.f_code.co_name != "_fsync_dir"  # a directory: no file object owns it
+        ):
+            opens += 1
+            if opens == k:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+@pytest.mark.parametrize("how", ["attach", "spilled-read", "save", "load", "list"])
+def test_an_interrupt_as_a_file_opens_leaves_no_descriptor(name, tmp_path, how):
+    """KeyboardInterrupt as each `os.open` of the store's code returns, where a real Ctrl-C
+    lands when the signal comes during the open: no descriptor stays once the error is gone
+    (before: the descriptor was dropped before anything owned it, e.g. one on an unlinked
+    store's segment, which kept its shared memory until the process exited)."""
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(
+            RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+        )
+        rows = TINY.random_routes(np.random.default_rng(0), 3 * P)
+        refs = [store.put("a", rows), store.put("b", rows[: 2 * P])]  # "a" spills
+        path = str(tmp_path / "routes.arrow")
+        save_routes(path, refs, read=store.read)
+        dst = stack.enter_context(RoutingStore.create(name + "-d", TINY, 8 * P, page_tokens=P))
+        calls = {
+            "attach": lambda: RoutingStore.attach(name).close(),
+            "spilled-read": lambda: store.get("a"),
+            "save": lambda: save_routes(path, refs, read=store.read),
+            "load": lambda: load_routes(path, dst),
+            "list": lambda: list_stores(name),
+        }
+        before = open_fds(name, str(tmp_path))
+        for k in range(1, 8):
+            if not interrupted_after_open(k, calls[how]):
+                break
+            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before, f"stopped after open {k}"
+        np.testing.assert_array_equal(store.get("a"), rows)
+        store.verify()
+
+
+def test_directories_in_place_of_a_stores_files_are_refused_and_leak_nothing(name, tmp_path):
+    """A directory where a spilled sample's file, a spill directory's users lock or a store's
+    segment should be: the read raises CorruptStoreError naming it, sweeps and creates go
+    on, and no descriptor stays open (before: one leaked each time, and the read said the
+    store was whole and to read again)."""
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
+        rows = TINY.random_routes(np.random.default_rng(0), 3 * P)
+        store.put("a", rows)
+        store.put("b", rows[: 2 * P])  # "a" spills
+        before = open_fds(name, str(tmp_path))
+        (file,) = [f for f in os.listdir(store.spill_dir) if f.endswith(".spill")]
+        path = os.path.join(store.spill_dir, file)
+        os.rename(path, path + ".real")
+        os.mkdir(path)
+        with pytest.raises(CorruptStoreError, match="a directory is in its place"):
+            store.get("a")
+        os.rmdir(path)
+        os.rename(path + ".real", path)
+        np.testing.assert_array_equal(store.get("a"), rows)
+        assert open_fds(name, str(tmp_path)) == before
+    left = RoutingStore.create(name + "-w", TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    users = os.path.join(left.spill_dir, "owner.lock")
+    os.unlink(segment_path(name + "-w"))  # a wipe; a directory where its segment was
+    left.close()
+    os.mkdir(segment_path(name + "-w"))
+    try:
+        before = open_fds(str(tmp_path), segment_path(name + "-w"))
+        with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path):
+            pass  # its sweep of the spill root leaves the wiped store's directory alone
+        os.rename(users, users + ".real")
+        os.mkdir(users)
+        assert sweep_spill_dirs(tmp_path) == []  # not judged: left
+        assert open_fds(str(tmp_path), segment_path(name + "-w")) == before
+        os.rmdir(users)
+        os.rename(users + ".real", users)
+    finally:
+        os.rmdir(segment_path(name + "-w"))
+    assert len(sweep_spill_dirs(tmp_path)) == 1
 
 
 ATTACH_EMFILE_CHILD = """

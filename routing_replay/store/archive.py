@@ -470,14 +470,16 @@ class RouteArchive:
         self.path = _file_path(path, "load_routes")
         if os.path.isdir(self.path):
             raise InvalidArgumentError(f"load_routes: {self.path} is a directory, not an archive")
-        with contextlib.suppress(OSError):  # (opening says what is wrong with a missing one)
-            if not stat.S_ISREG(os.stat(self.path).st_mode):  # a FIFO would block the open
-                raise InvalidArgumentError(
-                    f"load_routes: {self.path} is not a regular file (a FIFO, socket or device): "
-                    "pass the path of an archive save_routes wrote"
-                )
         try:
-            file = pa.OSFile(self.path)
+            # Opened without waiting (a FIFO would block), checked a regular file, then read
+            # through that very open file (its /proc link: no race with a swap of the path).
+            with open_file(self.path, os.O_RDONLY, follow=True) as checked:
+                if not stat.S_ISREG(os.fstat(checked.fileno()).st_mode):
+                    raise InvalidArgumentError(
+                        f"load_routes: {self.path} is not a regular file (a FIFO, socket or "
+                        "device): pass the path of an archive save_routes wrote"
+                    )
+                file = pa.OSFile(f"/proc/self/fd/{checked.fileno()}")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
             raise InvalidArgumentError(
                 f"load_routes: there is no archive file at {self.path} ({e.strerror or e})"

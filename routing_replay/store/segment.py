@@ -142,8 +142,7 @@ class Segment:
         if self._lock_fd < 0:
             if self.fd < 0:
                 raise StoreUnavailableError(f"store {self.name!r} is closed in this process")
-            self._lock_fd = _reopen(self.fd)
-            self._to_close.append(self._lock_fd)
+            self._lock_fd = _reopen(self._to_close, self.fd)  # closed with the handle
         return self._lock_fd
 
     def unlock(self) -> None:
@@ -163,13 +162,12 @@ class Segment:
                 "stores, or give the container more shared memory (docker run --shm-size=16g; "
                 "Ray's object store lives there too)"
             )
-        fd = -1
-        fds: list[int] = []  # every descriptor opened, appended on the line that opens it
+        fds: list[int] = []  # every descriptor opened, put there by the open itself
         mm = None
         try:  # whatever stops it (an OSError, Ctrl-C), nothing it made stays
-            fds.append(fd := os.open(path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, SEGMENT_MODE))
+            fd = open_into(fds, path, OPEN_FLAGS | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
             os.fchmod(fd, SEGMENT_MODE)
-            fds.append(lock_fd := _reopen(fd))
+            lock_fd = _reopen(fds, fd)
             lease_try(lock_fd, owner_lease)  # a new file: nobody else can hold it
             # Commit the memory now: a full tmpfs fails here with ENOSPC instead of
             # killing a writer with SIGBUS half-way through a put later.
@@ -177,7 +175,7 @@ class Segment:
             mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
             return cls(name, fd, lock_fd, mm, owner=True, fds=fds)
         except BaseException as e:
-            if fd < 0:  # not ours: the name was taken, or nothing was made
+            if not fds:  # not ours: the name was taken, or nothing was made
                 if isinstance(e, FileExistsError):
                     raise StoreUnavailableError(_exists_message(name, path)) from None
             else:
@@ -199,29 +197,28 @@ class Segment:
         another user and is refused.
         """
         path = segment_path(name)
-        fd = -1
         fds: list[int] = []  # as in create
         mm = None
         try:  # one try: a stop at any line of it closes what it opened
-            fds.append(fd := os.open(path, OPEN_FLAGS))
+            fd = open_into(fds, path, OPEN_FLAGS)
             st = os.fstat(fd)
             reason = untrusted_reason(st)
             if reason:
                 raise StoreUnavailableError(_refusal(path, reason))
             if st.st_size == 0:
                 raise StoreUnavailableError(f"store {name!r} is still being created; retry")
-            fds.append(lock_fd := _reopen(fd))
+            lock_fd = _reopen(fds, fd)
             mm = mmap.mmap(fd, st.st_size, flags=MAP_FLAGS)
             return cls(name, fd, lock_fd, mm, owner=False, fds=fds)
         except BaseException as e:
             _release(mm, fds)
-            if fd < 0 and isinstance(e, FileNotFoundError):
+            if not fds and isinstance(e, FileNotFoundError):
                 raise StoreUnavailableError(
                     f"no routing store named {name!r} on this node ({path} does not exist): "
                     "create it first with RoutingStore.create, or check the job and node in "
                     "the name"
                 ) from None
-            if fd < 0 and isinstance(e, OSError):  # another user's, a link, a socket, ...
+            if not fds and isinstance(e, OSError):  # another user's, a link, a socket, ...
                 raise StoreUnavailableError(_unopenable(name, path, e)) from None
             if isinstance(e, OSError) and not isinstance(e, StoreUnavailableError):
                 raise StoreUnavailableError(  # reopening or mapping it: descriptors, memory
@@ -292,12 +289,27 @@ class Segment:
         self.epoch = _fork_epoch
 
 
-def open_file(path: str, flags: int, mode: int = 0o600) -> io.FileIO:
-    """`path` opened as a file object that owns its descriptor from the line that opens it (a
-    stop anywhere after leaves it to the object: closed at its `with` exit, or when it is
-    collected); never through a link, never waiting on a FIFO (O_NONBLOCK: check the type)."""
+def open_file(path: str, flags: int, mode: int = 0o600, *, follow: bool = False) -> io.FileIO:
+    """`path` opened as a file object that owns its descriptor from the open on (closed at its
+    `with` exit, or when it is collected): `os.open` runs inside `map`, which hands the number
+    to the file object in C, so no signal handler or trace stop runs between the two; never
+    through a link (unless `follow`: a user's own path), never waiting on a FIFO (O_NONBLOCK:
+    check the type)."""
     how = "rb" if flags & os.O_ACCMODE == os.O_RDONLY else "wb"
-    return io.FileIO(os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode), how)
+    flags |= os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    try:
+        return io.FileIO(*map(os.open, (path,), (flags,), (mode,)), how)
+    except IsADirectoryError as e:  # the file object refuses a directory without closing it
+        if isinstance(e.filename, int):
+            os.close(e.filename)
+        raise
+
+
+def open_into(fds: list[int], path: str, flags: int, mode: int = 0o600) -> int:
+    """Open `path` straight into the list `fds` (in C, as in `open_file`: no stop between the
+    open and the list), which its caller closes whatever happens; returns the descriptor."""
+    fds.extend(map(os.open, (path,), (flags,), (mode,)))
+    return fds[-1]
 
 
 def close_each(fds: list[int]) -> None:
@@ -339,9 +351,10 @@ def _release(mm: mmap.mmap | None, fds: list[int]) -> None:
             mm.close()
 
 
-def _reopen(fd: int) -> int:
-    """A new open file description of the same file as `fd` (same inode, never a path race)."""
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+def _reopen(fds: list[int], fd: int) -> int:
+    """A new open file description of the same file as `fd` (same inode, never a path race),
+    into `fds`."""
+    return open_into(fds, f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def _refusal(path: str, reason: str) -> str:

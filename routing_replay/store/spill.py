@@ -74,6 +74,7 @@ from routing_replay.store.segment import (
     close_each,
     is_store_name,
     open_file,
+    open_into,
     untrusted_reason,
 )
 from routing_replay.store.tables import Tables, uid_on_node
@@ -197,6 +198,8 @@ class SpillFile:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise self._corrupt("a symbolic link is in its place") from None
+            if e.errno == errno.EISDIR:
+                raise self._corrupt("a directory is in its place") from None
             raise
         with file:
             fd = file.fileno()
@@ -664,7 +667,7 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
         # Locked under a name no sweep opens, then renamed: a sweep sees no users file (a
         # store being created) or a held one, never a free lock of a live store.
         flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        users.append(os.open(os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE))
+        open_into(users, os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE)
         os.fchmod(users[0], FILE_MODE)  # whatever the umask
         fcntl.flock(users[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody holds it
         os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
@@ -691,7 +694,7 @@ def use_spill_dir(path: str, users: list[int]) -> None:
     probing the lock holds it exclusively for an instant: waited for, up to ATTACH_WAIT_S."""
     try:  # one try, no nested one: a stop at any line of it closes what it opened
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-        users.append(os.open(os.path.join(path, USERS_FILE), flags))
+        open_into(users, os.path.join(path, USERS_FILE), flags)
         if not stat.S_ISREG(os.fstat(users[0]).st_mode):  # a FIFO planted there
             raise PermissionError(errno.EPERM, "its users lock is not a regular file", path)
         deadline = time.monotonic() + ATTACH_WAIT_S

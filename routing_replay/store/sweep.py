@@ -65,16 +65,27 @@ def _read_info(path: str) -> StoreInfo:
     problem = untrusted_reason(st)
     if problem is None and not is_store_name(name):
         problem = "its name is not a store name: it is not opened"
+    raw = b""
+    if problem is None:
+        # (a file object's exit runs no line of Python: a stop cannot land before the close)
+        try:
+            with open_file(path, os.O_RDONLY) as f:
+                now = os.fstat(f.fileno())
+                if (now.st_dev, now.st_ino) != base["inode"] or not stat.S_ISREG(now.st_mode):
+                    problem = "it was replaced while it was read: not judged"
+                else:
+                    alive = lease_held(f.fileno(), OWNER_LEASE)
+                    raw = os.pread(f.fileno(), HEADER_DTYPE.itemsize, 0)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            problem = f"it cannot be read ({e.strerror or e}): not judged"
     if problem:
-        # Never opened: not ours to judge, and sweep must not remove it.
+        # Not ours to judge, and sweep must not remove it.
         return StoreInfo(
             **base, owner_pid=0, owner_alive=True, node_id="", layout=None, stats=None,
             owner_uid=st.st_uid, problem=problem,
         )  # fmt: skip
-    # (a file object's exit runs no line of Python: a stop cannot land between open and close)
-    with open_file(path, os.O_RDONLY) as f:  # (its type was checked above: a regular file)
-        alive = lease_held(f.fileno(), OWNER_LEASE)
-        raw = os.pread(f.fileno(), HEADER_DTYPE.itemsize, 0)
     info = header_info(raw)
     if info is None:  # half-made (or not a store)
         return StoreInfo(
