@@ -1133,6 +1133,67 @@ def test_directories_in_place_of_a_stores_files_are_refused_and_leak_nothing(nam
     assert len(sweep_spill_dirs(tmp_path)) == 1
 
 
+def interrupted_at_c_return(function: str, where: str, k: int, call) -> bool:
+    """Run `call`, raising KeyboardInterrupt as the k-th call of a C function named
+    `function` from a frame of a file ending in `where` returns (where a real Ctrl-C's
+    handler runs); whether it was stopped there."""
+    seen = 0
+
+    def profile(frame, event, arg):
+        nonlocal seen
+        if (
+            event == "c_return"
+            and getattr(arg, "__name__", "") == function
+            and frame.f_code.co_filename.endswith(where)
+        ):
+            seen += 1
+            if seen == k:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+def test_a_close_interrupted_as_it_takes_each_descriptor_leaves_none_open(name, tmp_path):
+    """Ctrl-C as `close()` takes each descriptor off its list (a real signal's handler runs
+    as that C call returns): the same close again closes the rest and nothing stays open
+    (before: the number taken was in no list any more: the lock descriptor kept the owner
+    lease, or the mapping an unlinked store's memory, until the process exited)."""
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as owner:
+        before = open_fds(name, str(tmp_path))
+        for k in (1, 2, 3):
+            handle = RoutingStore.attach(name)
+            stopped = interrupted_at_c_return("pop", "store/segment.py", k, handle.close)
+            handle.close()
+            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before, f"stopped at take {k}: {stopped}"
+        owner.verify()
+
+
+def test_an_unlink_interrupted_in_the_spill_directorys_removal_raises_only_the_interrupt(
+    name, tmp_path
+):
+    """Ctrl-C as each descriptor the spill directory's removal closes is closed: `unlink()`
+    raises the interrupt, or finishes (before: shutil.rmtree closed the directory's descriptor
+    a second time and raised a raw EBADF OSError, or closed another thread's file)."""
+    for k in (1, 2):
+        store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+        rows = TINY.random_routes(np.random.default_rng(0), 3 * P)
+        store.put("a", rows)
+        store.put("b", rows[: 2 * P])  # "a" spills: the directory holds a file
+        store.close()
+        interrupted_at_c_return("close", "shutil.py", k, store.unlink)
+        store.unlink()
+        assert store_dirs(tmp_path) == [] and not os.path.exists(segment_path(name))
+
+
 ATTACH_EMFILE_CHILD = """
 import os, resource, sys
 from routing_replay import RoutingStore

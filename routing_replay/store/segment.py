@@ -22,6 +22,7 @@ namespace (containers that share /dev/shm but not pids see each other's leases).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import io
@@ -317,8 +318,10 @@ def close_each(fds: list[int]) -> None:
     closing at once, or a close after one stopped half-way, never close one twice (its
     number may by then name another file of the process)."""
     while fds:
-        with contextlib.suppress(IndexError):  # another thread took the last one
-            os.close(fds.pop())
+        # pop and close inside C (no signal handler runs between them, which would lose the
+        # number); an IndexError: another thread took the last one.
+        with contextlib.suppress(IndexError):
+            collections.deque(map(os.close, iter(fds.pop, None)), maxlen=0)
 
 
 def _dropped(name: str, fds: list[int]) -> None:

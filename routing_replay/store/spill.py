@@ -40,7 +40,6 @@ import errno
 import fcntl
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -858,9 +857,20 @@ def _named_here(name: str, store_uid: int) -> bool:
 
 
 def remove_spill_dir(path: str) -> None:
-    """Remove a store's whole spill directory ("": the store does not spill)."""
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove a store's whole spill directory ("": the store does not spill). It is flat:
+    its entries are unlinked by name, with no descriptor to lose to a Ctrl-C (shutil.rmtree
+    holds one, and closes it twice if interrupted between its close and its bookkeeping)."""
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        for name in os.listdir(path):
+            entry = os.path.join(path, name)
+            with contextlib.suppress(OSError):
+                if os.path.isdir(entry):
+                    os.rmdir(entry)  # (an empty one: a planted one is not ours to empty)
+                else:
+                    os.unlink(entry)
+        os.rmdir(path)
 
 
 def _unlink(path: str) -> int:
