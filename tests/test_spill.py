@@ -162,6 +162,7 @@ def test_both_full_refuses_and_loses_nothing(name, tmp_path):
         store.verify()
 
 
+@pytest.mark.slow  # seconds of slowed writes
 @pytest.mark.parametrize("timeout", [0.0, 0.3])
 def test_a_put_that_spills_keeps_its_timeout(name, tmp_path, monkeypatch, timeout):
     """A put spills within its timeout: at least one sample whatever the timeout, and none
@@ -205,6 +206,7 @@ def test_a_put_that_spills_keeps_its_timeout(name, tmp_path, monkeypatch, timeou
         store.verify()
 
 
+@pytest.mark.slow  # seconds of slowed writes
 def test_a_put_waiting_for_another_threads_spill_says_so(name, tmp_path, monkeypatch):
     """Two threads of one handle: one spills slowly; the other's put, which finds the store
     full and waits past its 1 s lock wait for that spill, fails saying so (before: "too full
@@ -254,6 +256,7 @@ def test_spill_files_are_readable_whatever_the_writers_umask(name, tmp_path):
         os.umask(old)
 
 
+@pytest.mark.slow  # seconds of slowed writes
 def test_a_put_renews_its_lock_wait_after_a_spill(name, tmp_path, monkeypatch):
     """A put with timeout=0 that spills for over a second, then meets the lock held (another
     handle's call), waits for it as any put does, at least 1 s, and stores its sample
