@@ -1194,6 +1194,33 @@ def test_an_unlink_interrupted_in_the_spill_directorys_removal_raises_only_the_i
         assert store_dirs(tmp_path) == [] and not os.path.exists(segment_path(name))
 
 
+def test_an_unlink_stopped_at_each_line_leaves_what_a_sweep_removes(name, tmp_path):
+    """Ctrl-C at each line of a spilling store's `unlink()`: whatever the stop left of its
+    spill directory, `sweep_spill_dirs` removes (before: a stop after the users lock was
+    removed, with spill files left, made a directory every sweep left alone for good)."""
+
+    def spilled_store() -> RoutingStore:
+        store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+        rng = np.random.default_rng(0)
+        for i in range(5):
+            store.put(f"s{i}", TINY.random_routes(rng, 2 * P))  # 3 spill files
+        store.close()
+        return store
+
+    events, _ = interrupted_at(0, spilled_store().unlink)
+    assert store_dirs(tmp_path) == [] and events > 5
+    for stop in range(1, events + 1):
+        store = spilled_store()
+        interrupted_at(stop, store.unlink)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment_path(name))  # (a stop before the segment's removal)
+        for d in store_dirs(tmp_path):  # a later sweep: an empty one is half-made a while
+            old = time.time() - 3600
+            os.utime(tmp_path / d, (old, old))
+        sweep_spill_dirs(tmp_path)
+        assert store_dirs(tmp_path) == [], f"line event {stop} of {events}"
+
+
 ATTACH_EMFILE_CHILD = """
 import os, resource, sys
 from routing_replay import RoutingStore

@@ -65,10 +65,10 @@ from routing_replay.schema import (
     layout_of,
     routes_schema,
 )
+from routing_replay.store.files import open_file
 from routing_replay.store.format import NO_DIGEST
 from routing_replay.store.refs import PutRequest, RoutingRef
 from routing_replay.store.samples import token_digest
-from routing_replay.store.segment import open_file
 
 if TYPE_CHECKING:
     from routing_replay.layout import RoutingLayout

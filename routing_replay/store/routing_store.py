@@ -33,6 +33,7 @@ from routing_replay.errors import (
 from routing_replay.layout import RoutingLayout
 from routing_replay.store.calls import forget_frames, inside_call, others_in_flight, store_call
 from routing_replay.store.core import StoreCore, StoreStats
+from routing_replay.store.files import close_each
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
     DEFAULT_MAX_WRITERS,
@@ -63,7 +64,7 @@ from routing_replay.store.refs import (
     timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
-from routing_replay.store.segment import Segment, close_each
+from routing_replay.store.segment import Segment
 from routing_replay.store.spill import (
     budget_for,
     make_spill_dir,

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from routing_replay.errors import CorruptStoreError, InvalidArgumentError, StoreUnavailableError
+from routing_replay.store.files import close_each, open_file, open_into
 from routing_replay.store.format import (
     ATTACH_WAIT_S,
     LEASE_HELD,
@@ -69,13 +70,7 @@ from routing_replay.store.format import (
 from routing_replay.store.lock import Hold, Mutex
 from routing_replay.store.prefix import runs
 from routing_replay.store.samples import EMPTY, checksum
-from routing_replay.store.segment import (
-    close_each,
-    is_store_name,
-    open_file,
-    open_into,
-    untrusted_reason,
-)
+from routing_replay.store.segment import is_store_name, untrusted_reason
 from routing_replay.store.tables import Tables, uid_on_node
 
 if TYPE_CHECKING:
@@ -859,17 +854,20 @@ def _named_here(name: str, store_uid: int) -> bool:
 def remove_spill_dir(path: str) -> None:
     """Remove a store's whole spill directory ("": the store does not spill). It is flat:
     its entries are unlinked by name, with no descriptor to lose to a Ctrl-C (shutil.rmtree
-    holds one, and closes it twice if interrupted between its close and its bookkeeping)."""
+    holds one, and closes it twice if interrupted between its close and its bookkeeping);
+    the users lock last, so that a removal stopped half-way leaves a directory a sweep
+    judges unused and removes (without it, one holding spill files is left alone)."""
     if not path:
         return
     with contextlib.suppress(OSError):
-        for name in os.listdir(path):
+        names = sorted(os.listdir(path), key=lambda n: n == USERS_FILE)
+        for name in names:
             entry = os.path.join(path, name)
             with contextlib.suppress(OSError):
-                if os.path.isdir(entry):
+                if stat.S_ISDIR(os.lstat(entry).st_mode):
                     os.rmdir(entry)  # (an empty one: a planted one is not ours to empty)
                 else:
-                    os.unlink(entry)
+                    os.unlink(entry)  # a file, or a link (never followed)
         os.rmdir(path)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from routing_replay.errors import CorruptStoreError, RoutingReplayError
 from routing_replay.layout import RoutingLayout
 from routing_replay.store.calls import forget_frames
+from routing_replay.store.files import open_file
 from routing_replay.store.format import HEADER_DTYPE, OWNER_LEASE, VERSION
 from routing_replay.store.ofd_locks import lease_held
 from routing_replay.store.routing_store import RoutingStore, StoreStats
@@ -24,7 +25,6 @@ from routing_replay.store.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,
     is_store_name,
-    open_file,
     untrusted_reason,
 )
 from routing_replay.store.spill import remove_spill_dir_if_unused

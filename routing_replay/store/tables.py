@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from routing_replay.errors import CorruptStoreError, StoreUnavailableError
 from routing_replay.layout import RoutingLayout
+from routing_replay.store.files import open_file
 from routing_replay.store.format import (
     FIRST_SERIAL,
     HEADER_DTYPE,
@@ -31,7 +32,7 @@ from routing_replay.store.format import (
     VERSION,
     regions,
 )
-from routing_replay.store.segment import open_file, segment_path
+from routing_replay.store.segment import segment_path
 
 # What parsing a header's layout JSON and node id may raise (UnicodeDecodeError and
 # JSONDecodeError are ValueErrors; Infinity in an int field overflows; deep nesting recurses).
