@@ -1221,6 +1221,50 @@ def test_an_unlink_stopped_at_each_line_leaves_what_a_sweep_removes(name, tmp_pa
         assert store_dirs(tmp_path) == [], f"line event {stop} of {events}"
 
 
+def test_threads_closing_one_handle_at_once_close_it_once(name, tmp_path):
+    """4 threads call close() on one spilling handle at once, 200 times: every close
+    returns, the handle is closed, no descriptor stays (before: raw RuntimeError,
+    ValueError or AttributeError from the closes racing, and rarely a handle left open)."""
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as owner:
+        owner.put("a", rows := TINY.random_routes(np.random.default_rng(0), 3 * P))
+        owner.put("b", rows[: 2 * P])  # "a" spills
+        before = open_fds(name, str(tmp_path))
+        errors = []
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads switch as often as they can: the races show
+        try:
+            close_at_once(name, errors)
+        finally:
+            sys.setswitchinterval(switch)
+        assert errors == []
+        collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+        assert open_fds(name, str(tmp_path)) == before
+        np.testing.assert_array_equal(owner.get("a"), rows)
+
+
+def close_at_once(name: str, errors: list) -> None:
+    """200 times: a handle, closed by 4 threads at once (their errors into `errors`)."""
+    for _ in range(200):
+        handle = RoutingStore.attach(name)
+        handle.get("a")
+        go = threading.Barrier(4)
+
+        def close(h=handle, go=go):
+            go.wait()
+            try:
+                h.close()
+            except BaseException as e:  # every error is a finding here
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=close) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if handle.is_served():
+            errors.append("a handle still open after every close returned")
+
+
 ATTACH_EMFILE_CHILD = """
 import os, resource, sys
 from routing_replay import RoutingStore

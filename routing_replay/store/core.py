@@ -8,6 +8,7 @@ spill tier, plus the layout and the handle's put timeout.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class StoreCore:
         self.puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
         self.calls: dict[object, int] = {}  # store calls in flight: token -> thread ident
         self.closing = False  # set by close(): calls starting then refuse
+        self.close_mutex = threading.RLock()  # one close() at a time; the next finds it closed
         self.spill = Spiller(self, users)  # last: it takes the spill directory's lock
 
     def served(self) -> bool:

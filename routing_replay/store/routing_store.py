@@ -322,38 +322,39 @@ class RoutingStore:
                 "(a signal handler interrupting it?): the call would lose its memory under it. "
                 "Close once the call returned (e.g. set a flag in the handler)"
             )
-        if core.segment.fd < 0:  # closed, or a close stopped after unmapping: finish it
-            core.segment.close()
-            core.spill.close()
-            return
-        wait = core.put_timeout if timeout is None else timeout_seconds(timeout, "timeout")
-        deadline = time.monotonic() + wait
-        try:  # a wait that ends otherwise (StoreBusyError, Ctrl-C) leaves the handle usable
-            core.closing = True  # calls starting now refuse; waiting ones end; working finish
-            while others_in_flight(core.calls):
-                if time.monotonic() >= deadline:
-                    raise StoreBusyError(
-                        f"store {self.name!r} cannot be closed: another thread's call on this "
-                        "handle is still running past the put timeout. Close it once that "
-                        "call returned"
-                    )
-                time.sleep(0.001)
-        except BaseException:
-            core.closing = False
-            raise
-        self._core.tables.release_views()
-        try:
-            self._core.segment.close()
-            core.spill.close()
-        except BufferError:
-            self._core.tables.map(self._core.segment.mmap)  # still open, still usable
-            core.closing = False
-            raise BufferError(
-                f"store {self.name!r} cannot be closed: numpy arrays that view its shared "
-                "memory are still alive (get/read return copies; views come from store "
-                "internals, or an error a read_wire `ship` raised with one in it). Drop "
-                "them, then close again"
-            ) from None
+        with core.close_mutex:  # threads closing one handle at once: one after the other
+            if core.segment.fd < 0:  # closed, or a close stopped after unmapping: finish it
+                core.segment.close()
+                core.spill.close()
+                return
+            wait = core.put_timeout if timeout is None else timeout_seconds(timeout, "timeout")
+            deadline = time.monotonic() + wait
+            try:  # a wait that ends otherwise (StoreBusyError, Ctrl-C) leaves the handle usable
+                core.closing = True  # calls starting now refuse; waiting ones end; working finish
+                while others_in_flight(core.calls):
+                    if time.monotonic() >= deadline:
+                        raise StoreBusyError(
+                            f"store {self.name!r} cannot be closed: another thread's call on this "
+                            "handle is still running past the put timeout. Close it once that "
+                            "call returned"
+                        )
+                    time.sleep(0.001)
+            except BaseException:
+                core.closing = False
+                raise
+            self._core.tables.release_views()
+            try:
+                self._core.segment.close()
+                core.spill.close()
+            except BufferError:
+                self._core.tables.map(self._core.segment.mmap)  # still open, still usable
+                core.closing = False
+                raise BufferError(
+                    f"store {self.name!r} cannot be closed: numpy arrays that view its shared "
+                    "memory are still alive (get/read return copies; views come from store "
+                    "internals, or an error a read_wire `ship` raised with one in it). Drop "
+                    "them, then close again"
+                ) from None
 
     def owner_alive(self) -> bool:
         """Whether the process that created this store still holds its owner lease."""

@@ -113,7 +113,12 @@ def _read_info(path: str) -> StoreInfo:
                 store.close()
         raise
     if store is not None:
-        store.close()  # after the error is gone: its frames may still view the segment
+        try:  # after the error is gone: its frames may still view the segment
+            store.close()
+        except BaseException:  # (Ctrl-C inside it): the next close finishes it, now
+            with contextlib.suppress(BufferError, RoutingReplayError):
+                store.close()
+            raise
     return StoreInfo(
         **base, owner_pid=info["owner_pid"], owner_alive=alive, node_id=info["node_id"],
         layout=info["layout"], stats=stats, owner_uid=st.st_uid, problem=problem,
