@@ -1000,7 +1000,7 @@ def test_fifos_planted_among_a_stores_files_are_refused_not_waited_on(name, tmp_
     assert len(sweep_spill_dirs(tmp_path)) == 1
 
 
-@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 5])
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 41])
 def test_a_spilling_put_and_a_spilled_read_stopped_at_each_line_leave_no_descriptor(
     name, tmp_path, stride
 ):
