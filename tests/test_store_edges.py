@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import errno
 import functools
 import gc
 import inspect
@@ -1240,6 +1241,33 @@ def close_at_once(name: str, errors: list) -> None:
             th.join()
         if handle.is_served():
             errors.append("a handle still open after every close returned")
+
+
+def test_a_close_failing_with_eio_closes_every_descriptor_and_says_so(name, tmp_path, monkeypatch):
+    """The first descriptor close() closes fails with EIO (as Linux reports it: the
+    descriptor is freed all the same): every other descriptor is closed too, and close()
+    raises a StoreUnavailableError saying so (before: a raw OSError, the rest left open until
+    a second close)."""
+    with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as owner:
+        owner.put("a", rows := TINY.random_routes(np.random.default_rng(0), 3 * P))
+        owner.put("b", rows[: 2 * P])  # "a" spills: the handle holds the directory's lock
+        before = open_fds(name, str(tmp_path))
+        handle = RoutingStore.attach(name)
+        real_close, failed = os.close, []
+
+        def close(fd):
+            real_close(fd)
+            if not failed:
+                failed.append(fd)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(os, "close", close)
+        with pytest.raises(StoreUnavailableError, match="closing its files failed"):
+            handle.close()
+        monkeypatch.setattr(os, "close", real_close)
+        assert failed and open_fds(name, str(tmp_path)) == before
+        handle.close()  # nothing left to close
+        np.testing.assert_array_equal(owner.get("a"), rows)
 
 
 ATTACH_EMFILE_CHILD = """

@@ -41,9 +41,17 @@ def open_into(fds: list[int], path: str, flags: int, mode: int = 0o600) -> int:
 def close_each(fds: list[int]) -> None:
     """Close and forget every descriptor in `fds`, each taken by one `pop` (atomic): threads
     closing at once, or a close after one stopped half-way, never close one twice (its
-    number may by then name another file of the process)."""
+    number may by then name another file of the process). A close that fails (EIO: Linux
+    has freed the descriptor anyway) does not stop the others; the first failure is raised
+    once all are closed."""
+    failed = None
     while fds:
         # pop and close inside C (no signal handler runs between them, which would lose the
         # number); an IndexError: another thread took the last one.
-        with contextlib.suppress(IndexError):
-            collections.deque(map(os.close, iter(fds.pop, None)), maxlen=0)
+        try:
+            with contextlib.suppress(IndexError):
+                collections.deque(map(os.close, iter(fds.pop, None)), maxlen=0)
+        except OSError as e:
+            failed = failed or e
+    if failed is not None:
+        raise failed

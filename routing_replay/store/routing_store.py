@@ -343,9 +343,9 @@ class RoutingStore:
                 core.closing = False
                 raise
             self._core.tables.release_views()
+            failed = None  # (EIO from a close: Linux has freed that descriptor all the same)
             try:
                 self._core.segment.close()
-                core.spill.close()
             except BufferError:
                 self._core.tables.map(self._core.segment.mmap)  # still open, still usable
                 core.closing = False
@@ -354,6 +354,17 @@ class RoutingStore:
                     "memory are still alive (get/read return copies; views come from store "
                     "internals, or an error a read_wire `ship` raised with one in it). Drop "
                     "them, then close again"
+                ) from None
+            except OSError as e:
+                failed = e
+            try:
+                core.spill.close()
+            except OSError as e:
+                failed = failed or e
+            if failed is not None:
+                raise StoreUnavailableError(
+                    f"store {self.name!r}: closing its files failed ({failed.strerror or failed}); "
+                    "they are closed and nothing stored is lost, but check the device"
                 ) from None
 
     def owner_alive(self) -> bool:
