@@ -274,7 +274,7 @@ class PutTransaction:
                     if made:
                         continue  # samples moved to disk: their pages are free
                 if time.monotonic() >= deadline:
-                    raise self._full_error(count, slots, spilling=made and slots)
+                    raise self._full_error(count, slots, spilling=made)  # (made: slots were free)
                 if core.closing:
                     raise closed_error(core.name)
                 time.sleep(wait)
