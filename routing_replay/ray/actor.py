@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from routing_replay.compat.ray import job_table
+from routing_replay.compat.ray import job_table, named_actor
 from routing_replay.errors import StoreUnavailableError
 from routing_replay.layout import RoutingLayout
 from routing_replay.ray.metrics import EXPORT_EVERY_S, StoreMetrics
@@ -326,21 +326,20 @@ def store_actor(
 ) -> ActorHandle:
     """The store actor of `job` on `node_id` (default: this node) of Ray job `ray_job`
     (default: this process's); starts it given a layout, with `options` (`StoreOptions`)."""
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or current_node_id()
     ray_job = ray_job or current_ray_job()
     name = actor_name(job, ray_job, node_id)
     if layout is None:
-        try:
-            return ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
+        handle = named_actor(name, NAMESPACE)
+        if handle is None:
             raise StoreUnavailableError(
                 f"no store actor for job {job!r} (Ray job {ray_job}) on node {node_id[:12]} "
                 f"({name!r} in namespace {NAMESPACE!r}): it was shut down, its node or Ray "
                 "job died, or nothing was stored there"
-            ) from None
+            )
+        return handle
     return (
         _actor_class()
         .options(

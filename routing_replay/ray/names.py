@@ -7,10 +7,10 @@ imported inside the functions.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import TYPE_CHECKING
 
+from routing_replay.compat.ray import named_actor
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store import RoutingRef
 
@@ -92,6 +92,7 @@ def store_actors(job: str | None = None, *, every_ray_job: bool = False) -> dict
             or (ray_job is not None and parts[2] != ray_job)
         ):
             continue
-        with contextlib.suppress(ValueError):
-            found[entry["name"]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+        handle = named_actor(entry["name"], NAMESPACE)
+        if handle is not None:
+            found[entry["name"]] = handle
     return found
