@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import uuid
@@ -40,6 +41,17 @@ def name(request):
     yield n
     if os.path.exists(segment_path(n)):
         os.unlink(segment_path(n))
+
+
+@pytest.fixture
+def no_gc():
+    """No garbage collection during the test: what a stopped or dropped handle leaves must go
+    by reference counting alone (a reference cycle would keep it until a later collection,
+    which a test's own collection would hide)."""
+    gc.collect()  # (what earlier tests left)
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from collections.abc import Callable
@@ -53,13 +52,3 @@ def interrupted_at(
     finally:
         sys.settrace(None)
     return seen, result
-
-
-def collect_until(done: Callable[[], bool]) -> None:
-    """Collect garbage cycles until `done()`: the young generations first (what a stopped
-    call just left), all of them only if that was not enough (a full `gc.collect()` walks
-    every object of the test process: 50 ms and more once models were loaded)."""
-    if not done():
-        gc.collect(1)
-        if not done():
-            gc.collect()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -18,7 +17,6 @@ import uuid
 
 import numpy as np
 import pytest
-from line_stops import collect_until
 from store_stats import held
 
 from routing_replay import RoutingLayout, RoutingRef, RoutingStore, cu_seqlens, to_torch
@@ -608,7 +606,7 @@ def test_a_handle_cannot_be_pickled_or_copied(name):
         assert "s" in store
 
 
-def test_handles_dropped_unclosed_give_their_leases_back(name, tmp_path):
+def test_handles_dropped_unclosed_give_their_leases_back(no_gc, name, tmp_path):
     # Before: a handle dropped without close() kept its descriptors and writer lease for the
     # life of the process: after max_writers of them every put was refused; and its shared
     # lock on the spill directory, which then outlived its dead owner's sweep.
@@ -616,12 +614,11 @@ def test_handles_dropped_unclosed_give_their_leases_back(name, tmp_path):
     with RoutingStore.create(
         name, LAYOUT, capacity_tokens=10_000, max_writers=2, spill_dir=tmp_path
     ) as store:
-        gc.collect()  # (what earlier tests dropped)
         before = fds()
         for i in range(4):  # e.g. a task body: attach, put, return the ref
             with pytest.warns(ResourceWarning, match="without close"):
                 RoutingStore.attach(name).put(f"w{i}", sample(i)[0])
-                collect_until(lambda: fds() == before)  # (its cycles)
+                assert fds() == before
         assert fds() == before
         store.put("mine", sample(9)[0])  # a lease is free for the owner
         for i in range(4):

@@ -8,7 +8,6 @@ import _thread
 import contextlib
 import errno
 import functools
-import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -23,7 +22,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import PACKAGE, collect_until, interrupted_at
+from line_stops import PACKAGE, interrupted_at
 
 from routing_replay import (
     Episode,
@@ -775,7 +774,7 @@ def open_fds(*about: str) -> dict[int, str]:
 
 @pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 29])
 def test_a_listing_stopped_at_any_line_holds_no_store_while_its_error_is_kept(
-    name, tmp_path, stride
+    no_gc, name, tmp_path, stride
 ):
     # Before: Ctrl-C between a listing's attach and close kept that handle, and its shared
     # lock on the spill directory, as long as the error was kept (a notebook keeps the last
@@ -789,21 +788,19 @@ def test_a_listing_stopped_at_any_line_holds_no_store_while_its_error_is_kept(
         events, _ = interrupted_at(0, lambda: list_stores(name))
         kept = []
         for stop in range(1, events + 1, stride):
-            # Earlier stops' half-made handles go now, not by a collection inside the traced
-            # call (their finalizers' lines would move the stop).
-            gc.collect(1)
             try:
                 interrupted_at(stop, lambda: list_stores(name), action=interrupt)
             except KeyboardInterrupt as e:
                 kept.append(e)  # as sys.last_value holds it
-            # (a handle cut short while attaching: its mapping goes with its cycle)
-            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            # (before: a handle cut short while attaching kept its mapping in a reference
+            # cycle, until a collection)
+            assert open_fds(name, str(tmp_path)) == before
             assert open_fds(name, str(tmp_path)) == before, f"line event {stop} of {events}"
         assert len(kept) == len(range(1, events + 1, stride)) and events > 100
 
 
 @pytest.mark.slow
-def test_a_create_stopped_at_any_line_leaves_nothing(name, tmp_path):
+def test_a_create_stopped_at_any_line_leaves_nothing(no_gc, name, tmp_path):
     """KeyboardInterrupt at each line of package code a spilling `create` runs: no segment,
     no spill directory, no descriptor stays, and the name can be created again (before: 26
     stops left the segment with its owner lease held, so neither sweep nor create could use
@@ -832,7 +829,7 @@ def test_a_create_stopped_at_any_line_leaves_nothing(name, tmp_path):
         assert store_dirs(tmp_path) == [], where
         # A handle cut short in its constructor: mmap's own fd goes with the cycle of its
         # half-made objects.
-        collect_until(lambda: not open_fds(name, str(tmp_path)))
+        assert not open_fds(name, str(tmp_path))
         assert open_fds(name, str(tmp_path)) == {}, where
     with RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path) as store:
         store.put("a", TINY.random_routes(np.random.default_rng(0), P))
@@ -840,7 +837,7 @@ def test_a_create_stopped_at_any_line_leaves_nothing(name, tmp_path):
 
 @pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 31])
 def test_an_attach_stopped_at_any_line_holds_nothing_and_raises_the_interrupt(
-    name, tmp_path, stride
+    no_gc, name, tmp_path, stride
 ):
     """KeyboardInterrupt at each line of package code a spilling store's `attach` runs (every
     31st in the fast tier): the interrupt comes out, not a BufferError; no descriptor of the
@@ -860,7 +857,7 @@ def test_an_attach_stopped_at_any_line_holds_nothing_and_raises_the_interrupt(
         assert handle is None and seen == stop, f"line event {stop} of {events}"
         # mmap's own fd goes with the cycle of a half-made handle that a view in the
         # traceback kept alive.
-        collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+        assert open_fds(name, str(tmp_path)) == before
         assert open_fds(name, str(tmp_path)) == before, f"stopped at line event {stop}"
     with RoutingStore.attach(name) as again:
         np.testing.assert_array_equal(again.get("a"), rows)
@@ -872,7 +869,7 @@ def test_an_attach_stopped_at_any_line_holds_nothing_and_raises_the_interrupt(
 
 @pytest.mark.parametrize("how", ["attach", "create"])
 def test_a_handle_stopped_after_its_finalizer_is_set_closes_each_descriptor_once(
-    name, tmp_path, how, monkeypatch
+    no_gc, name, tmp_path, how, monkeypatch
 ):
     """Ctrl-C at the last line of a handle's segment constructor, after its finalizer is
     registered: the clean-up of attach/create closes its descriptors and the half-made
@@ -900,7 +897,7 @@ def test_a_handle_stopped_after_its_finalizer_is_set_closes_each_descriptor_once
     before = open_fds(name, str(tmp_path))
     seen, handle = interrupted_at(stop, call)
     assert handle is None and seen == stop
-    collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+    assert open_fds(name, str(tmp_path)) == before
     assert open_fds(name, str(tmp_path)) == before
     assert unraisable == []
     if how == "attach":
@@ -1003,7 +1000,7 @@ def test_fifos_planted_among_a_stores_files_are_refused_not_waited_on(name, tmp_
 
 @pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 41])
 def test_a_spilling_put_and_a_spilled_read_stopped_at_each_line_leave_no_descriptor(
-    name, tmp_path, stride
+    no_gc, name, tmp_path, stride
 ):
     """Ctrl-C at each line of a put that spills and of a read of the spilled sample: no
     descriptor of the store or its spill files stays open once the error is gone (before: a
@@ -1025,7 +1022,7 @@ def test_a_spilling_put_and_a_spilled_read_stopped_at_each_line_leave_no_descrip
         assert events > 100
         for n, stop in enumerate(range(1, events + 1, stride)):
             interrupted_at(stop, functools.partial(put_and_read, 4 + n))
-            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before
             assert open_fds(name, str(tmp_path)) == before, f"line event {stop} of {events}"
         store.verify()
         for sid in rows:
@@ -1034,7 +1031,7 @@ def test_a_spilling_put_and_a_spilled_read_stopped_at_each_line_leave_no_descrip
 
 
 @pytest.mark.parametrize("how", ["attach", "spilled-read", "save", "load", "list"])
-def test_an_interrupt_as_a_file_opens_leaves_no_descriptor(name, tmp_path, how):
+def test_an_interrupt_as_a_file_opens_leaves_no_descriptor(no_gc, name, tmp_path, how):
     """KeyboardInterrupt as each `os.open` of the store's code returns, where a real Ctrl-C
     lands when the signal comes during the open: no descriptor stays once the error is gone
     (before: the descriptor was dropped before anything owned it, e.g. one on an unlinked
@@ -1059,7 +1056,7 @@ def test_an_interrupt_as_a_file_opens_leaves_no_descriptor(name, tmp_path, how):
         for k in range(1, 8):
             if not interrupted_at_c_return(k, calls[how], lambda f: f is os.open, ours):
                 break
-            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before
             assert open_fds(name, str(tmp_path)) == before, f"stopped after open {k}"
         np.testing.assert_array_equal(store.get("a"), rows)
         store.verify()
@@ -1138,7 +1135,7 @@ def ours(c) -> bool:
     return c.co_filename.startswith(PACKAGE) and c.co_name != "_fsync_dir"
 
 
-def test_a_close_interrupted_as_it_takes_each_descriptor_leaves_none_open(name, tmp_path):
+def test_a_close_interrupted_as_it_takes_each_descriptor_leaves_none_open(no_gc, name, tmp_path):
     """Ctrl-C as `close()` takes each descriptor off its list (a real signal's handler runs
     as that C call returns): the same close again closes the rest and nothing stays open
     (before: the number taken was in no list any more: the lock descriptor kept the owner
@@ -1149,7 +1146,7 @@ def test_a_close_interrupted_as_it_takes_each_descriptor_leaves_none_open(name, 
             handle = RoutingStore.attach(name)
             stopped = interrupted_at_c_return(k, handle.close, named("pop"), ours)
             handle.close()
-            collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+            assert open_fds(name, str(tmp_path)) == before
             assert open_fds(name, str(tmp_path)) == before, f"stopped at take {k}: {stopped}"
         owner.verify()
 
@@ -1199,7 +1196,7 @@ def test_an_unlink_stopped_at_each_line_leaves_what_a_sweep_removes(name, tmp_pa
         assert store_dirs(tmp_path) == [], f"line event {stop} of {events}"
 
 
-def test_threads_closing_one_handle_at_once_close_it_once(name, tmp_path):
+def test_threads_closing_one_handle_at_once_close_it_once(no_gc, name, tmp_path):
     """4 threads call close() on one spilling handle at once, 200 times: every close
     returns, the handle is closed, no descriptor stays (before: raw RuntimeError,
     ValueError or AttributeError from the closes racing, and rarely a handle left open)."""
@@ -1215,7 +1212,7 @@ def test_threads_closing_one_handle_at_once_close_it_once(name, tmp_path):
         finally:
             sys.setswitchinterval(switch)
         assert errors == []
-        collect_until(lambda: open_fds(name, str(tmp_path)) == before)
+        assert open_fds(name, str(tmp_path)) == before
         assert open_fds(name, str(tmp_path)) == before
         np.testing.assert_array_equal(owner.get("a"), rows)
 

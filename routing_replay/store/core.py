@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +64,10 @@ class StoreCore:
         self.page_tokens = self.tables.page_tokens
         self.capacity_tokens = self.tables.num_pages * self.page_tokens
         self.put_timeout = put_timeout
-        self.lock = CommitLock(segment, self.tables, lambda: repair(self), lambda: self.closing)
+        # What the handle owns refers back to it weakly: a handle dropped, or cut short while
+        # made, goes at once (no cycle), and with it the views that keep its mapping.
+        me = weakref.proxy(self)
+        self.lock = CommitLock(segment, self.tables, lambda: repair(me), lambda: me.closing)
         self.leases = Leases(segment, self.tables)
         self.pages = PageAllocator(self.tables)
         self.samples = SampleIndex(self.tables)
@@ -72,7 +76,7 @@ class StoreCore:
         self.calls: dict[object, int] = {}  # store calls in flight: token -> thread ident
         self.closing = False  # set by close(): calls starting then refuse
         self.close_mutex = threading.RLock()  # one close() at a time; the next finds it closed
-        self.spill = Spiller(self, users)  # last: it takes the spill directory's lock
+        self.spill = Spiller(me, users)  # last: it takes the spill directory's lock
 
     def served(self) -> bool:
         """Whether the store is still in use: the file at its name (its owner's handle may be
