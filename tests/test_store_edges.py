@@ -1135,6 +1135,38 @@ def ours(c) -> bool:
     return c.co_filename.startswith(PACKAGE) and c.co_name != "_fsync_dir"
 
 
+def test_a_close_stopped_at_each_line_leaves_the_handle_usable_or_closed(no_gc, name, tmp_path):
+    """Ctrl-C at each line of an owner's `close()`: the handle reads exactly or says it is
+    closed, and its `unlink()` returns (before: a stop after the wait for other threads left
+    the handle "being closed" for good, and `unlink()` waited for that close forever)."""
+    routes = TINY.random_routes(np.random.default_rng(0), 3 * P)
+
+    def fresh() -> RoutingStore:
+        store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+        store.put("a", routes)
+        return store
+
+    store = fresh()
+    events, _ = interrupted_at(0, store.close)
+    store.unlink()
+    assert events > 10
+    for stop in range(1, events + 1):
+        store = fresh()
+        interrupted_at(stop, store.close)
+        try:
+            np.testing.assert_array_equal(store.get("a"), routes)
+        except StoreUnavailableError as e:
+            assert "this handle is closed" in str(e), f"line event {stop}: {e}"
+        unlink = threading.Thread(target=store.unlink, daemon=True)
+        unlink.start()
+        unlink.join(10)
+        stuck = unlink.is_alive()
+        store.close()  # (lets a stuck unlink end)
+        unlink.join(10)
+        assert not stuck, f"unlink() still waiting 10 s after a close stopped at line event {stop}"
+        assert not os.path.exists(segment_path(name)) and store_dirs(tmp_path) == []
+
+
 def test_a_close_interrupted_as_it_takes_each_descriptor_leaves_none_open(no_gc, name, tmp_path):
     """Ctrl-C as `close()` takes each descriptor off its list (a real signal's handler runs
     as that C call returns): the same close again closes the rest and nothing stays open

@@ -47,7 +47,9 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             core.calls[token] = threading.get_ident()
             if core.closing:
-                raise closed_error(core.name, closed=core.segment.fd < 0)
+                raise closed_error(
+                    core.name, closed=core.segment.fd < 0 or core.segment.mmap.closed
+                )
             return method(self, *args, **kwargs)
         except BaseException as e:
             forget_frames(e)

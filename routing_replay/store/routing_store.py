@@ -328,8 +328,8 @@ class RoutingStore:
                 core.spill.close()
                 return
             wait = core.put_timeout if timeout is None else timeout_seconds(timeout, "timeout")
-            deadline = time.monotonic() + wait
-            try:  # a wait that ends otherwise (StoreBusyError, Ctrl-C) leaves the handle usable
+            deadline, failed = time.monotonic() + wait, None
+            try:  # a close that ends before the unmap (StoreBusyError, Ctrl-C) leaves it usable
                 core.closing = True  # calls starting now refuse; waiting ones end; working finish
                 while others_in_flight(core.calls):
                     if time.monotonic() >= deadline:
@@ -339,24 +339,23 @@ class RoutingStore:
                             "call returned"
                         )
                     time.sleep(0.001)
-            except BaseException:
-                core.closing = False
-                raise
-            self._core.tables.release_views()
-            failed = None  # (EIO from a close: Linux has freed that descriptor all the same)
-            try:
-                self._core.segment.close()
-            except BufferError:
-                self._core.tables.map(self._core.segment.mmap)  # still open, still usable
-                core.closing = False
-                raise BufferError(
-                    f"store {self.name!r} cannot be closed: numpy arrays that view its shared "
-                    "memory are still alive (get/read return copies; views come from store "
-                    "internals, or an error a read_wire `ship` raised with one in it). Drop "
-                    "them, then close again"
-                ) from None
-            except OSError as e:
-                failed = e
+                core.tables.release_views()
+                core.segment.close()
+            except BaseException as e:
+                if core.segment.fd >= 0 and not core.segment.mmap.closed:
+                    core.tables.map(core.segment.mmap)  # (its views again, if they went)
+                    core.closing = False
+                    if isinstance(e, BufferError):
+                        raise BufferError(
+                            f"store {self.name!r} cannot be closed: numpy arrays that view its "
+                            "shared memory are still alive (get/read return copies; views come "
+                            "from store internals, or an error a read_wire `ship` raised with one "
+                            "in it). Drop them, then close again"
+                        ) from None
+                    raise
+                if not isinstance(e, OSError):
+                    raise  # (stopped past the unmap: the next close finishes it)
+                failed = e  # EIO from a close: Linux has freed that descriptor all the same
             try:
                 core.spill.close()
             except OSError as e:
@@ -401,8 +400,8 @@ class RoutingStore:
                     self._mark_removed()
                     break
                 del core.calls[token]
-                if core.segment.fd < 0:  # closed: its owner lease went, no put commits
-                    break
+                if core.segment.fd < 0 or core.segment.mmap.closed:  # closed (or a close
+                    break  # stopped past its unmap): no put of this handle commits
                 time.sleep(0.001)  # another thread's close: it ends or gives up
             core.segment.unlink()
             remove_spill_dir(core.spill.dir)
