@@ -221,6 +221,59 @@ def test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods(
     os.unlink(segment_path(name))
 
 
+def _spill_fork_and_wait(name: str, spill_dir: str, use: bool, conn) -> None:
+    """An owner that spills two samples and forks a worker (a DataLoader's, say) that reads
+    spilled sample s0 if `use` or never touches the store; then waits to be killed."""
+    rng = np.random.default_rng(3)
+    store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=spill_dir)
+    for i, pages in enumerate((2, 2, 4)):  # the first two spilled
+        store.put(f"s{i}", TINY.random_routes(rng, pages * P))
+    worker = os.fork()
+    if worker == 0:
+        want = TINY.random_routes(np.random.default_rng(3), 2 * P)
+        conn.send(not use or np.array_equal(store.get("s0"), want))
+        time.sleep(120)
+        os._exit(0)
+    conn.send(worker)
+    time.sleep(120)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie has closed its files: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("use", [False, True])
+def test_a_forked_worker_keeps_its_dead_owners_spill_dir_only_if_it_uses_the_store(
+    name, tmp_path, use
+):
+    # Before: a worker forked by the owner inherited its shared lock on the spill directory:
+    # once the owner died, every sweep kept the directory and its files for as long as a
+    # worker that never touched the store lived (round 51).
+    mine, theirs = FORK.Pipe()
+    owner = FORK.Process(target=_spill_fork_and_wait, args=(name, str(tmp_path), use, theirs))
+    owner.start()
+    worker = mine.recv()
+    try:
+        assert mine.recv() is True  # (the worker read s0 exactly, if it used the store)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join()
+        (left,) = store_dirs(tmp_path)
+        assert [i.name for i in sweep_stores(prefix=name)] == [name]  # its directory too...
+        assert store_dirs(tmp_path) == ([left] if use else [])  # ...unless a worker reads it
+    finally:
+        os.kill(worker, signal.SIGKILL)  # (not our child: waited for until it is gone)
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sweep_spill_dirs(tmp_path) == ([str(tmp_path / left)] if use else [])
+    assert store_dirs(tmp_path) == []
+
+
 def _attach_and_read(name: str, want: np.ndarray, got: list) -> None:
     """Attach and read spilled sample s0: [handle, whether it read exact] into `got`."""
     handle = RoutingStore.attach(name)

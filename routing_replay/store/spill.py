@@ -70,7 +70,7 @@ from routing_replay.store.format import (
 from routing_replay.store.lock import Hold, Mutex
 from routing_replay.store.prefix import runs
 from routing_replay.store.samples import EMPTY, checksum
-from routing_replay.store.segment import is_store_name, untrusted_reason
+from routing_replay.store.segment import fork_epoch, is_store_name, untrusted_reason
 from routing_replay.store.tables import Tables, uid_on_node
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class SpillFile:
     def __init__(self, core: StoreCore, path: str, serial: int, digest: int, num_tokens: int):
         layout, P = core.layout, core.page_tokens
         self.path, self._P = path, P
+        core.spill.hold_dir()
         try:  # FileNotFoundError: gone
             file = open_file(path, os.O_RDONLY)
         except OSError as e:
@@ -274,6 +275,8 @@ class Spiller:
         self._to_close = users
         self._finalizer = weakref.finalize(self, close_each, users)  # (dropped unclosed)
         self._finalizer.atexit = False
+        self._epoch, self._dir_lock = fork_epoch(), threading.Lock()
+        _SPILLERS.add(self)
         self.core = core
         self.dir, self.budget = core.tables.spill_dir, core.tables.spill_budget
         self._mutex = Mutex()
@@ -287,6 +290,22 @@ class Spiller:
     def enabled(self) -> bool:
         return self.budget > 0
 
+    def hold_dir(self) -> None:
+        """Before a use of the directory: in a forked child, its own shared lock on it first
+        (the parent's went at the fork: a child that never uses the store keeps no directory
+        of a dead parent's from its sweep)."""
+        if self._epoch != fork_epoch() and self.enabled:
+            with self._dir_lock:
+                if self._epoch != fork_epoch():
+                    if not self._to_close:
+                        use_spill_dir(self.dir, self._to_close)
+                    self._epoch = fork_epoch()
+
+    def _forget_parents_lock(self) -> None:
+        """In a forked child (one thread): close the directory lock shared with the parent."""
+        self._dir_lock = threading.Lock()
+        close_each(self._to_close)
+
     def path(self, serial: int, code: int) -> str:
         return os.path.join(self.dir, spill_name(serial, code))
 
@@ -298,6 +317,7 @@ class Spiller:
         spent, the disk failed (`self.error`), or another thread of this handle was spilling
         past `lock_deadline`. Writing stops at `deadline` (the put's) after the first victim;
         the lock and the handle's spill are waited for until `lock_deadline`."""
+        self.hold_dir()
         self._waited.busy = not self._mutex.acquire(lock_deadline, self.core.name)
         if self._waited.busy:
             return False  # another thread of this handle spills, past our deadline
@@ -528,6 +548,7 @@ class Spiller:
         self._cleaned = time.monotonic()
         if not self.enabled:
             return 0
+        self.hold_dir()
         names = spill_files(self.dir)
         if not names:
             return 0  # none, or no directory (removed): nothing of ours to clean
@@ -879,3 +900,14 @@ def _unlink(path: str) -> int:
         return 1
     except OSError:
         return 0
+
+
+_SPILLERS: weakref.WeakSet[Spiller] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for spiller in list(_SPILLERS):
+        spiller._forget_parents_lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
