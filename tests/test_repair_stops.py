@@ -35,10 +35,15 @@ line per point (event index, file:line, function).
 
 Tiers. The call runs 440 line events from `commit-field` (events 39-329 in `repair` and
 what it calls), 390 from `commit-checksum` (39-279). The default tier stops at
-every STRIDE-th of repair's own events (8 stop points for each way: about 2 s; the fast
-tier runs `commit-field`, the slow tier `commit-checksum` too); the stress tier at every
-line repair runs, at its first run (162 and 154 lines, 632 stop points over both ways;
-the 1,660 events of the whole calls were all tried once, with no failure).
+every STRIDE-th of repair's own events (8 stop points from `commit-field`, 7 from
+`commit-checksum`, for each way: about 2 s; the fast tier runs `commit-field`, the slow
+tier `commit-checksum` too), in the test's own process; the stress tier at every line
+repair runs, at its first run (162 and 154 lines, 632 stop points over both ways; the
+1,660 events of the whole calls were all tried once, with no failure). A stop point costs
+two forks (the writer, the child) and the checks; the stress tier runs them in two lean
+`forkserver` workers (`lean_workers.in_lean_workers`: a fork of the pytest process costs
+more), each counting the events itself (the two counts must agree) and taking every second
+stop point; their failures are reported together.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lean_workers import in_lean_workers
 from line_stops import interrupted_at
 from test_spill import LAYOUTS, P, _spill_and_die, make, spilled_serials
 
@@ -307,25 +313,43 @@ def each_line(lines: list[str]) -> list[int]:
     return stops
 
 
-def run(torn: str, mode: str, tmp_path: Any, every: bool) -> None:
-    prefix = f"test-repair-stops-{uuid.uuid4().hex[:8]}"
-    spill_root = tmp_path / "spill"
-    spill_root.mkdir()
+def run_points(
+    torn: str, mode: str, every: bool, spill_root: str, prefix: str, part: int = 0, parts: int = 1
+) -> tuple[list[str], list[tuple[int, str]]]:
+    """Count the events here, then stop at every `parts`-th of the stop points from `part`
+    (in a worker of the stress tier, or in the test's own process): (the events' places,
+    each failing stop point and its report line). Counted and stopped in one process: each
+    child is forked from it and runs the lines its state leads to."""
     lines = count_events(f"{prefix}-count", spill_root, torn)
     stops = each_line(lines) if every else sampled(lines)
     failures = []
-    for n in stops:
+    for n in stops[part::parts]:
         at = lines[n - 1]
         problems = stop_at(f"{prefix}-{n}", spill_root, torn, mode, n, at)
         if problems:
             more = f" | (+{len(problems) - 4} more)" if len(problems) > 4 else ""
-            failures.append(f"#{n} {at}: " + " | ".join(problems[:4]) + more)
+            failures.append((n, f"#{n} {at}: " + " | ".join(problems[:4]) + more))
+    return lines, failures
+
+
+def run(torn: str, mode: str, tmp_path: Any, every: bool) -> None:
+    prefix = f"test-repair-stops-{uuid.uuid4().hex[:8]}"
+    spill_root = tmp_path / "spill"
+    spill_root.mkdir()
+    if every:  # two lean workers, half of the stop points each: a fork of pytest costs more
+        args = [(torn, mode, every, str(spill_root), f"{prefix}{i}", i, 2) for i in (0, 1)]
+        parts = in_lean_workers(run_points, args)
+        assert parts[0][0] == parts[1][0], "the workers counted other events"
+        lines, failures = parts[0][0], sorted(f for _, part in parts for f in part)
+    else:
+        lines, failures = run_points(torn, mode, every, str(spill_root), prefix)
+    stops = each_line(lines) if every else sampled(lines)
     assert os.listdir(spill_root) == []  # every store's directory went with its unlink
     shm = os.path.dirname(segment_path(prefix))
     assert not [f for f in os.listdir(shm) if f.startswith(f"rr_{prefix}")]
     assert not failures, (
         f"{torn}, {mode}: {len(failures)} of {len(stops)} stop points ({len(lines)} events) "
-        "leave a store that does not repair:\n" + "\n".join(failures)
+        "leave a store that does not repair:\n" + "\n".join(text for _, text in failures)
     )
 
 
