@@ -60,7 +60,7 @@ def main() -> None:
     import ray
 
     from routing_replay.ray import release_refs, shutdown_node_stores, store_actor
-    from routing_replay.ray.dataset import REMOTE_PIECES
+    from routing_replay.ray.remote import REMOTE_PIECES
 
     layout = layout_of_model(args.model)
     cluster = SimCluster(2, 4 << 30, __name__)

@@ -11,11 +11,13 @@ import os
 import pickle
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 
+import line_stops
 import numpy as np
 import pytest
 
@@ -49,6 +51,8 @@ from routing_replay.ray.rollout import RolloutWorker, rollout_worker  # noqa: E4
 from routing_replay.store.segment import SHM_DIR, segment_path  # noqa: E402
 from routing_replay.testing import tiny_moe  # noqa: E402
 
+interrupted_at = line_stops.interrupted_at
+
 LAYOUT = RoutingLayout(num_layers=4, top_k=2, num_experts=8, moe_layers=(1, 2, 3))
 MB = 2**20
 
@@ -65,6 +69,7 @@ def cluster():
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     # The test module's own helpers travel by value: workers cannot import it.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(line_stops)
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     assert len(nodes) == 2
     yield nodes
@@ -199,6 +204,84 @@ class Reader:
 
     def release(self, refs: list) -> int:
         return release_refs(refs)
+
+    def fetch_through(self, refs: list, how: str) -> tuple[list, list[str]]:
+        """fetch_batch over a direct connection ("direct"), through Ray's object store
+        ("ray": ROUTING_REPLAY_DIRECT=0), or with the store actor's port refused ("refused"):
+        the routes and the warnings."""
+        import warnings
+
+        from routing_replay.ray import direct, remote
+
+        os.environ[direct.ENV] = "0" if how == "ray" else "1"
+        if how == "refused":
+            closed = socket.create_server(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+            closed.close()
+            for key in {(r.store, r.node_id) for r in refs}:
+                remote._ENDPOINTS[key] = ("127.0.0.1", port, b"s" * direct.SECRET_BYTES)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                batch = fetch_batch(refs)
+            finally:
+                os.environ[direct.ENV] = "1"
+        return [r.numpy() for r in _split(batch)], [str(w.message) for w in caught]
+
+    def fetch_stopped_at_lines(self, refs: list, stride: int) -> tuple[int, list[str]]:
+        """fetch_batch of another node's refs (a direct read) stopped by Ctrl-C at every
+        `stride`-th line event of routing_replay code: the events counted, and the problems
+        (a connection left open, a next read not exact, another error than the stop)."""
+        from routing_replay.ray import direct
+
+        want = [r.numpy().copy() for r in _split(fetch_batch(refs))]
+        events, _ = interrupted_at(0, lambda: fetch_batch(refs))
+        made: list = []
+        real_init = direct.DirectPull.__init__
+
+        def init(pull, *args) -> None:
+            made.append(pull)
+            real_init(pull, *args)
+
+        problems = []
+        direct.DirectPull.__init__ = init
+        try:
+            for stop in range(1, events + 1, stride):
+                made.clear()
+                lines: list[str] = []
+                try:
+                    interrupted_at(stop, lambda: fetch_batch(refs), lines=lines)
+                except Exception as e:
+                    problems.append(f"{stop}: {type(e).__name__}: {e}")
+                if any(getattr(p, "sock", None) and p.sock.fileno() != -1 for p in made):
+                    problems.append(f"{stop} ({lines[-1]}): a connection left open")
+                got = [r.numpy() for r in _split(fetch_batch(refs))]
+                if not all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)):
+                    problems.append(f"{stop}: the next read is not exact")
+        finally:
+            direct.DirectPull.__init__ = real_init
+        return events, problems
+
+    def fetch_stopped(self, refs: list, after: int) -> str:
+        """A fetch_batch stopped by Ctrl-C after `after` receives on its connections."""
+        from routing_replay.ray import direct
+
+        real, seen = direct.DirectPull.readable, []
+
+        def readable(pull) -> None:
+            seen.append(1)
+            if len(seen) > after:
+                raise KeyboardInterrupt
+            real(pull)
+
+        direct.DirectPull.readable = readable
+        try:
+            fetch_batch(refs)
+        except KeyboardInterrupt:
+            return "stopped"
+        finally:
+            direct.DirectPull.readable = real
+        return "ended first"
 
     def fetch_releasing_meanwhile(self, refs: list, taken: list) -> tuple[list, list[str]]:
         """fetch_batch(refs, release=True) while another consumer releases `taken` between
@@ -637,15 +720,15 @@ def test_a_remote_stores_samples_read_in_pieces_land_exact(cluster, monkeypatch)
     # One remote store's refs read in several calls (pieces of consecutive refs, each
     # pulled while the store actor serves the next), with ranges and into `out`; a shared
     # prompt's group split across pieces.
-    from routing_replay.ray import dataset
+    from routing_replay.ray import remote
 
-    monkeypatch.setattr(dataset, "REMOTE_PIECE_TOKENS", 200)
+    monkeypatch.setattr(remote, "REMOTE_PIECE_TOKENS", 200)
     _, other = cluster
     job = f"t{uuid.uuid4().hex[:6]}"
     on_other = ray.remote(Writer).options(**on(other)).remote(job)
     refs = ray.get(on_other.put.remote(list(range(12)), "p", 150))
     refs += ray.get(on_other.put_group.remote("g", 40, [10, 25, 7]))
-    assert len(dataset._pieces(list(range(len(refs))), refs)) == dataset.REMOTE_PIECES
+    assert len(remote.pieces(list(range(len(refs))), refs)) == remote.REMOTE_PIECES
     want = [sample_routes(i, 150) for i in range(12)]
     prompt = sample_routes(100, 40)
     want += [np.concatenate([prompt, sample_routes(200 + j, n)]) for j, n in enumerate((10, 25, 7))]
@@ -662,6 +745,50 @@ def test_a_remote_stores_samples_read_in_pieces_land_exact(cluster, monkeypatch)
     assert release_refs(refs) == len(refs)
     with pytest.raises(SampleNotFoundError):  # released: every piece fails, one error
         fetch_batch(refs)
+    shutdown_node_stores(job)
+
+
+def test_a_remote_read_goes_direct_and_reads_what_the_object_store_path_reads(cluster):
+    # Another node's samples cross over a connection from its store actor (counted as
+    # direct reads, bytes served), exactly as through Ray's object store; a port the reader
+    # cannot reach falls back to the object store with a warning; a reader stopped while
+    # receiving leaves the actor serving the next read.
+    head, other = cluster
+    job = f"t{uuid.uuid4().hex[:6]}"
+    on_other = ray.remote(Writer).options(**on(other)).remote(job)
+    refs = ray.get(on_other.put.remote(list(range(6)), "d", 120))
+    refs += ray.get(on_other.put_group.remote("g", 70, [10, 25, 7]))
+    want = [sample_routes(i, 120) for i in range(6)]
+    prompt = sample_routes(100, 70)
+    want += [np.concatenate([prompt, sample_routes(200 + j, n)]) for j, n in enumerate((10, 25, 7))]
+    reader = ray.remote(Reader).options(**on(head)).remote()
+    (actor,) = store_actors(job).values()
+
+    def counters() -> tuple[int, int, int]:
+        stats = ray.get(actor.stats.remote())
+        return stats["read_calls"], stats["direct_reads"], stats["bytes_served"]
+
+    served = []
+    for how, direct_reads, warned in (("direct", 1, 0), ("ray", 0, 0), ("refused", 0, 1)):
+        before = counters()
+        got, warnings = ray.get(reader.fetch_through.remote(refs, how))
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g, w)
+        calls, direct, nbytes = (a - b for a, b in zip(counters(), before, strict=True))
+        assert (calls, direct) == (1, direct_reads), how
+        served.append(nbytes)
+        assert len(warnings) == warned and all("cannot connect" in w for w in warnings), how
+    # The same wire form either way: each distinct stored token once (the prompt's too)
+    distinct = 6 * 120 + 70 + 10 + 25 + 7
+    assert served[0] == served[1] == served[2] > distinct * LAYOUT.bytes_per_token
+    reader = ray.remote(Reader).options(**on(head)).remote()  # (the other reads through Ray now)
+    events, problems = ray.get(reader.fetch_stopped_at_lines.remote(refs, 9))
+    assert events > 200 and not problems, problems
+    for after in (0, 1, 3):
+        assert ray.get(reader.fetch_stopped.remote(refs, after)) == "stopped"
+        got, _ = ray.get(reader.fetch_through.remote(refs, "direct"))
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g, w)
     shutdown_node_stores(job)
 
 

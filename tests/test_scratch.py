@@ -3,8 +3,11 @@ until it ends, then serve the next lease; what is kept stays within its bound.""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+from line_stops import interrupted_at
 
 from routing_replay.ray.scratch import Scratch
 
@@ -45,3 +48,25 @@ def test_what_is_kept_stays_within_keep_bytes_largest_first():
     with scratch.lease() as take:
         take(200)  # larger than the bound: never kept
     assert scratch.kept_bytes == 100
+
+
+def test_a_lease_stopped_at_any_line_never_stalls_the_next():
+    # Before: a Ctrl-C as a lease's `with self._lock:` block ended left the lock held, and
+    # every later read of the process (its receive buffers) waited on it for good.
+    scratch = Scratch(keep_bytes=100)
+
+    def use() -> None:
+        with scratch.lease() as take, scratch.lease() as other:
+            take(64), take(32), other(80)
+
+    events, _ = interrupted_at(0, use)
+    assert events > 20
+    for stop in range(1, events + 1):
+        # (in a thread: a stalled lease fails the test instead of hanging it)
+        stopped_then_used = threading.Thread(
+            target=lambda stop=stop: (interrupted_at(stop, use), use()), daemon=True
+        )
+        stopped_then_used.start()
+        stopped_then_used.join(5)
+        assert not stopped_then_used.is_alive(), f"a lease stopped at event {stop} stalls the next"
+        assert scratch.kept_bytes <= 100

@@ -37,6 +37,7 @@ import pyarrow as pa
 from routing_replay.compat.ray import job_table, named_actor
 from routing_replay.errors import StoreUnavailableError
 from routing_replay.layout import RoutingLayout
+from routing_replay.ray import direct
 from routing_replay.ray.metrics import EXPORT_EVERY_S, StoreMetrics
 from routing_replay.ray.names import (
     NAMESPACE,
@@ -84,9 +85,12 @@ class NodeStoreActor:
         self.retired: dict[str, RoutingStore] = {}
         self._renew = threading.Lock()
         self.store = self._create()
-        self.counters = {"read_calls": 0, "samples_served": 0, "bytes_served": 0, "released": 0}
+        self.counters = dict.fromkeys(
+            ("read_calls", "direct_reads", "samples_served", "bytes_served", "released"), 0
+        )
         self._lock = threading.Lock()
         self._scratch = Scratch(SCRATCH_KEEP_BYTES)
+        self._direct: direct.DirectServer | None = None  # started by the first `endpoint`
         self.metrics = StoreMetrics(job, self.node_id)
         exporter = threading.Thread(target=self._export_metrics, daemon=True)
         exporter.start()
@@ -207,28 +211,58 @@ class NodeStoreActor:
         }
 
     def read(
-        self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None
-    ) -> ObjectRef:
+        self,
+        refs: list[RoutingRef | str],
+        part: str = "all",
+        ranges: list | None = None,
+        request: bytes | None = None,
+    ) -> ObjectRef | int:
         """Samples (or their `ranges`) in their wire form (`WireBatch`): each stored token
-        the rows need once (a GRPO group's shared prompt pages travel once), copied by
-        `ray.put` straight from the segment into the object that ships (ids of a
-        256-expert layout narrowed to one byte first: `WireBatch.narrowed`); returns that
-        object's ref, for the reader to get. Reads never release: the caller releases once
-        its whole batch was read (`release`)."""
+        the rows need once (a GRPO group's shared prompt pages travel once; ids of a
+        256-expert layout narrowed to one byte: `WireBatch.narrowed`), copied straight from
+        the segment: by `ray.put` into the object that ships, whose ref is returned, or with
+        `request`, into the connection the reader opened for it (`direct`), then DONE once
+        the read was checked; returns the bytes sent. Reads never release: the caller
+        releases once its whole batch was read (`release`)."""
         import ray
 
-        store = self._holding(refs)
-        shipped: list[int] = []
+        if request is not None and self._direct is None:
+            raise direct.DirectUnavailable("this store actor serves no direct reads")
+        conn = None if request is None else self._direct.claim(request)  # type: ignore[union-attr]
+        with conn or contextlib.nullcontext():
+            store = self._holding(refs)
+            shipped: list[int] = []
 
-        def ship(wire: WireBatch) -> ObjectRef:
-            with self._scratch.lease() as take:  # free again once ray.put copied it
-                wire = wire.narrowed(take)
-                shipped.append(wire.nbytes)
-                return ray.put(wire)
+            def ship(wire: WireBatch) -> Any:
+                with self._scratch.lease() as take:  # free again once copied out
+                    wire = wire.narrowed(take)
+                    shipped.append(wire.nbytes)
+                    if conn is None:
+                        return ray.put(wire)
+                    direct.send(conn, wire)
+                    return wire.nbytes
 
-        ref = store.read_wire(refs, part=part, ranges=ranges, ship=ship)  # type: ignore[arg-type]
-        self._count(len(refs), shipped[-1])
-        return ref
+            got = store.read_wire(refs, part=part, ranges=ranges, ship=ship)  # type: ignore[arg-type]
+            if conn is not None:
+                conn.sendall(direct.DONE)
+        self._count(len(refs), shipped[-1], direct=conn is not None)
+        return got
+
+    def endpoint(self) -> tuple[str, int, bytes] | None:
+        """Where readers connect for direct reads (host, port, secret); None: read through
+        Ray's object store (`ROUTING_REPLAY_DIRECT=0` here, or nothing can listen)."""
+        import ray
+
+        if not direct.enabled():
+            return None
+        with self._lock:
+            if self._direct is None:
+                try:
+                    self._direct = direct.DirectServer(ray.util.get_node_ip_address())
+                except OSError as e:
+                    _LOG.warning("store actor %s: no direct reads (%r)", self.job, e)
+                    return None
+            return (*self._direct.address, self._direct.secret)
 
     def read_block(
         self, refs: list[RoutingRef | str], part: str = "all", ranges: list | None = None
@@ -240,9 +274,10 @@ class NodeStoreActor:
         self._count(batch.num_rows, batch.nbytes)
         return pa.Table.from_batches([batch]), batch.num_rows
 
-    def _count(self, samples: int, nbytes: int) -> None:
+    def _count(self, samples: int, nbytes: int, direct: bool = False) -> None:
         with self._lock:
             self.counters["read_calls"] += 1
+            self.counters["direct_reads"] += direct
             self.counters["samples_served"] += samples
             self.counters["bytes_served"] += nbytes
 
@@ -277,6 +312,8 @@ class NodeStoreActor:
     def shutdown(self) -> None:
         """Unmap and unlink the segment (idempotent); the caller then kills the actor."""
         store = self.__dict__.pop("store", None)
+        if self._direct is not None:
+            self._direct.close()
         for each in [*self.retired.values(), store] if store is not None else []:
             with contextlib.suppress(BufferError, OSError):
                 each.close()

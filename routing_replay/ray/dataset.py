@@ -3,8 +3,9 @@
 - `fetch_batch(refs)`: inside a trainer worker, one `pa.RecordBatch` in the refs' order.
   Samples on this worker's node are read straight from shared memory; each other node's
   samples come from that node's store actor in a few calls, in their wire form (each stored
-  token once) through Ray's object store (one network crossing); each row is then copied
-  once, straight to its place (`assemble`).
+  token once), over a direct connection from the actor (`direct`; through Ray's object
+  store where none can be made); each row is then copied once, straight to its place
+  (`assemble`).
 - `read_dataset(refs)`: a `ray.data.Dataset` of the same schema, built from the Arrow
   tables the store actors return (`ray.data.from_arrow_refs`): a plain datasource cannot
   pin its read tasks to the node that holds the data.
@@ -20,7 +21,6 @@ Ray is imported inside the functions: `import routing_replay` works without Ray.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -29,19 +29,15 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from routing_replay.errors import InvalidArgumentError, RoutingReplayError, StoreUnavailableError
-from routing_replay.ray.actor import store_actor
 from routing_replay.ray.assemble import assemble
 from routing_replay.ray.client import attached
-from routing_replay.ray.names import current_node_id, job_of, lost_error
+from routing_replay.ray.names import current_node_id
+from routing_replay.ray.remote import RECEIVE, RemoteReads, actor_for, pieces, results
 from routing_replay.store import Part, RoutingRef, RoutingStore, WireBatch
 from routing_replay.store.refs import ranges_per_ref, whole_number
 
 if TYPE_CHECKING:
     import ray.data
-
-
-REMOTE_PIECES = 4  # calls a read of one remote store's samples takes, at most
-REMOTE_PIECE_TOKENS = 1 << 16  # and tokens each call reads, at least
 
 
 def _by_store(refs: Sequence[RoutingRef]) -> dict[tuple[str, str], list[int]]:
@@ -57,72 +53,6 @@ def _is_driver() -> bool:
     import ray
 
     return ray.get_runtime_context().worker.mode == ray.SCRIPT_MODE
-
-
-def _actor_for(group: list[RoutingRef]) -> Any:
-    ref = group[0]
-    job, ray_job = job_of(ref)  # (a store no node store actor made: read it on its node)
-    try:
-        return store_actor(job, node_id=ref.node_id, ray_job=ray_job)
-    except StoreUnavailableError:
-        raise lost_error(group, "no store actor runs for it") from None
-
-
-def _get(object_refs: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
-    """ray.get, with errors raised by a store actor re-raised as routing_replay errors."""
-    import ray
-
-    out = []
-    for obj, group in zip(object_refs, groups, strict=True):
-        try:
-            out.append(ray.get(obj))
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, RoutingReplayError):
-                raise cause from None
-            raise
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-            raise lost_error(group, f"its store actor died: {type(e).__name__}") from None
-    return out
-
-
-def _get_wires(calls: list[Any], groups: list[list[RoutingRef]]) -> list[WireBatch]:
-    """The wire batches the store actors' `read` calls shipped, pulled here in parallel:
-    each pull starts as soon as its call returned."""
-    import ray
-
-    shipped: list[Any] = [None] * len(calls)
-    waiting = dict(zip(calls, range(len(calls)), strict=True))
-    try:
-        while waiting:
-            done, _ = ray.wait(list(waiting), num_returns=1)
-            for call in done:
-                i = waiting.pop(call)
-                (shipped[i],) = _get([call], [groups[i]])
-                ray.wait([shipped[i]], timeout=0, fetch_local=True)  # (starts its pull)
-    except BaseException:
-        for call in waiting:  # collected: no "unhandled error" of theirs in the logs
-            with contextlib.suppress(Exception):
-                ray.get(call)
-        raise
-    if shipped:
-        ray.wait(shipped, num_returns=len(shipped), fetch_local=True)
-    return _get(shipped, groups)
-
-
-def _pieces(indices: list[int], refs: list[RoutingRef]) -> list[list[int]]:
-    """A remote store's refs (their indices) in up to REMOTE_PIECES runs of consecutive refs,
-    each of REMOTE_PIECE_TOKENS tokens or more (a GRPO group's shared prompt pages then
-    travel once per run it spans)."""
-    tokens = [refs[i].num_tokens for i in indices]
-    count = min(REMOTE_PIECES, len(indices), max(1, sum(tokens) // REMOTE_PIECE_TOKENS))
-    out, start, seen, total = [], 0, 0, sum(tokens)
-    for j, n in enumerate(tokens):
-        seen += n
-        if seen * count >= total * (len(out) + 1) and len(out) < count - 1:
-            out.append(indices[start : j + 1])
-            start = j + 1
-    return [*out, indices[start:]] if start < len(indices) else out
 
 
 def _local(ref: RoutingRef, here: str | None) -> RoutingStore | None:
@@ -223,33 +153,35 @@ def fetch_batch(
     local = {s: _local(refs[groups[s][0]], here) for s in groups}
     # A remote store's samples in a few pieces, one call each: the pull of one overlaps
     # the store actor's work on the next.
-    pieces = [p for s in groups if local[s] is None for p in _pieces(groups[s], refs)]
-    remote_groups = [[refs[i] for i in piece] for piece in pieces]
-    # Every remote read is in flight before the local ones run.
-    pending = [
-        _actor_for(g).read.remote(g, part=part, ranges=ranges_of(piece))
-        for piece, g in zip(pieces, remote_groups, strict=True)
-    ]
+    parts_at = [p for s in groups if local[s] is None for p in pieces(groups[s], refs)]
     parts: list[tuple[list[int], pa.RecordBatch | WireBatch]] = []
     direct = out if len(groups) == 1 else None  # one store: its rows go straight into `out`
-    try:
-        for store, indices in groups.items():
-            if local[store] is not None:
-                group = [refs[i] for i in indices]
-                batch = local[store].read(  # type: ignore[union-attr]
-                    group, part=part, out=direct, ranges=ranges_of(indices)
-                )
-                parts.append((indices, batch))
-    finally:
-        # Collected (or raised) even if a local read failed.
-        wires = _get_wires(pending, remote_groups)
-    parts += zip(pieces, wires, strict=True)
-    if len(parts) > 1:  # each row copied once, straight to its place (in `out` if given)
-        batch = assemble(len(refs), parts, out)
-    else:
-        ((_, batch),) = parts
-        if isinstance(batch, WireBatch):
-            batch = batch.batch(out)  # the rows rebuilt here, in this process's memory
+    with RECEIVE.lease() as take:  # (what direct reads receive: kept for the next call)
+        # Every remote read is in flight before the local ones run.
+        remote = RemoteReads(
+            [[refs[i] for i in piece] for piece in parts_at],
+            part,
+            [ranges_of(piece) for piece in parts_at],
+            take,
+        )
+        try:
+            for store, indices in groups.items():
+                if local[store] is not None:
+                    group = [refs[i] for i in indices]
+                    batch = local[store].read(  # type: ignore[union-attr]
+                        group, part=part, out=direct, ranges=ranges_of(indices)
+                    )
+                    parts.append((indices, batch))
+        finally:
+            # Collected (or raised) even if a local read failed.
+            wires = remote.wires()
+        parts += zip(parts_at, wires, strict=True)
+        if len(parts) > 1:  # each row copied once, straight to its place (in `out` if given)
+            batch = assemble(len(refs), parts, out)
+        else:
+            ((_, batch),) = parts
+            if isinstance(batch, WireBatch):
+                batch = batch.batch(out)  # the rows rebuilt here, in this process's memory
     if release:
         _release_read(refs, "fetch_batch")  # every sample was read: now, and only now, they go
     return batch
@@ -307,12 +239,12 @@ def read_dataset(
                 batch = store.read(chunk, part=part, ranges=spans)
                 local_tables.append(ray.put(pa.Table.from_batches([batch])))
             else:
-                actor = _actor_for(chunk).read_block.options(num_returns=2)
+                actor = actor_for(chunk).read_block.options(num_returns=2)
                 blocks.append(actor.remote(chunk, part=part, ranges=spans))
                 block_groups.append(chunk)
     # Surface a lost store here, not at the first iteration: wait for the small second
     # return of each read (its row count), not for the table, which stays on its node.
-    _get([m for _, m in blocks], block_groups)
+    results([m for _, m in blocks], block_groups)
     if release:
         _release_read(refs, "read_dataset")  # every block was read into the object store
     return ray.data.from_arrow_refs(local_tables + [b for b, _ in blocks])
@@ -344,13 +276,13 @@ def _release_each_store(refs: list[RoutingRef]) -> list[tuple[list[RoutingRef], 
             if store is not None:
                 store.release(group)
             else:
-                pending.append(_actor_for(group).release.remote(group))
+                pending.append(actor_for(group).release.remote(group))
                 pending_groups.append(group)
         except RoutingReplayError as e:
             failed.append((group, e))
     for obj, group in zip(pending, pending_groups, strict=True):
         try:
-            _get([obj], [group])
+            results([obj], [group])
         except Exception as e:  # whatever a store actor raised: the others still release
             failed.append((group, e))
     return failed

@@ -1,0 +1,302 @@
+"""Reads across nodes over a TCP connection from the store actor straight to the reader.
+
+Ray's object store moved a read's wire form at 0.7-1.3 GB/s on the 2-core VM where this was
+measured (the actor's `ray.put` copies it into the object store, the object manager sends
+it in chunks, the reader maps it), where one TCP stream moved 2.4-3.1 GB/s. Here the stored
+runs go from the segment into the socket and from the socket into memory the reader reuses:
+one kernel copy on each side. Ray still carries the call (its refs, its errors, the actor's
+death) and gives the reader the actor's address and a secret (one per actor) that every
+connection presents first. A reader that cannot connect reads through Ray's object store;
+`ROUTING_REPLAY_DIRECT=0` (in the reader's or the actor's environment) turns this path off.
+
+One connection per call:
+    reader -> actor: HELLO, the secret, a request id (the call names it)
+    actor -> reader: header length (8 bytes, little-endian), a JSON header, each array's
+                     bytes back to back, then DONE once the read was checked unchanged
+                     (`read_wire`): without DONE the reader uses nothing it received.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from routing_replay.layout import RoutingLayout
+from routing_replay.store import WireBatch
+from routing_replay.store.read import Request
+
+ENV = "ROUTING_REPLAY_DIRECT"
+HELLO = b"RRDIRECT"
+SECRET_BYTES = REQUEST_BYTES = 16
+DONE = b"RRDONE\x00\x00"
+LENGTH = struct.Struct("<Q")
+MAX_HEADER_BYTES = 64 << 20  # sample ids and their prompt lengths, as JSON
+ARRAY_DTYPES = frozenset({"<i8", "|b1", "|u1", "<u2", "<i4"})  # what a wire batch holds
+ALIGN = 64  # each array's place in the reader's buffer
+CONNECT_TIMEOUT_S = 5.0  # a reader that cannot connect in this long reads through Ray
+HELLO_TIMEOUT_S = 5.0  # a connection that does not say who it is in this long is closed
+CLAIM_WAIT_S = 10.0  # a call waits this long for its reader's connection
+UNCLAIMED_S = 60.0  # a connection no call claimed in this long is closed
+SEND_TIMEOUT_S = 300.0  # a reader that takes no bytes for this long is given up
+POLL_S = 0.2  # a reader waiting on its connections looks at its calls this often
+STALLED_S = 30.0  # a call that returned, its stream silent this long: read through Ray
+
+
+def enabled() -> bool:
+    """Whether this process takes or serves direct reads."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+class DirectUnavailable(RuntimeError):
+    """The direct path failed as a transport (no connection, a broken stream): the read is
+    done again through Ray's object store. Not a store error: nothing about the samples."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("closed")
+        got += k
+    return bytes(buf)
+
+
+# -- the store actor's side --------------------------------------------------------------
+
+
+class DirectServer:
+    """A store actor's listening socket. Each connection says hello (the actor's secret, a
+    request id) on a thread of its own, then waits for the call that names its request."""
+
+    def __init__(self, host: str) -> None:
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self._listener = socket.create_server((host, 0), backlog=128)
+        self.address = (host, self._listener.getsockname()[1])
+        self._waiting: dict[bytes, tuple[socket.socket, float]] = {}
+        self._cond = threading.Condition()
+        threading.Thread(target=self._accept, daemon=True, name="rr-direct").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+
+    def _hello(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            hello = _recv_exact(conn, len(HELLO) + SECRET_BYTES + REQUEST_BYTES)
+            conn.settimeout(SEND_TIMEOUT_S)
+        except OSError:
+            conn.close()
+            return
+        secret, request = hello[len(HELLO) : -REQUEST_BYTES], hello[-REQUEST_BYTES:]
+        if hello[: len(HELLO)] != HELLO or not hmac.compare_digest(secret, self.secret):
+            conn.close()
+            return
+        now = time.monotonic()
+        with self._cond:
+            for key, (old, since) in list(self._waiting.items()):
+                if now - since > UNCLAIMED_S:  # its call never came (its reader gave up)
+                    del self._waiting[key]
+                    old.close()
+            previous = self._waiting.pop(request, None)
+            if previous is not None:  # (a request id said twice: neither is trusted)
+                previous[0].close()
+                conn.close()
+                return
+            self._waiting[request] = (conn, now)
+            self._cond.notify_all()
+
+    def claim(self, request: bytes) -> socket.socket:
+        """The connection of the reader that made `request` (waiting for it a while)."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        with self._cond:
+            while request not in self._waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DirectUnavailable(
+                        f"the reader's connection for request {request.hex()} never came"
+                    )
+                self._cond.wait(left)
+            return self._waiting.pop(request)[0]
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._cond:
+            for conn, _ in self._waiting.values():
+                conn.close()
+            self._waiting.clear()
+
+
+def send(conn: socket.socket, wire: WireBatch) -> None:
+    """Send a wire batch's header and arrays (views of the segment: sent, not kept)."""
+    r = wire.request
+    arrays = [r.num_tokens, r.has_tokens, r.copies, *wire.routes, *wire.tokens]
+    if wire.missing is not None:
+        arrays.append(wire.missing)
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    header = json.dumps(
+        {
+            "layout": r.layout.to_json(),
+            "sample_ids": list(r.sample_ids),
+            "prompt_lens": list(r.prompt_lens),
+            "runs": [len(wire.routes), len(wire.tokens), wire.missing is not None],
+            "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
+        }
+    ).encode()
+    conn.sendall(LENGTH.pack(len(header)) + header)
+    for a in arrays:
+        if a.nbytes:
+            conn.sendall(memoryview(a.reshape(-1).view(np.uint8)))
+
+
+# -- the reader's side -------------------------------------------------------------------
+
+
+class DirectPull:
+    """One call's connection, read without blocking so that many are read at once."""
+
+    def __init__(self, address: tuple[str, int], secret: bytes, take: Callable[[int], Any]):
+        self.request = secrets.token_bytes(REQUEST_BYTES)
+        self._take = take  # the memory the arrays are received into
+        self._frames = self._parts()
+        self._frame, self._got = next(self._frames), 0
+        self.finished = False
+        self.progress = time.monotonic()
+        self.sock: socket.socket | None = None
+        try:  # (last: a stop anywhere in the making leaves no connection open)
+            self.sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+            self.sock.sendall(HELLO + secret + self.request)
+            self.sock.setblocking(False)
+        except BaseException:
+            if self.sock is not None:
+                self.sock.close()
+            raise
+
+    def _parts(self) -> Iterator[memoryview]:
+        """The memory each next part of the stream goes into; parses as it goes."""
+        head = bytearray(LENGTH.size)
+        yield memoryview(head)
+        (length,) = LENGTH.unpack(head)
+        if length > MAX_HEADER_BYTES:
+            raise DirectUnavailable(f"a header of {length} bytes: not a routing_replay stream")
+        text = bytearray(length)
+        yield memoryview(text)
+        self._meta = meta = json.loads(text)
+        specs = [(np.dtype(d), tuple(int(n) for n in shape)) for d, shape in meta["arrays"]]
+        if any(dt.str not in ARRAY_DTYPES or min(shape, default=0) < 0 for dt, shape in specs):
+            raise DirectUnavailable(f"arrays {meta['arrays']!r}: not a wire batch's")
+        sizes = [dt.itemsize * math.prod(shape) for dt, shape in specs]
+        places = np.cumsum([0] + [-(-n // ALIGN) * ALIGN for n in sizes]).tolist()
+        buf = self._take(places[-1])
+        self._arrays = []
+        for (dt, shape), size, at in zip(specs, sizes, places, strict=False):
+            part = buf[at : at + size]
+            self._arrays.append(part.view(dt).reshape(shape))
+            if size:
+                yield memoryview(part)
+        done = bytearray(len(DONE))
+        yield memoryview(done)
+        if done != DONE:
+            raise DirectUnavailable("the stream did not end as a routing_replay stream ends")
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def readable(self) -> None:
+        """Take what the socket holds; `finished` once the stream ended with DONE."""
+        got = self.sock.recv_into(self._frame[self._got :])
+        if not got:
+            raise DirectUnavailable("the store actor closed the connection before DONE")
+        self._got += got
+        self.progress = time.monotonic()
+        while self._got == len(self._frame):
+            try:
+                self._frame, self._got = next(self._frames), 0
+            except StopIteration:
+                self.finished = True
+                return
+
+    def wire(self) -> WireBatch:
+        """The received wire batch (views of the reader's buffer)."""
+        meta, arrays = self._meta, self._arrays
+        runs, token_runs, has_missing = meta["runs"]
+        if len(arrays) != 3 + runs + token_runs + bool(has_missing):
+            raise DirectUnavailable("a header whose arrays do not add up")
+        num_tokens, has_tokens, copies = arrays[:3]
+        request = Request(
+            RoutingLayout.from_json(meta["layout"]),
+            meta["sample_ids"],
+            num_tokens,
+            meta["prompt_lens"],
+            has_tokens,
+            copies,
+        )
+        routes = arrays[3 : 3 + runs]
+        tokens = arrays[3 + runs : 3 + runs + token_runs]
+        return WireBatch(request, routes, tokens, arrays[-1] if has_missing else None)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def drain(pulls: list[DirectPull], check: Callable[[list[int]], list[int]]) -> list[int]:
+    """Read every pull's stream at once (none waits on another's). While some are unfinished,
+    `check(unfinished)` runs every POLL_S: it raises a call's error, and returns the pulls to
+    give up. Returns the indices of the pulls whose stream failed as a transport, or was
+    given up: the caller reads those through Ray."""
+    failed: list[int] = []
+    with selectors.DefaultSelector() as sel:
+        for i, pull in enumerate(pulls):
+            sel.register(pull.sock, selectors.EVENT_READ, i)
+        while sel.get_map():
+            events = sel.select(POLL_S)
+            for key, _ in events:
+                i = key.data
+                try:
+                    pulls[i].readable()
+                except (OSError, DirectUnavailable, ValueError, KeyError, TypeError):
+                    failed.append(i)  # (a broken stream, or one that is not ours)
+                    sel.unregister(key.fileobj)
+                    continue
+                if pulls[i].finished:
+                    sel.unregister(key.fileobj)
+            if not events:
+                for i in check([key.data for key in sel.get_map().values()]):
+                    failed.append(i)
+                    sel.unregister(pulls[i].sock)
+    return failed
+
+
+def stalled(pull: DirectPull) -> bool:
+    """Whether a pull whose call returned has waited too long for its bytes."""
+    return time.monotonic() - pull.progress > STALLED_S
+
+
+def connect(endpoint: tuple[str, int, bytes] | None, take: Callable[[int], Any]) -> Any:
+    """A pull on the actor's endpoint, or None if there is none or it cannot be reached."""
+    if endpoint is None or not enabled():
+        return None
+    host, port, secret = endpoint
+    try:
+        return DirectPull((host, port), secret, take)
+    except OSError:
+        return None

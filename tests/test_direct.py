@@ -1,0 +1,174 @@
+"""The direct read path's protocol (`routing_replay.ray.direct`) on real sockets and a real
+store, without Ray: what a reader builds is the store's own read, or nothing."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from routing_replay import PutRequest, RoutingLayout, RoutingStore
+from routing_replay.errors import ConcurrentReleaseError
+from routing_replay.ray import direct
+
+# 256 experts: ids stored in two bytes and narrowed to one on the wire, the marker listed apart
+LAYOUT = RoutingLayout(num_layers=3, top_k=2, num_experts=256)
+P = 8
+
+
+def fresh(n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.uint8)
+
+
+@pytest.fixture
+def store(name, tmp_path):
+    """A spilling store: a GRPO group (one prompt, shared pages), a spilled sample, a sample
+    with a missing row."""
+    rng = np.random.default_rng(0)
+    with RoutingStore.create(name, LAYOUT, 6 * P, page_tokens=P, spill_dir=tmp_path) as s:
+        prompt = LAYOUT.random_routes(rng, 2 * P, LAYOUT.dtype)
+        prompt_tokens = rng.integers(0, 1000, 2 * P, dtype=np.int32)
+        puts = []
+        for i in range(3):
+            routes = np.concatenate([prompt, LAYOUT.random_routes(rng, 5, LAYOUT.dtype)])
+            routes[-1] = LAYOUT.missing
+            tokens = np.concatenate([prompt_tokens, rng.integers(0, 1000, 5, dtype=np.int32)])
+            puts.append(PutRequest(f"g{i}", routes, prompt_len=2 * P, token_ids=tokens))
+        s.put("early", LAYOUT.random_routes(rng, 3 * P, LAYOUT.dtype))  # spilled by the group
+        refs = [s.put("early2", LAYOUT.random_routes(rng, P, LAYOUT.dtype))]
+        refs += s.put_many(puts)
+        assert s.stats().samples_spilled >= 1
+        yield s, [*refs, "early"]
+
+
+def serve(server: direct.DirectServer, store: RoutingStore, refs, request, after=None) -> list:
+    """A store actor's `read(request=...)`, in a thread: what it raised, once it ends."""
+    raised: list = []
+
+    def run() -> None:
+        try:
+            with server.claim(request) as conn:
+
+                def ship(wire):
+                    direct.send(conn, wire.narrowed())
+                    if after is not None:
+                        after()
+                    return 0
+
+                store.read_wire(refs, ship=ship)
+                conn.sendall(direct.DONE)
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    raised.append(thread)
+    return raised
+
+
+def test_a_direct_read_builds_exactly_the_stores_read(store):
+    s, refs = store
+    server = direct.DirectServer("127.0.0.1")
+    try:
+        pull = direct.connect((*server.address, server.secret), fresh)
+        done = serve(server, s, refs, pull.request)
+        assert direct.drain([pull], lambda waiting: []) == []
+        done[0].join()
+        assert done[1:] == []
+        assert pull.wire().batch().equals(s.read(refs))
+        pull.close()
+    finally:
+        server.close()
+
+
+def test_a_read_whose_check_fails_after_it_was_sent_gives_the_reader_nothing(store, name):
+    # The bytes went out, then the sample was released (a page may be reused under them):
+    # the actor sends no DONE, so the reader builds nothing from what it received.
+    s, refs = store
+    other = RoutingStore.attach(name)
+    server = direct.DirectServer("127.0.0.1")
+    try:
+        pull = direct.connect((*server.address, server.secret), fresh)
+        done = serve(server, s, refs, pull.request, after=lambda: other.release([refs[0]]))
+        assert direct.drain([pull], lambda waiting: []) == [0]  # failed: read it through Ray
+        done[0].join()
+        assert isinstance(done[1], ConcurrentReleaseError)
+        assert not pull.finished
+        pull.close()
+    finally:
+        server.close()
+        other.close()
+
+
+def test_a_stream_cut_at_every_byte_is_never_used(store):
+    """The store actor stopped (killed, its connection closed) after each byte it sent: the
+    reader reports the stream failed, every time; the whole stream builds the exact read."""
+    s, refs = store
+    a, b = socket.socketpair()
+    with a, b:
+        s.read_wire(refs, ship=lambda wire: direct.send(a, wire.narrowed()))
+        a.sendall(direct.DONE)
+        a.shutdown(socket.SHUT_WR)
+        stream = b"".join(iter(lambda: b.recv(1 << 16), b""))
+    cut = len(stream)
+    listener = socket.create_server(("127.0.0.1", 0))
+    hello = len(direct.HELLO) + direct.SECRET_BYTES + direct.REQUEST_BYTES
+
+    def send_cut() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test ended early
+                return
+            with conn:
+                conn.recv(hello, socket.MSG_WAITALL)
+                conn.sendall(stream[:cut])
+                if cut == len(stream):
+                    return
+
+    thread = threading.Thread(target=send_cut)
+    thread.start()
+    address = listener.getsockname()
+    try:
+        for cut in [*range(len(stream)), len(stream)]:  # (send_cut reads `cut`)
+            pull = direct.DirectPull(address, b"\0" * direct.SECRET_BYTES, fresh)
+            failed = direct.drain([pull], lambda waiting: [])
+            pull.close()
+            if cut < len(stream):
+                assert failed == [0] and not pull.finished, f"cut after byte {cut}"
+        assert failed == [] and pull.wire().batch().equals(s.read(refs))
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # (wakes its accept: a close alone does not)
+        thread.join()
+        listener.close()
+    assert len(stream) > 1000
+
+
+def test_connections_without_the_secret_or_a_call_are_closed(monkeypatch):
+    monkeypatch.setattr(direct, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(direct, "CLAIM_WAIT_S", 0.2)
+    server = direct.DirectServer("127.0.0.1")
+    try:
+        request = b"r" * direct.REQUEST_BYTES
+        for hello in (
+            direct.HELLO + b"x" * direct.SECRET_BYTES + request,  # a wrong secret
+            b"GET / HTTP/1.1\r\n\r\n",  # something else, that then waits
+            direct.HELLO[:4],
+        ):
+            with socket.create_connection(server.address) as c:
+                c.sendall(hello)
+                c.settimeout(5)
+                assert c.recv(1) == b""  # closed by the actor
+        with pytest.raises(direct.DirectUnavailable, match="never came"):
+            server.claim(request)  # (none of them was let in)
+        monkeypatch.setattr(direct, "UNCLAIMED_S", 0.0)
+        left = socket.create_connection(server.address)
+        left.sendall(direct.HELLO + server.secret + request)
+        assert direct.connect((*server.address, server.secret), fresh) is not None
+        left.settimeout(5)
+        assert left.recv(1) == b""  # unclaimed, and closed once another came
+        left.close()
+    finally:
+        server.close()
