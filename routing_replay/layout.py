@@ -18,6 +18,7 @@ from routing_replay.validate import MISSING, host_array, not_integer, out_of_ran
 
 # MISSING (-1) marks "no routing recorded here" in every signed view of routes (put input,
 # get output, torch tensors, replay input). In storage it becomes `layout.missing`.
+CHECK_CHUNK_BYTES = 1 << 22  # ids range-checked at a time: a chunk stays in the L3 cache
 
 
 @functools.cache
@@ -174,7 +175,13 @@ class RoutingLayout:
                 raise repeated(f"token {token}, MoE layer {layer}", ids.astype(np.int64), K)
 
     def _in_range(self, arr: np.ndarray) -> bool:
-        """Fast path: two reductions, no temporaries; False means "look closer"."""
+        """Fast path, chunk by chunk of the tokens (a chunk's second reduction reads it from
+        cache, and only chunks holding the marker need one: an engine's last row); no
+        temporaries. False means "look closer"."""
+        rows = max(1, CHECK_CHUNK_BYTES // max(1, arr[0].nbytes))
+        return all(self._chunk_in_range(arr[a : a + rows]) for a in range(0, len(arr), rows))
+
+    def _chunk_in_range(self, arr: np.ndarray) -> bool:
         if arr.dtype == self.dtype:
             # Engines hand over narrow ids already (vLLM: uint8), the marker is the dtype
             # max; read as signed it is -1, like every other input.

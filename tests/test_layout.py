@@ -426,3 +426,27 @@ def _router_layers(model: torch.nn.Module) -> list[int]:
     """Layer indices of a model's routers (classes named like DeepseekV3TopkRouter)."""
     names = [n for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
     return [int(n.split("layers.")[1].split(".")[0]) for n in names]
+
+
+@pytest.mark.parametrize(
+    ("experts", "dtype", "marker"),
+    [(128, "uint8", 255), (256, "uint16", 65535), (256, "int32", -1), (64, "int64", -1)],
+)
+def test_an_id_out_of_range_is_found_in_any_chunk_of_the_check(experts, dtype, marker, monkeypatch):
+    # The range check runs chunk by chunk of the tokens (a chunk stays in cache): a bad id
+    # in the first, a middle or the last chunk is found, with or without the marker near it.
+    from routing_replay import layout as layout_module
+
+    monkeypatch.setattr(layout_module, "CHECK_CHUNK_BYTES", 3 * 2 * 2 * np.dtype(dtype).itemsize)
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=experts)
+    routes = layout.random_routes(np.random.default_rng(0), 50, np.dtype(dtype))
+    routes[-1] = marker  # an engine's last row
+    layout.check_ids(routes)
+    for token in (0, 1, 25, 48, 49):
+        for value in (experts, *((-2,) if marker == -1 else ())):
+            bad = routes.copy()
+            bad[token, 1, 0] = value
+            with pytest.raises(
+                InvalidRoutesError, match=rf"expert id {value} at token {token}, MoE"
+            ):
+                layout.check_ids(bad)
