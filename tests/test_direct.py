@@ -3,8 +3,12 @@ store, without Ray: what a reader builds is the store's own read, or nothing."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import resource
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -43,8 +47,8 @@ def store(name, tmp_path):
         yield s, [*refs, "early"]
 
 
-def serve(server: direct.DirectServer, store: RoutingStore, refs, request, after=None) -> list:
-    """A store actor's `read(request=...)`, in a thread: what it raised, once it ends."""
+def serve(server: direct.DirectServer, store: RoutingStore, refs, request, after=None):
+    """A store actor's `read(request=...)`, in a thread: the thread, and what it raised."""
     raised: list = []
 
     def run() -> None:
@@ -64,8 +68,7 @@ def serve(server: direct.DirectServer, store: RoutingStore, refs, request, after
 
     thread = threading.Thread(target=run)
     thread.start()
-    raised.append(thread)
-    return raised
+    return thread, raised
 
 
 def test_a_direct_read_builds_exactly_the_stores_read(store):
@@ -73,10 +76,10 @@ def test_a_direct_read_builds_exactly_the_stores_read(store):
     server = direct.DirectServer("127.0.0.1")
     try:
         pull = direct.connect((*server.address, server.secret), fresh)
-        done = serve(server, s, refs, pull.request)
+        thread, raised = serve(server, s, refs, pull.request)
         assert direct.drain([pull], lambda waiting: []) == []
-        done[0].join()
-        assert done[1:] == []
+        thread.join()
+        assert raised == []
         assert pull.wire().batch().equals(s.read(refs))
         pull.close()
     finally:
@@ -91,10 +94,12 @@ def test_a_read_whose_check_fails_after_it_was_sent_gives_the_reader_nothing(sto
     server = direct.DirectServer("127.0.0.1")
     try:
         pull = direct.connect((*server.address, server.secret), fresh)
-        done = serve(server, s, refs, pull.request, after=lambda: other.release([refs[0]]))
+        thread, raised = serve(
+            server, s, refs, pull.request, after=lambda: other.release([refs[0]])
+        )
         assert direct.drain([pull], lambda waiting: []) == [0]  # failed: read it through Ray
-        done[0].join()
-        assert isinstance(done[1], ConcurrentReleaseError)
+        thread.join()
+        assert len(raised) == 1 and isinstance(raised[0], ConcurrentReleaseError)
         assert not pull.finished
         pull.close()
     finally:
@@ -161,6 +166,17 @@ def test_connections_without_the_secret_or_a_call_are_closed(monkeypatch):
                 c.sendall(hello)
                 c.settimeout(5)
                 assert c.recv(1) == b""  # closed by the actor
+        with socket.create_connection(server.address) as slow:  # a byte at a time: the
+            slow.settimeout(5)  # deadline is the whole hello's (before: each byte's)
+            hello, closed_after = direct.HELLO + server.secret + request, None
+            for i, byte in enumerate(hello):
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:
+                    closed_after = i
+                    break
+                time.sleep(0.05)
+            assert closed_after is not None and closed_after < len(hello) // 2, closed_after
         with pytest.raises(direct.DirectUnavailable, match="never came"):
             server.claim(request)  # (none of them was let in)
         monkeypatch.setattr(direct, "UNCLAIMED_S", 0.0)
@@ -172,3 +188,40 @@ def test_connections_without_the_secret_or_a_call_are_closed(monkeypatch):
         left.close()
     finally:
         server.close()
+
+
+def _serve_with_few_descriptors(conn) -> None:
+    """A DirectServer in a process left 6 free descriptors: sends its endpoint, lets a flood
+    of connections run it out of them, then claims one request and says whether it came."""
+    server = direct.DirectServer("127.0.0.1")
+    conn.send((*server.address, server.secret))
+    used = len(os.listdir("/proc/self/fd"))
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, limit))
+    request = conn.recv()  # (after the flood ended)
+    try:
+        server.claim(request)
+        conn.send("claimed")
+    except direct.DirectUnavailable as e:
+        conn.send(str(e))
+
+
+def test_a_server_run_out_of_descriptors_accepts_again_once_they_are_back():
+    # Before: the first accept() failing (EMFILE) ended the server's accept loop for good:
+    # every later direct read waited 10 s for a connection that was never accepted (52).
+    mine, theirs = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(target=_serve_with_few_descriptors, args=(theirs,))
+    child.start()
+    try:
+        host, port, secret = mine.recv()
+        flood = [socket.create_connection((host, port)) for _ in range(40)]  # past its limit
+        time.sleep(1)  # (each waits for its hello, holding a descriptor there)
+        for c in flood:
+            c.close()
+        pull = direct.connect((host, port, secret), fresh)
+        mine.send(pull.request)
+        assert mine.recv() == "claimed"
+        pull.close()
+    finally:
+        child.kill()
+        child.join()

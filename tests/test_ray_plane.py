@@ -11,9 +11,9 @@ import os
 import pickle
 import resource
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -206,20 +206,13 @@ class Reader:
         return release_refs(refs)
 
     def fetch_through(self, refs: list, how: str) -> tuple[list, list[str]]:
-        """fetch_batch over a direct connection ("direct"), through Ray's object store
-        ("ray": ROUTING_REPLAY_DIRECT=0), or with the store actor's port refused ("refused"):
-        the routes and the warnings."""
+        """fetch_batch over a direct connection ("direct") or through Ray's object store
+        ("ray": ROUTING_REPLAY_DIRECT=0): the routes and the warnings."""
         import warnings
 
-        from routing_replay.ray import direct, remote
+        from routing_replay.ray import direct
 
         os.environ[direct.ENV] = "0" if how == "ray" else "1"
-        if how == "refused":
-            closed = socket.create_server(("127.0.0.1", 0))
-            port = closed.getsockname()[1]
-            closed.close()
-            for key in {(r.store, r.node_id) for r in refs}:
-                remote._ENDPOINTS[key] = ("127.0.0.1", port, b"s" * direct.SECRET_BYTES)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -261,6 +254,19 @@ class Reader:
         finally:
             direct.DirectPull.__init__ = real_init
         return events, problems
+
+    def fetch_error_and_warnings(self, refs: list) -> tuple[str | None, list[str]]:
+        """fetch_batch's error ("Type: message", None if none) and its warnings."""
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fetch_batch(refs)
+                error = None
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        return error, [str(w.message) for w in caught]
 
     def fetch_stopped(self, refs: list, after: int) -> str:
         """A fetch_batch stopped by Ctrl-C after `after` receives on its connections."""
@@ -487,6 +493,7 @@ def test_store_actor_killed_and_restarted(cluster):
     local_reader = ray.remote(Reader).options(**on(other)).remote()
     old = ray.get(writer.put.remote([1, 2, 3]))
     old_segment = old[0].store
+    assert len(ray.get(reader.fetch.remote(old))) == 3  # (the reader knows the actor's port)
     ray.kill(store_actor(job, node_id=other))
     # Nothing serves the node's samples any more: a clear error, not a hang.
     with pytest.raises(StoreUnavailableError, match="lost"):
@@ -495,6 +502,10 @@ def test_store_actor_killed_and_restarted(cluster):
     new = ray.get(writer.put.remote([4, 5]))
     assert new[0].store != old_segment
     assert not os.path.exists(segment_path(old_segment))  # the dead one's segment is swept
+    # The dead actor's port refuses: the reader asks the new actor, which says "lost" (before:
+    # a warning blamed a firewall between the nodes, then the same error).
+    error, warned = ray.get(reader.fetch_error_and_warnings.remote(old))
+    assert error.startswith("StoreUnavailableError") and "lost" in error and warned == []
     for r in (reader, local_reader):  # remote (through the new actor) and local (shm)
         with pytest.raises(StoreUnavailableError, match="lost"):
             ray.get(r.fetch.remote(old))
@@ -768,10 +779,20 @@ def test_a_remote_read_goes_direct_and_reads_what_the_object_store_path_reads(cl
         stats = ray.get(actor.stats.remote())
         return stats["read_calls"], stats["direct_reads"], stats["bytes_served"]
 
+    events, problems = ray.get(reader.fetch_stopped_at_lines.remote(refs, 9))
+    assert events > 200 and not problems, problems
+    for after in (0, 1, 3):
+        assert ray.get(reader.fetch_stopped.remote(refs, after)) == "stopped"
+        got, _ = ray.get(reader.fetch_through.remote(refs, "direct"))
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g, w)
     served = []
     for how, direct_reads, warned in (("direct", 1, 0), ("ray", 0, 0), ("refused", 0, 1)):
+        if how == "refused":  # nothing reaches the actor's port (a firewall that rejects)
+            ray.get(actor.__ray_call__.remote(lambda self: self._direct.close()))
+            reader = ray.remote(Reader).options(**on(head)).remote()
         before = counters()
-        got, warnings = ray.get(reader.fetch_through.remote(refs, how))
+        got, warnings = ray.get(reader.fetch_through.remote(refs, "direct" if warned else how))
         for w, g in zip(want, got, strict=True):
             np.testing.assert_array_equal(g, w)
         calls, direct, nbytes = (a - b for a, b in zip(counters(), before, strict=True))
@@ -781,14 +802,45 @@ def test_a_remote_read_goes_direct_and_reads_what_the_object_store_path_reads(cl
     # The same wire form either way: each distinct stored token once (the prompt's too)
     distinct = 6 * 120 + 70 + 10 + 25 + 7
     assert served[0] == served[1] == served[2] > distinct * LAYOUT.bytes_per_token
-    reader = ray.remote(Reader).options(**on(head)).remote()  # (the other reads through Ray now)
-    events, problems = ray.get(reader.fetch_stopped_at_lines.remote(refs, 9))
-    assert events > 200 and not problems, problems
-    for after in (0, 1, 3):
-        assert ray.get(reader.fetch_stopped.remote(refs, after)) == "stopped"
-        got, _ = ray.get(reader.fetch_through.remote(refs, "direct"))
-        for w, g in zip(want, got, strict=True):
-            np.testing.assert_array_equal(g, w)
+    shutdown_node_stores(job)
+
+
+def test_a_direct_read_of_a_sample_spilled_under_it_reads_exact(cluster, tmp_path):
+    # Before: the store actor read again (the sample had moved to a spill file under the
+    # read) and wrote a second stream into the connection; the reader waited for the call
+    # while the actor waited for the reader: fetch_batch hung 300 s, then a raw error (52).
+    (other,) = set(cluster) - {ray.get_runtime_context().get_node_id()}  # (not this driver's)
+    job = f"t{uuid.uuid4().hex[:6]}"
+    big = 5_000_000  # 30 MB: more than the sockets hold, so the actor is still sending
+    writer = ray.remote(Writer).options(**on(other)).remote(job, 8_000_000, spill_dir=str(tmp_path))
+    (ref,) = ray.get(writer.put.remote([1], "x", big))
+    spilled: list = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "drain" and not spilled:
+            spilled.append(ray.get(writer.put.remote([2], "y", 4_000_000)))  # spills x
+            sys.settrace(None)
+
+    got: dict = {}
+
+    def read() -> None:
+        sys.settrace(tracer)
+        try:
+            got["batch"] = fetch_batch([ref])
+        except BaseException as e:
+            got["error"] = e
+        finally:
+            sys.settrace(None)
+
+    reading = threading.Thread(target=read, daemon=True)
+    reading.start()
+    reading.join(120)
+    assert not reading.is_alive(), "fetch_batch still waiting after 120 s"
+    assert spilled and "error" not in got, got
+    np.testing.assert_array_equal(_split(got["batch"])[0].numpy(), sample_routes(1, big))
+    (actor,) = store_actors(job).values()
+    stats = ray.get(actor.stats.remote())  # spilled under the read: read again through Ray
+    assert (stats["samples_spilled"], stats["read_calls"], stats["direct_reads"]) == (1, 1, 0)
     shutdown_node_stores(job)
 
 

@@ -239,12 +239,14 @@ class NodeStoreActor:
                     shipped.append(wire.nbytes)
                     if conn is None:
                         return ray.put(wire)
+                    if len(shipped) > 1:  # read again (a sample spilled under the first)
+                        raise direct.DirectUnavailable("the read went again: one stream each")
                     direct.send(conn, wire)
                     return wire.nbytes
 
             got = store.read_wire(refs, part=part, ranges=ranges, ship=ship)  # type: ignore[arg-type]
             if conn is not None:
-                conn.sendall(direct.DONE)
+                direct.done(conn)
         self._count(len(refs), shipped[-1], direct=conn is not None)
         return got
 

@@ -157,14 +157,14 @@ def fetch_batch(
     parts: list[tuple[list[int], pa.RecordBatch | WireBatch]] = []
     direct = out if len(groups) == 1 else None  # one store: its rows go straight into `out`
     with RECEIVE.lease() as take:  # (what direct reads receive: kept for the next call)
-        # Every remote read is in flight before the local ones run.
-        remote = RemoteReads(
-            [[refs[i] for i in piece] for piece in parts_at],
-            part,
-            [ranges_of(piece) for piece in parts_at],
-            take,
-        )
-        try:
+        remote = None
+        try:  # every remote read is in flight before the local ones run
+            remote = RemoteReads(
+                [[refs[i] for i in piece] for piece in parts_at],
+                part,
+                [ranges_of(piece) for piece in parts_at],
+                take,
+            )
             for store, indices in groups.items():
                 if local[store] is not None:
                     group = [refs[i] for i in indices]
@@ -174,7 +174,7 @@ def fetch_batch(
                     parts.append((indices, batch))
         finally:
             # Collected (or raised) even if a local read failed.
-            wires = remote.wires()
+            wires = remote.wires() if remote is not None else []
         parts += zip(parts_at, wires, strict=True)
         if len(parts) > 1:  # each row copied once, straight to its place (in `out` if given)
             batch = assemble(len(refs), parts, out)

@@ -18,6 +18,7 @@ One connection per call:
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import math
@@ -47,6 +48,8 @@ ARRAY_DTYPES = frozenset({"<i8", "|b1", "|u1", "<u2", "<i4"})  # what a wire bat
 ALIGN = 64  # each array's place in the reader's buffer
 CONNECT_TIMEOUT_S = 5.0  # a reader that cannot connect in this long reads through Ray
 HELLO_TIMEOUT_S = 5.0  # a connection that does not say who it is in this long is closed
+MAX_HELLOS = 64  # connections saying hello at once; more are closed at once (a flood)
+ACCEPT_RETRY_S = 0.05  # an accept that failed (no descriptors left) is tried again after
 CLAIM_WAIT_S = 10.0  # a call waits this long for its reader's connection
 UNCLAIMED_S = 60.0  # a connection no call claimed in this long is closed
 SEND_TIMEOUT_S = 300.0  # a reader that takes no bytes for this long is given up
@@ -64,10 +67,15 @@ class DirectUnavailable(RuntimeError):
     done again through Ray's object store. Not a store error: nothing about the samples."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
+def _recv_by(sock: socket.socket, n: int, seconds: float) -> bytes:
+    """n bytes, all of them within `seconds` (a peer sending a byte at a time gains nothing)."""
+    buf, deadline = bytearray(n), time.monotonic() + seconds
     view, got = memoryview(buf), 0
     while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("too slow")
+        sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("closed")
@@ -88,24 +96,35 @@ class DirectServer:
         self.address = (host, self._listener.getsockname()[1])
         self._waiting: dict[bytes, tuple[socket.socket, float]] = {}
         self._cond = threading.Condition()
+        self._hellos = threading.BoundedSemaphore(MAX_HELLOS)
+        self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="rr-direct").start()
 
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+            except OSError:  # out of descriptors, a connection reset while queued, ...
+                time.sleep(ACCEPT_RETRY_S)  # (until closed: then the loop ends)
+                continue
+            if not self._hellos.acquire(blocking=False):  # a flood: no thread for it
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+            except BaseException:
+                self._hellos.release()
+                conn.close()
 
     def _hello(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HELLO_TIMEOUT_S)
-            hello = _recv_exact(conn, len(HELLO) + SECRET_BYTES + REQUEST_BYTES)
+            hello = _recv_by(conn, len(HELLO) + SECRET_BYTES + REQUEST_BYTES, HELLO_TIMEOUT_S)
             conn.settimeout(SEND_TIMEOUT_S)
         except OSError:
             conn.close()
             return
+        finally:
+            self._hellos.release()
         secret, request = hello[len(HELLO) : -REQUEST_BYTES], hello[-REQUEST_BYTES:]
         if hello[: len(HELLO)] != HELLO or not hmac.compare_digest(secret, self.secret):
             conn.close()
@@ -138,6 +157,9 @@ class DirectServer:
             return self._waiting.pop(request)[0]
 
     def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # (wakes its accept: a close does not)
         self._listener.close()
         with self._cond:
             for conn, _ in self._waiting.values():
@@ -146,7 +168,23 @@ class DirectServer:
 
 
 def send(conn: socket.socket, wire: WireBatch) -> None:
-    """Send a wire batch's header and arrays (views of the segment: sent, not kept)."""
+    """Send a wire batch's header and arrays (views of the segment: sent, not kept); a
+    connection that fails is a transport's failure (`DirectUnavailable`)."""
+    try:
+        _send(conn, wire)
+    except OSError as e:
+        raise DirectUnavailable(f"the reader's connection failed: {e!r}") from None
+
+
+def done(conn: socket.socket) -> None:
+    """Say the read was checked: the reader may use what it received."""
+    try:
+        conn.sendall(DONE)
+    except OSError as e:
+        raise DirectUnavailable(f"the reader's connection failed: {e!r}") from None
+
+
+def _send(conn: socket.socket, wire: WireBatch) -> None:
     r = wire.request
     arrays = [r.num_tokens, r.has_tokens, r.copies, *wire.routes, *wire.tokens]
     if wire.missing is not None:
@@ -276,6 +314,7 @@ def drain(pulls: list[DirectPull], check: Callable[[list[int]], list[int]]) -> l
                 except (OSError, DirectUnavailable, ValueError, KeyError, TypeError):
                     failed.append(i)  # (a broken stream, or one that is not ours)
                     sel.unregister(key.fileobj)
+                    pulls[i].close()  # (its actor's send then fails at once, not in 300 s)
                     continue
                 if pulls[i].finished:
                     sel.unregister(key.fileobj)
@@ -283,6 +322,7 @@ def drain(pulls: list[DirectPull], check: Callable[[list[int]], list[int]]) -> l
                 for i in check([key.data for key in sel.get_map().values()]):
                     failed.append(i)
                     sel.unregister(pulls[i].sock)
+                    pulls[i].close()
     return failed
 
 

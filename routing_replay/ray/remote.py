@@ -25,6 +25,7 @@ REMOTE_PIECE_TOKENS = 1 << 16  # and tokens each call reads, at least
 RECEIVE_KEEP_BYTES = 512 << 20  # memory a reader keeps for the next direct reads' bytes
 RECEIVE = Scratch(RECEIVE_KEEP_BYTES)  # (fresh pages cost more than the bytes put in them)
 _ENDPOINTS: dict[tuple[str, str], tuple[str, int, bytes] | None] = {}  # by (store, node)
+MAX_ENDPOINTS = 1024  # endpoints cached at most (then asked again)
 
 
 def actor_for(group: list[RoutingRef]) -> Any:
@@ -91,7 +92,11 @@ class RemoteReads:
             for i, group in enumerate(groups):
                 self.pulls.append(direct.connect(endpoints[i], take))  # (one line: no stop
                 if self.pulls[i] is None and endpoints[i] is not None:  # between the two)
-                    _unreachable(group[0], endpoints[i])
+                    fresh = _ask_again(self._actors[i], group[0])  # (a restarted actor's?)
+                    if fresh is not None and fresh != endpoints[i]:
+                        self.pulls[i] = direct.connect(fresh, take)
+                    if self.pulls[i] is None and fresh is not None:
+                        _unreachable(group[0], fresh)
                 self.calls.append(self._call(i, self.pulls[i]))
         except BaseException:
             self.close()
@@ -118,9 +123,9 @@ class RemoteReads:
                     results([self.calls[i]], [self.groups[i]])  # (raises the call's error)
                     wires[i] = self.pulls[i].wire()  # type: ignore[union-attr]
                     continue
+                self.pulls[i].close()  # type: ignore[union-attr]  # (before its call ends)
                 with contextlib.suppress(direct.DirectUnavailable):
                     results([self.calls[i]], [self.groups[i]])  # a store error is raised
-                self.pulls[i].close()  # type: ignore[union-attr]
                 self.pulls[i] = None
                 self.calls[i] = self._call(i, None)  # the transport failed: through Ray
             through_ray = [i for i, w in enumerate(wires) if w is None]
@@ -194,6 +199,8 @@ def _endpoints(actors: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
 
     if not direct.enabled():
         return [None] * len(groups)
+    if len(_ENDPOINTS) > MAX_ENDPOINTS:  # (one per store incarnation ever read)
+        _ENDPOINTS.clear()
     keys = [(g[0].store, g[0].node_id) for g in groups]
     asked = {}
     for key, actor in zip(keys, actors, strict=True):
@@ -205,6 +212,19 @@ def _endpoints(actors: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
         except Exception:  # (an actor that died: its read says so)
             _ENDPOINTS[key] = None
     return [_ENDPOINTS[key] for key in keys]
+
+
+def _ask_again(actor: Any, ref: RoutingRef) -> tuple[str, int, bytes] | None:
+    """The store actor's endpoint now (a cached one could not be reached: the actor may have
+    been restarted since), cached; None if it has none or is gone."""
+    import ray
+
+    try:
+        endpoint = ray.get(actor.endpoint.remote())
+    except Exception:  # (gone: its read says so)
+        endpoint = None
+    _ENDPOINTS[ref.store, ref.node_id] = endpoint
+    return endpoint
 
 
 def _unreachable(ref: RoutingRef, endpoint: tuple[str, int, bytes]) -> None:
