@@ -151,6 +151,7 @@ def test_a_stream_cut_at_every_byte_is_never_used(store):
     assert len(stream) > 1000
 
 
+@pytest.mark.slow
 def test_connections_without_the_secret_or_a_call_are_closed(monkeypatch):
     monkeypatch.setattr(direct, "HELLO_TIMEOUT_S", 0.2)
     monkeypatch.setattr(direct, "CLAIM_WAIT_S", 0.2)
@@ -206,6 +207,7 @@ def _serve_with_few_descriptors(conn) -> None:
         conn.send(str(e))
 
 
+@pytest.mark.slow
 def test_a_server_run_out_of_descriptors_accepts_again_once_they_are_back():
     # Before: the first accept() failing (EMFILE) ended the server's accept loop for good:
     # every later direct read waited 10 s for a connection that was never accepted (52).
