@@ -123,7 +123,6 @@ class RemoteReads:
                     results([self.calls[i]], [self.groups[i]])  # (raises the call's error)
                     wires[i] = self.pulls[i].wire()  # type: ignore[union-attr]
                     continue
-                self.pulls[i].close()  # type: ignore[union-attr]  # (before its call ends)
                 with contextlib.suppress(direct.DirectUnavailable):
                     results([self.calls[i]], [self.groups[i]])  # a store error is raised
                 self.pulls[i] = None
