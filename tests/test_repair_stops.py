@@ -35,8 +35,8 @@ line per point (event index, file:line, function).
 
 Tiers. The call runs 440 line events from `commit-field` (events 39-329 in `repair` and
 what it calls), 390 from `commit-checksum` (39-279). The default tier stops at
-every STRIDE-th of repair's own events (8 stop points from `commit-field`, 7 from
-`commit-checksum`, for each way: about 2 s; the fast tier runs `commit-field`, the slow
+every STRIDE-th of repair's own events (5 stop points from `commit-field`, 4 from
+`commit-checksum`, for each way: about 1.3 s; the fast tier runs `commit-field`, the slow
 tier `commit-checksum` too), in the test's own process; the stress tier at every line
 repair runs, at its first run (162 and 154 lines, 632 stop points over both ways; the
 1,660 events of the whole calls were all tried once, with no failure). A stop point costs
@@ -69,7 +69,7 @@ FORK = mp.get_context("fork")
 LAYOUT = LAYOUTS[0]
 PUT_TIMEOUT = 1.0  # a wedged lock fails a check fast
 WAIT_S = 60.0  # longest wait for a child's next message
-STRIDE = 37  # the default tier stops at every STRIDE-th line event of repair's
+STRIDE = 58  # the default tier stops at every STRIDE-th line event of repair's
 TORN = ("commit-field", "commit-checksum")
 MODES = ("kill", "interrupt")
 # What `Spiller.finish` finds torn in each state: the checksum not yet the spilled one.

@@ -47,7 +47,7 @@ a check: 20-40 ms, in two lean `forkserver` workers that each count the events t
 (file, line) at its first and its second event: 1498, 1030 and 374 stop points for kill
 and interrupt; for nested, each line where a lock is held at its first event (532, 235,
 184): 6,755 in all. The default
-tier runs the spill scenario, every STRIDE-th of its stop points (17, 17 and 6): about 3 s.
+tier runs the spill scenario, every STRIDE-th of its stop points (10, 10 and 4): about 2 s.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ FORK = mp.get_context("fork")
 LEAN = mp.get_context("forkserver")  # workers forked from a process that imported little
 HELD = " [held]"  # marks a counted event where the call holds one of the handle's locks
 WAIT_S = 60.0  # longest wait for a child's next message
-STRIDE = 90  # the default tier stops at every STRIDE-th stop point of the stress tier
+STRIDE = 150  # the default tier stops at every STRIDE-th stop point of the stress tier
 
 # Sample id -> (tokens, prompt group or None, put with token ids). Samples of a group share
 # its 2-page prompt (routes and token ids), so their puts share its pages.

@@ -243,7 +243,7 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
             if not locked_at_fork:
                 held.enter_context(store._core.lock.held("test", time.monotonic() + 60))
             go.value = 1
-            time.sleep(0.5)
+            time.sleep(0.25)  # the child's put takes milliseconds once it may
             assert not done.value, "the child's put ran while the parent held the lock"
         p.join(timeout=20)
         if p.is_alive():  # deadlocked on a lock it inherited held
