@@ -288,10 +288,10 @@ def test_a_handle_attaching_at_each_line_of_another_pods_sweep_never_loses_its_d
     runs, and at each of its lines a handle of this pod attaches (another thread) and reads
     a spilled sample. Either the sweep keeps the directory (the handle holds it) or the
     handle finds it gone: never a handle that read the sample and then loses it."""
-    from routing_replay.store import spill
+    from routing_replay.store import spill_dirs
 
     spilled = TINY.random_routes(np.random.default_rng(3), 2 * P)
-    code, outcomes = spill.remove_spill_dir_if_unused.__code__, []
+    code, outcomes = spill_dirs.remove_spill_dir_if_unused.__code__, []
     for stop in range(40):
         store_name = f"{name}-{stop}"
         child = FORK.Process(target=_spill_and_exit, args=(store_name, str(tmp_path)))
@@ -460,9 +460,9 @@ def test_a_sweep_at_each_line_of_a_create_keeps_the_new_stores_dir(name, tmp_pat
     """Another process's sweep runs between any two lines of the code that makes a store's
     spill directory (here: from this thread, at each line event there): it never takes the
     new store's owner lock, so the create succeeds and its directory stays."""
-    from routing_replay.store import spill
+    from routing_replay.store import spill_dirs
 
-    code, swept = spill.make_spill_dir.__code__, []
+    code, swept = spill_dirs.make_spill_dir.__code__, []
 
     def tracer(frame, event, arg):
         if frame.f_code is not code:

@@ -30,7 +30,7 @@ from routing_replay.store.read import WireBatch
 from routing_replay.store.refs import Part, PutRequest, RoutingRef
 from routing_replay.store.routing_store import RoutingStore, StoreStats, default_node_id
 from routing_replay.store.samples import token_digest
-from routing_replay.store.spill import sweep_spill_dirs
+from routing_replay.store.spill_dirs import sweep_spill_dirs
 from routing_replay.store.sweep import StoreInfo, list_stores, sweep_stores
 
 __all__ = [

@@ -65,13 +65,12 @@ from routing_replay.store.refs import (
 )
 from routing_replay.store.repair import reclaim_dead
 from routing_replay.store.segment import Segment
-from routing_replay.store.spill import (
+from routing_replay.store.spill import page_file_bytes, spill_slots
+from routing_replay.store.spill_dirs import (
     budget_for,
     make_spill_dir,
-    page_file_bytes,
     remove_spill_dir,
     spill_root_of,
-    spill_slots,
     sweep_spill_dirs,
 )
 from routing_replay.store.tables import initialise, uid_on_node

@@ -27,7 +27,7 @@ from routing_replay.store.segment import (
     is_store_name,
     untrusted_reason,
 )
-from routing_replay.store.spill import remove_spill_dir_if_unused
+from routing_replay.store.spill_dirs import remove_spill_dir_if_unused
 from routing_replay.store.tables import header_info
 
 

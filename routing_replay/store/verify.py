@@ -16,7 +16,8 @@ from routing_replay.store.format import (
     PUBLISHED,
 )
 from routing_replay.store.segment import untrusted_reason
-from routing_replay.store.spill import FILE_MODE, file_bytes, spill_files, spill_name
+from routing_replay.store.spill import file_bytes, spill_files, spill_name
+from routing_replay.store.spill_dirs import FILE_MODE
 
 if TYPE_CHECKING:
     from routing_replay.store.core import StoreCore
