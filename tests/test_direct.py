@@ -3,6 +3,8 @@ store, without Ray: what a reader builds is the store's own read, or nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing as mp
 import os
 import resource
@@ -53,7 +55,7 @@ def serve(server: direct.DirectServer, store: RoutingStore, refs, request, after
 
     def run() -> None:
         try:
-            with server.claim(request) as conn:
+            with server.stream(request) as conn:
 
                 def ship(wire):
                     direct.send(conn, wire.narrowed())
@@ -227,3 +229,124 @@ def test_a_server_run_out_of_descriptors_accepts_again_once_they_are_back():
     finally:
         child.kill()
         child.join()
+
+
+def _waiting_for(server: direct.DirectServer, *requests: bytes) -> None:
+    """Until the server has taken each request's hello (its thread runs apart)."""
+    deadline = time.monotonic() + 5
+    while not all(r in server._waiting for r in requests):
+        assert time.monotonic() < deadline, "a hello never reached the server"
+        time.sleep(0.01)
+
+
+def test_a_pull_dropped_unclosed_closes_its_connection_at_once():
+    # Before: a pull's parser held the pull (a reference cycle), so a reader stopped before
+    # it closed its streams kept them open until a garbage collection (round 53).
+    server = direct.DirectServer("127.0.0.1")
+    gc.disable()
+    try:
+        pull = direct.connect((*server.address, server.secret), fresh)
+        _waiting_for(server, pull.request)
+        with server.claim(pull.request) as conn:
+            del pull
+            conn.settimeout(5)
+            assert conn.recv(1) == b""  # the reader's end is closed
+    finally:
+        gc.enable()
+        server.close()
+
+
+def test_a_reader_that_takes_no_bytes_frees_the_actors_thread(name, monkeypatch):
+    # Before: the actor's send waited up to 300 s for a reader that stopped taking bytes
+    # (a host gone, a process paused), holding one of the actor's threads (round 53).
+    monkeypatch.setattr(direct, "SEND_STALL_S", 0.3, raising=False)
+    layout = RoutingLayout(num_layers=48, top_k=8, num_experts=128)  # 384 B a token
+    with RoutingStore.create(name, layout, 1 << 17) as s:
+        ref = s.put("big", layout.random_routes(np.random.default_rng(0), 60_000, np.uint8))
+        server = direct.DirectServer("127.0.0.1")
+        try:
+            request = b"q" * direct.REQUEST_BYTES
+            with socket.socket() as reader:
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                reader.connect(server.address)
+                reader.sendall(direct.HELLO + server.secret + request)  # then reads nothing
+                thread, raised = serve(server, s, [ref], request)
+                thread.join(20)
+                assert not thread.is_alive(), "the send still waits for the reader"
+                assert [type(e) for e in raised] == [direct.DirectUnavailable]
+        finally:
+            server.close()
+
+
+def test_sends_past_the_cap_are_refused_at_once_and_their_reader_told(monkeypatch):
+    # However many readers stop taking bytes, they hold MAX_SENDS of the actor's threads at
+    # most: its other threads stay free for puts, stats and reads through Ray (round 53).
+    monkeypatch.setattr(direct, "MAX_SENDS", 2, raising=False)
+    server = direct.DirectServer("127.0.0.1")
+    try:
+        pulls = [direct.connect((*server.address, server.secret), fresh) for _ in range(3)]
+        _waiting_for(server, *(p.request for p in pulls))
+        with contextlib.ExitStack() as sending:
+            for pull in pulls[:2]:
+                sending.enter_context(server.stream(pull.request))
+            start = time.monotonic()
+            with pytest.raises(direct.DirectUnavailable, match="being sent already"):
+                sending.enter_context(server.stream(pulls[2].request))
+            assert time.monotonic() - start < 1
+
+            def not_told(waiting: list[int]) -> list[int]:
+                assert time.monotonic() < start + 5, "the refused read's stream never ended"
+                return []
+
+            assert direct.drain([pulls[2]], not_told) == [0]  # it ended: read through Ray
+        again = direct.connect((*server.address, server.secret), fresh)
+        _waiting_for(server, again.request)
+        with server.stream(again.request):
+            pass  # (the slots came back)
+        again.close()
+    finally:
+        for pull in pulls:
+            pull.close()
+        server.close()
+
+
+def _with_no_descriptor_free(endpoint, conn) -> None:
+    """In a child: what connect and drain do with no descriptor left for them."""
+    out = {}
+    pull = direct.connect(endpoint, fresh)  # (made while descriptors are left)
+    lowest_free = os.open(os.devnull, os.O_RDONLY)  # (the number a new descriptor takes)
+    os.close(lowest_free)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        direct.connect(endpoint, fresh)
+        out["connect"] = "connected"
+    except direct.DirectUnavailable as e:
+        out["connect"] = f"DirectUnavailable: {e}"
+    except BaseException as e:
+        out["connect"] = f"raw {type(e).__name__}"
+    for key, pulls in (("drain none", []), ("drain one", [pull])):
+        try:
+            out[key] = direct.drain(pulls, lambda waiting: [])
+        except BaseException as e:
+            out[key] = f"raw {type(e).__name__}"
+    conn.send(out)
+
+
+def test_a_reader_out_of_descriptors_reads_through_ray_and_blames_no_firewall():
+    # Before: connect called EMFILE "unreachable" (a firewall warning, and direct reads off
+    # for that store for good), and drain raised a raw OSError making its selector (round 53).
+    server = direct.DirectServer("127.0.0.1")
+    mine, theirs = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(
+        target=_with_no_descriptor_free, args=((*server.address, server.secret), theirs)
+    )
+    try:
+        child.start()
+        assert mine.poll(20)
+        out = mine.recv()
+        assert out["connect"].startswith("DirectUnavailable: no connection can be made here")
+        assert out["drain none"] == [] and out["drain one"] == [0]
+    finally:
+        child.join(10)
+        server.close()

@@ -519,3 +519,47 @@ def test_the_client_closes_a_dead_stores_handle_once_its_last_call_ends(name):
         if new is not None:
             new.close()
             new.unlink()
+
+
+def test_attached_stopped_at_each_line_leaves_nothing_that_blocks_another_thread(name):
+    """A Ctrl-C at each line of `client.attached` (every node_store and same-node read of a
+    process goes through it), with a dead store's mapping in the cache to close on the way:
+    another thread's call then answers, with the one live mapping. Before: a stop on the
+    exit of its `with` lock left the lock held, and every later call of the process waited
+    for good (round 53)."""
+    from line_stops import interrupted_at
+
+    from routing_replay.ray import client
+
+    def attach() -> RoutingStore:
+        return client.attached(name, LAYOUT)
+
+    def with_a_dead_mapping() -> None:
+        for cached in [n for n in client._attached if n.startswith(name)]:
+            client._close([client._attached.pop(cached)])
+        dead = RoutingStore.create(f"{name}-dead", LAYOUT, 64, page_tokens=8)
+        client.attached(dead.name, LAYOUT)
+        dead.close()
+        dead.unlink()
+
+    owner = RoutingStore.create(name, LAYOUT, 256, page_tokens=8)
+    try:
+        with_a_dead_mapping()
+        lines: list[str] = []
+        interrupted_at(0, attach, lines=lines)
+        stops = [n for n, line in enumerate(lines, 1) if line.startswith("ray/client.py")]
+        assert len(stops) > 10
+        for stop in stops:
+            with_a_dead_mapping()
+            interrupted_at(stop, attach)
+            got: list[RoutingStore] = []
+            other = threading.Thread(target=lambda got=got: got.append(attach()), daemon=True)
+            other.start()
+            other.join(10)
+            assert not other.is_alive(), f"stop at {lines[stop - 1]}: another thread waits"
+            assert got[0] is client._attached[name] and got[0].stats().samples == 0
+            assert f"{name}-dead" not in client._attached
+    finally:
+        for cached in [n for n in client._attached if n.startswith(name)]:
+            client._close([client._attached.pop(cached)])
+        owner.close()

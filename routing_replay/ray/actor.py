@@ -226,10 +226,14 @@ class NodeStoreActor:
         releases once its whole batch was read (`release`)."""
         import ray
 
-        if request is not None and self._direct is None:
+        server = self._direct
+        if request is None:
+            streaming: Any = contextlib.nullcontext()
+        elif server is None:
             raise direct.DirectUnavailable("this store actor serves no direct reads")
-        conn = None if request is None else self._direct.claim(request)  # type: ignore[union-attr]
-        with conn or contextlib.nullcontext():
+        else:
+            streaming = server.stream(request)  # (one of its send slots, or DirectUnavailable)
+        with streaming as conn:
             store = self._holding(refs)
             shipped: list[int] = []
 

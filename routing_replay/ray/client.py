@@ -9,7 +9,6 @@ instead of staying mapped, deleted, for the life of the process.
 
 from __future__ import annotations
 
-import threading
 import time
 
 from routing_replay.errors import LayoutMismatchError, StoreBusyError, StoreUnavailableError
@@ -20,7 +19,6 @@ from routing_replay.store import RoutingStore
 
 _attached: dict[str, RoutingStore] = {}  # this process's mappings, by store name
 _closing: list[RoutingStore] = []  # dead stores whose close must wait for a view to go
-_attached_lock = threading.Lock()
 
 
 def node_store(
@@ -53,31 +51,42 @@ def node_store(
 
 def attached(name: str, layout: RoutingLayout | None = None) -> RoutingStore:
     """This process's mapping of the live store `name`, attaching (once) if needed; every
-    mapping of a store that is gone is closed on the way."""
-    with _attached_lock:
-        _close_dead()
-        store = _attached.get(name)
-        if store is None:
-            store = RoutingStore.attach(name, layout)
-            if not _is_live(store):
-                _close([store])
-                raise StoreUnavailableError(
-                    f"store {name!r}: its owner process is dead (the node's store actor "
-                    "died); its samples are lost"
-                )
-            _attached[name] = store
+    mapping of a store that is gone is closed on the way. Lock-free: a Ctrl-C anywhere in
+    here leaves nothing that blocks the process's next call (a thread lock would stay held
+    if the stop fell on its release)."""
+    _close_dead()
+    store = _attached.get(name)
+    if store is None:
+        new = RoutingStore.attach(name, layout)
+        if not _is_live(new):
+            _close([new])
+            raise StoreUnavailableError(
+                f"store {name!r}: its owner process is dead (the node's store actor "
+                "died); its samples are lost"
+            )
+        store = _attached.setdefault(name, new)  # (one mapping per store, whoever is first)
+        if store is not new:
+            _close([new])  # another thread attached it meanwhile
     if layout is not None and layout != store.layout:
         raise LayoutMismatchError(f"store {name!r} holds routes for {store.layout}, not {layout}")
     return store
 
 
 def _close_dead() -> None:
-    """Unmap every cached store whose incarnation is gone (under `_attached_lock`)."""
+    """Unmap every cached store whose incarnation is gone. Names are per incarnation, so a
+    name that maps to a dead store never maps to a live one; each dead mapping is taken out
+    (`pop`) by one thread only, and each waiting close by the thread that popped it."""
     for name, store in list(_attached.items()):
         if not _is_live(store):
-            del _attached[name]
-            _closing.append(store)
-    _closing[:] = _close(_closing)
+            gone = _attached.pop(name, None)
+            if gone is not None:
+                _closing.append(gone)
+    for _ in range(len(_closing)):
+        try:
+            store = _closing.pop(0)
+        except IndexError:  # (another thread took the rest)
+            break
+        _closing.extend(_close([store]))
 
 
 def _close(stores: list[RoutingStore]) -> list[RoutingStore]:

@@ -19,6 +19,7 @@ One connection per call:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
 import math
@@ -52,7 +53,14 @@ MAX_HELLOS = 64  # connections saying hello at once; more are closed at once (a 
 ACCEPT_RETRY_S = 0.05  # an accept that failed (no descriptors left) is tried again after
 CLAIM_WAIT_S = 10.0  # a call waits this long for its reader's connection
 UNCLAIMED_S = 60.0  # a connection no call claimed in this long is closed
-SEND_TIMEOUT_S = 300.0  # a reader that takes no bytes for this long is given up
+SWEEP_EVERY_S = 5.0  # how often the server looks for such connections
+SEND_CHUNK_BYTES = 4 << 20  # sent at a time: a reader that takes none of it in
+SEND_STALL_S = 30.0  # this long is given up (its read then goes through Ray)
+MAX_SENDS = 12  # streams an actor sends at once (of its 16 threads); more go through Ray:
+# threads stay free for puts, stats and Ray-path reads however many readers stop taking bytes
+LOCAL_ERRNOS = frozenset(  # a connect that fails for want of something here, not there
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL}
+)
 POLL_S = 0.2  # a reader waiting on its connections looks at its calls this often
 STALLED_S = 30.0  # a call that returned, its stream silent this long: read through Ray
 
@@ -97,6 +105,8 @@ class DirectServer:
         self._waiting: dict[bytes, tuple[socket.socket, float]] = {}
         self._cond = threading.Condition()
         self._hellos = threading.BoundedSemaphore(MAX_HELLOS)
+        self._sends = threading.BoundedSemaphore(MAX_SENDS)
+        self._listener.settimeout(SWEEP_EVERY_S)  # (an idle accept wakes up to sweep)
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="rr-direct").start()
 
@@ -104,6 +114,9 @@ class DirectServer:
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                self._sweep()
+                continue
             except OSError:  # out of descriptors, a connection reset while queued, ...
                 time.sleep(ACCEPT_RETRY_S)  # (until closed: then the loop ends)
                 continue
@@ -119,7 +132,7 @@ class DirectServer:
     def _hello(self, conn: socket.socket) -> None:
         try:
             hello = _recv_by(conn, len(HELLO) + SECRET_BYTES + REQUEST_BYTES, HELLO_TIMEOUT_S)
-            conn.settimeout(SEND_TIMEOUT_S)
+            conn.settimeout(SEND_STALL_S)  # (each send is of SEND_CHUNK_BYTES at most)
         except OSError:
             conn.close()
             return
@@ -129,19 +142,41 @@ class DirectServer:
         if hello[: len(HELLO)] != HELLO or not hmac.compare_digest(secret, self.secret):
             conn.close()
             return
-        now = time.monotonic()
+        self._sweep()
         with self._cond:
-            for key, (old, since) in list(self._waiting.items()):
-                if now - since > UNCLAIMED_S:  # its call never came (its reader gave up)
-                    del self._waiting[key]
-                    old.close()
             previous = self._waiting.pop(request, None)
             if previous is not None:  # (a request id said twice: neither is trusted)
                 previous[0].close()
                 conn.close()
                 return
-            self._waiting[request] = (conn, now)
+            self._waiting[request] = (conn, time.monotonic())
             self._cond.notify_all()
+
+    def _sweep(self) -> None:
+        """Close the connections whose call never came (their reader stopped or gave up)."""
+        now = time.monotonic()
+        with self._cond:
+            for key, (old, since) in list(self._waiting.items()):
+                if now - since > UNCLAIMED_S:
+                    del self._waiting[key]
+                    old.close()
+
+    @contextlib.contextmanager
+    def stream(self, request: bytes) -> Iterator[socket.socket]:
+        """The connection of the reader that made `request`, holding one of MAX_SENDS send
+        slots until the `with` ends; `DirectUnavailable` if none is free (the reader reads
+        through Ray instead) or the connection never came."""
+        if not self._sends.acquire(blocking=False):
+            with self._cond:  # (its reader sees the stream end and reads through Ray)
+                waiting = self._waiting.pop(request, None)
+            if waiting is not None:
+                waiting[0].close()
+            raise DirectUnavailable(f"{MAX_SENDS} direct reads are being sent already")
+        try:
+            with self.claim(request) as conn:
+                yield conn
+        finally:
+            self._sends.release()
 
     def claim(self, request: bytes) -> socket.socket:
         """The connection of the reader that made `request` (waiting for it a while)."""
@@ -201,8 +236,9 @@ def _send(conn: socket.socket, wire: WireBatch) -> None:
     ).encode()
     conn.sendall(LENGTH.pack(len(header)) + header)
     for a in arrays:
-        if a.nbytes:
-            conn.sendall(memoryview(a.reshape(-1).view(np.uint8)))
+        data = memoryview(a.reshape(-1).view(np.uint8))
+        for at in range(0, len(data), SEND_CHUNK_BYTES):  # (the timeout is per sendall)
+            conn.sendall(data[at : at + SEND_CHUNK_BYTES])
 
 
 # -- the reader's side -------------------------------------------------------------------
@@ -213,9 +249,9 @@ class DirectPull:
 
     def __init__(self, address: tuple[str, int], secret: bytes, take: Callable[[int], Any]):
         self.request = secrets.token_bytes(REQUEST_BYTES)
-        self._take = take  # the memory the arrays are received into
-        self._frames = self._parts()
-        self._frame, self._got = next(self._frames), 0
+        self._parsed: dict[str, Any] = {}  # the header and the arrays, as `_parts` reads them
+        self._frames = _parts(take, self._parsed)  # (holds no `self`: nothing keeps a pull,
+        self._frame, self._got = next(self._frames), 0  # and its socket, from its refcount)
         self.finished = False
         self.progress = time.monotonic()
         self.sock: socket.socket | None = None
@@ -227,33 +263,6 @@ class DirectPull:
             if self.sock is not None:
                 self.sock.close()
             raise
-
-    def _parts(self) -> Iterator[memoryview]:
-        """The memory each next part of the stream goes into; parses as it goes."""
-        head = bytearray(LENGTH.size)
-        yield memoryview(head)
-        (length,) = LENGTH.unpack(head)
-        if length > MAX_HEADER_BYTES:
-            raise DirectUnavailable(f"a header of {length} bytes: not a routing_replay stream")
-        text = bytearray(length)
-        yield memoryview(text)
-        self._meta = meta = json.loads(text)
-        specs = [(np.dtype(d), tuple(int(n) for n in shape)) for d, shape in meta["arrays"]]
-        if any(dt.str not in ARRAY_DTYPES or min(shape, default=0) < 0 for dt, shape in specs):
-            raise DirectUnavailable(f"arrays {meta['arrays']!r}: not a wire batch's")
-        sizes = [dt.itemsize * math.prod(shape) for dt, shape in specs]
-        places = np.cumsum([0] + [-(-n // ALIGN) * ALIGN for n in sizes]).tolist()
-        buf = self._take(places[-1])
-        self._arrays = []
-        for (dt, shape), size, at in zip(specs, sizes, places, strict=False):
-            part = buf[at : at + size]
-            self._arrays.append(part.view(dt).reshape(shape))
-            if size:
-                yield memoryview(part)
-        done = bytearray(len(DONE))
-        yield memoryview(done)
-        if done != DONE:
-            raise DirectUnavailable("the stream did not end as a routing_replay stream ends")
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -274,7 +283,7 @@ class DirectPull:
 
     def wire(self) -> WireBatch:
         """The received wire batch (views of the reader's buffer)."""
-        meta, arrays = self._meta, self._arrays
+        meta, arrays = self._parsed["meta"], self._parsed["arrays"]
         runs, token_runs, has_missing = meta["runs"]
         if len(arrays) != 3 + runs + token_runs + bool(has_missing):
             raise DirectUnavailable("a header whose arrays do not add up")
@@ -292,8 +301,40 @@ class DirectPull:
         return WireBatch(request, routes, tokens, arrays[-1] if has_missing else None)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
+        sock = getattr(self, "sock", None)  # (a pull cut short while being made has none)
+        if sock is not None:
+            sock.close()
+
+    __del__ = close  # a pull dropped unclosed (a stop between its making and its keeping)
+
+
+def _parts(take: Callable[[int], Any], parsed: dict[str, Any]) -> Iterator[memoryview]:
+    """The memory each next part of a stream goes into; parses as it goes, into `parsed`
+    (the header as "meta", the arrays, views of `take`'s memory, as "arrays")."""
+    head = bytearray(LENGTH.size)
+    yield memoryview(head)
+    (length,) = LENGTH.unpack(head)
+    if length > MAX_HEADER_BYTES:
+        raise DirectUnavailable(f"a header of {length} bytes: not a routing_replay stream")
+    text = bytearray(length)
+    yield memoryview(text)
+    parsed["meta"] = meta = json.loads(text)
+    specs = [(np.dtype(d), tuple(int(n) for n in shape)) for d, shape in meta["arrays"]]
+    if any(dt.str not in ARRAY_DTYPES or min(shape, default=0) < 0 for dt, shape in specs):
+        raise DirectUnavailable(f"arrays {meta['arrays']!r}: not a wire batch's")
+    sizes = [dt.itemsize * math.prod(shape) for dt, shape in specs]
+    places = np.cumsum([0] + [-(-n // ALIGN) * ALIGN for n in sizes]).tolist()
+    buf = take(places[-1])
+    parsed["arrays"] = arrays = []
+    for (dt, shape), size, at in zip(specs, sizes, places, strict=False):
+        part = buf[at : at + size]
+        arrays.append(part.view(dt).reshape(shape))
+        if size:
+            yield memoryview(part)
+    done = bytearray(len(DONE))
+    yield memoryview(done)
+    if done != DONE:
+        raise DirectUnavailable("the stream did not end as a routing_replay stream ends")
 
 
 def drain(pulls: list[DirectPull], check: Callable[[list[int]], list[int]]) -> list[int]:
@@ -302,7 +343,15 @@ def drain(pulls: list[DirectPull], check: Callable[[list[int]], list[int]]) -> l
     give up. Returns the indices of the pulls whose stream failed as a transport, or was
     given up: the caller reads those through Ray."""
     failed: list[int] = []
-    with selectors.DefaultSelector() as sel:
+    if not pulls:
+        return failed
+    try:
+        sel = selectors.DefaultSelector()
+    except OSError:  # (no descriptor left for it: every read goes through Ray)
+        for pull in pulls:
+            pull.close()
+        return list(range(len(pulls)))
+    with sel:
         for i, pull in enumerate(pulls):
             sel.register(pull.sock, selectors.EVENT_READ, i)
         while sel.get_map():
@@ -332,11 +381,15 @@ def stalled(pull: DirectPull) -> bool:
 
 
 def connect(endpoint: tuple[str, int, bytes] | None, take: Callable[[int], Any]) -> Any:
-    """A pull on the actor's endpoint, or None if there is none or it cannot be reached."""
+    """A pull on the actor's endpoint, or None if there is none or it cannot be reached;
+    `DirectUnavailable` if this process lacks what a connection takes (descriptors, ports,
+    memory): that says nothing about the actor."""
     if endpoint is None:  # (none, or `enabled()` false: `remote._endpoints`)
         return None
     host, port, secret = endpoint
     try:
         return DirectPull((host, port), secret, take)
-    except OSError:
+    except OSError as e:
+        if e.errno in LOCAL_ERRNOS:
+            raise DirectUnavailable(f"no connection can be made here: {e!r}") from None
         return None

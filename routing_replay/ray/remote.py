@@ -9,6 +9,7 @@ come. Ray is imported inside the functions.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,10 @@ REMOTE_PIECE_TOKENS = 1 << 16  # and tokens each call reads, at least
 RECEIVE_KEEP_BYTES = 512 << 20  # memory a reader keeps for the next direct reads' bytes
 RECEIVE = Scratch(RECEIVE_KEEP_BYTES)  # (fresh pages cost more than the bytes put in them)
 _ENDPOINTS: dict[tuple[str, str], tuple[str, int, bytes] | None] = {}  # by (store, node)
+_UNREACHABLE: dict[tuple[str, str], float] = {}  # when to try a port that failed again
 MAX_ENDPOINTS = 1024  # endpoints cached at most (then asked again)
+RETRY_UNREACHABLE_S = 60.0  # a port that could not be reached is tried again after this
+_SAID: set[tuple[str, str]] = set()  # stores whose unreachable port was warned of
 
 
 def actor_for(group: list[RoutingRef]) -> Any:
@@ -89,18 +93,31 @@ class RemoteReads:
         self.pulls: list[direct.DirectPull | None] = []
         try:
             endpoints = _endpoints(self._actors, groups)
-            for i, group in enumerate(groups):
-                self.pulls.append(direct.connect(endpoints[i], take))  # (one line: no stop
-                if self.pulls[i] is None and endpoints[i] is not None:  # between the two)
-                    fresh = _ask_again(self._actors[i], group[0])  # (a restarted actor's?)
-                    if fresh is not None and fresh != endpoints[i]:
-                        self.pulls[i] = direct.connect(fresh, take)
-                    if self.pulls[i] is None and fresh is not None:
-                        _unreachable(group[0], fresh)
+            for i in range(len(groups)):
+                self.pulls.append(None)
+                self.pulls[i] = self._connect(i, endpoints[i], take)
                 self.calls.append(self._call(i, self.pulls[i]))
         except BaseException:
             self.close()
             raise
+
+    def _connect(
+        self, i: int, endpoint: Any, take: Callable[[int], Any]
+    ) -> direct.DirectPull | None:
+        """A pull on the store actor's endpoint; None: read through Ray (no endpoint, this
+        process out of descriptors, or the port unreachable, which is said once)."""
+        actor, ref = self._actors[i], self.groups[i][0]
+        try:
+            pull = direct.connect(endpoint, take)
+            if pull is None and endpoint is not None:
+                fresh = _ask_again(actor, ref)  # (a restarted actor's new port?)
+                if fresh is not None and fresh != endpoint:
+                    pull = direct.connect(fresh, take)
+                if pull is None and fresh is not None:
+                    _unreachable(ref, fresh)
+        except direct.DirectUnavailable:  # (short of descriptors here: says nothing of there)
+            return None
+        return pull
 
     def _call(self, i: int, pull: direct.DirectPull | None) -> Any:
         actor, group = self._actors[i], self.groups[i]
@@ -112,9 +129,9 @@ class RemoteReads:
     def wires(self) -> list[WireBatch]:
         """Every read's wire batch, in order; a read whose direct stream failed as a transport
         is done again through Ray's object store."""
-        import ray
+        try:  # (first: a stop anywhere after this closes every connection)
+            import ray
 
-        try:
             direct_at = [i for i, p in enumerate(self.pulls) if p is not None]
             failed = direct.drain([self.pulls[i] for i in direct_at], self._check(direct_at))
             wires: list[Any] = [None] * len(self.groups)
@@ -200,7 +217,13 @@ def _endpoints(actors: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
         return [None] * len(groups)
     if len(_ENDPOINTS) > MAX_ENDPOINTS:  # (one per store incarnation ever read)
         _ENDPOINTS.clear()
+        _UNREACHABLE.clear()
     keys = [(g[0].store, g[0].node_id) for g in groups]
+    now = time.monotonic()
+    for key in keys:  # (a port that failed a while ago: ask and try again)
+        if _UNREACHABLE.get(key, now) < now:
+            _ENDPOINTS.pop(key, None)
+            _UNREACHABLE.pop(key, None)
     asked = {}
     for key, actor in zip(keys, actors, strict=True):
         if key not in _ENDPOINTS and key not in asked:
@@ -227,13 +250,21 @@ def _ask_again(actor: Any, ref: RoutingRef) -> tuple[str, int, bytes] | None:
 
 
 def _unreachable(ref: RoutingRef, endpoint: tuple[str, int, bytes]) -> None:
-    """A store actor this process cannot connect to: its reads go through Ray from now on."""
-    _ENDPOINTS[ref.store, ref.node_id] = None
+    """A store actor this process cannot connect to: its reads go through Ray for a while
+    (RETRY_UNREACHABLE_S), then the port is tried again; said once per store."""
+    key = ref.store, ref.node_id
+    _ENDPOINTS[key] = None
+    _UNREACHABLE[key] = time.monotonic() + RETRY_UNREACHABLE_S
+    if key in _SAID:
+        return
+    if len(_SAID) > MAX_ENDPOINTS:
+        _SAID.clear()
+    _SAID.add(key)
     warnings.warn(
         f"cannot connect to the store actor of {ref.store!r} at {endpoint[0]}:{endpoint[1]} "
         f"(a firewall between nodes?): its samples are read through Ray's object store, "
         f"more slowly. Open that port range between nodes, or set "
         f"{direct.ENV}=0 to silence this",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
