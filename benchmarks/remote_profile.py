@@ -1,5 +1,6 @@
-"""The two-node read in phases: the writer's put, the store actor's call, the pull of what
-it shipped, the rebuild into the reader's reused memory; then Ray's own transfer of as many
+"""The two-node read: `fetch_batch` as a trainer calls it (over the direct connection to the
+store actor), then the Ray path in phases (the store actor's call, the pull of what it
+shipped, the rebuild into the reader's reused memory), then Ray's own transfer of as many
 bytes in as many objects, the floor of any path through Ray's object store.
 
     python benchmarks/remote_profile.py deepseek-v3 grpo     # or qwen3-30b-a3b, long
@@ -59,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    from routing_replay.ray import release_refs, shutdown_node_stores, store_actor
+    from routing_replay.ray import fetch_batch, release_refs, shutdown_node_stores, store_actor
     from routing_replay.ray.remote import REMOTE_PIECES
 
     layout = layout_of_model(args.model)
@@ -67,7 +68,7 @@ def main() -> None:
     job = f"prof{uuid.uuid4().hex[:6]}"
     try:
         writer = cluster.actor(Writer, cluster.nodes[1], job, args.model, args.kind)
-        out, totals = None, []
+        out, totals, directs = None, [], []
         for step in range(args.steps):
             tp = time.perf_counter()
             refs = ray.get(writer.put.remote(step))
@@ -76,6 +77,11 @@ def main() -> None:
             if out is None:  # a trainer's reused output (step 0 pays its page faults)
                 out = np.empty(tokens * layout.bytes_per_token, dtype=np.uint8)
             actor = store_actor(job, node_id=cluster.nodes[1])
+            before = ray.get(actor.stats.remote())["direct_reads"]
+            td = time.perf_counter()
+            fetch_batch(refs, out=out)  # the direct path (Ray's where none can be made)
+            direct_s = time.perf_counter() - td
+            direct_reads = ray.get(actor.stats.remote())["direct_reads"] - before
             t0 = time.perf_counter()
             shipped = ray.get(actor.read.remote(refs))  # the store actor's call
             t1 = time.perf_counter()
@@ -86,15 +92,20 @@ def main() -> None:
             nbytes = wire.nbytes
             t3 = time.perf_counter()
             totals.append(t3 - t0)
+            directs.append(direct_s)
             print(
-                f"step {step}: put {put_s:.3f} s, actor {t1 - t0:.3f} s, pull {t2 - t1:.3f} s, "
+                f"step {step}: put {put_s:.3f} s; fetch_batch {direct_s:.3f} s ({direct_reads} "
+                f"direct reads); Ray path: actor {t1 - t0:.3f} s, pull {t2 - t1:.3f} s, "
                 f"rebuild {t3 - t2:.3f} s; {wire.nbytes / MB:.0f} MB in {len(wire.routes)} runs, "
                 f"{tokens:,} tokens",
                 flush=True,
             )
             del wire, shipped
             release_refs(refs)
-        print(f"steady median {statistics.median(totals[1:]):.3f} s")
+        print(
+            f"steady median: fetch_batch {statistics.median(directs[1:]):.3f} s, "
+            f"Ray path {statistics.median(totals[1:]):.3f} s"
+        )
         puts, pulls = [], []  # Ray alone: the same bytes, put on the writer's node, pulled here
         for _ in range(args.steps):
             refs, put_s = ray.get(writer.ship.remote(nbytes, REMOTE_PIECES))

@@ -9,6 +9,7 @@ import os
 import uuid
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -229,13 +230,22 @@ class StoreMachine(RuleBasedStateMachine):
         os.unlink(segment_path(self.name))
 
 
-StoreMachine.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestStoreProperties = StoreMachine.TestCase
+def _machine_test(examples: int) -> type:
+    """The state machine as a test case of `examples` runs of up to 25 steps."""
+
+    class Case(StoreMachine.TestCase):
+        settings = settings(
+            max_examples=examples,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+
+    return Case
+
+
+TestStoreProperties = _machine_test(15)  # the fast tier's
+TestStorePropertiesLong = pytest.mark.stress(_machine_test(60))
 
 
 @st.composite
