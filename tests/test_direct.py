@@ -350,3 +350,18 @@ def test_a_reader_out_of_descriptors_reads_through_ray_and_blames_no_firewall():
     finally:
         child.join(10)
         server.close()
+
+
+def test_a_connection_no_call_claims_is_closed_with_no_other_coming(monkeypatch):
+    # Before: only the next reader's hello closed it: readers stopped between connecting and
+    # calling left the actor their connections (21 after ~2,000 stops, round 53).
+    monkeypatch.setattr(direct, "UNCLAIMED_S", 0.2)
+    monkeypatch.setattr(direct, "SWEEP_EVERY_S", 0.1, raising=False)
+    server = direct.DirectServer("127.0.0.1")
+    try:
+        with socket.create_connection(server.address) as left:
+            left.sendall(direct.HELLO + server.secret + b"u" * direct.REQUEST_BYTES)
+            left.settimeout(5)
+            assert left.recv(1) == b""  # closed by the actor, no other connection needed
+    finally:
+        server.close()
