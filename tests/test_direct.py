@@ -256,26 +256,35 @@ def test_a_pull_dropped_unclosed_closes_its_connection_at_once():
         server.close()
 
 
-def test_a_reader_that_takes_no_bytes_frees_the_actors_thread(name, monkeypatch):
-    # Before: the actor's send waited up to 300 s for a reader that stopped taking bytes
-    # (a host gone, a process paused), holding one of the actor's threads (round 53).
-    monkeypatch.setattr(direct, "SEND_STALL_S", 0.3, raising=False)
+@contextlib.contextmanager
+def _big_read(name: str, tokens: int, rcvbuf: int | None = None):
+    """A store holding one sample of `tokens` x 384 B, a server, and a reader's raw socket
+    that said hello for its request: (store, ref, server, reader, request)."""
     layout = RoutingLayout(num_layers=48, top_k=8, num_experts=128)  # 384 B a token
-    with RoutingStore.create(name, layout, 1 << 17) as s:
-        ref = s.put("big", layout.random_routes(np.random.default_rng(0), 60_000, np.uint8))
+    with RoutingStore.create(name, layout, tokens + (1 << 12)) as s:
+        ref = s.put("big", layout.random_routes(np.random.default_rng(0), tokens, np.uint8))
         server = direct.DirectServer("127.0.0.1")
         try:
             request = b"q" * direct.REQUEST_BYTES
             with socket.socket() as reader:
-                reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                if rcvbuf is not None:
+                    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
                 reader.connect(server.address)
-                reader.sendall(direct.HELLO + server.secret + request)  # then reads nothing
-                thread, raised = serve(server, s, [ref], request)
-                thread.join(20)
-                assert not thread.is_alive(), "the send still waits for the reader"
-                assert [type(e) for e in raised] == [direct.DirectUnavailable]
+                reader.sendall(direct.HELLO + server.secret + request)
+                yield s, ref, server, reader, request
         finally:
             server.close()
+
+
+def test_a_reader_that_takes_no_bytes_frees_the_actors_thread(name, monkeypatch):
+    # Before: the actor's send waited up to 300 s for a reader that stopped taking bytes
+    # (a host gone, a process paused), holding one of the actor's threads (round 53).
+    monkeypatch.setattr(direct, "SEND_STALL_S", 0.3, raising=False)
+    with _big_read(name, 60_000, rcvbuf=4096) as (s, ref, server, _, request):
+        thread, raised = serve(server, s, [ref], request)  # the reader reads nothing
+        thread.join(20)
+        assert not thread.is_alive(), "the send still waits for the reader"
+        assert [type(e) for e in raised] == [direct.DirectUnavailable]
 
 
 def test_sends_past_the_cap_are_refused_at_once_and_their_reader_told(monkeypatch):
@@ -365,3 +374,76 @@ def test_a_connection_no_call_claims_is_closed_with_no_other_coming(monkeypatch)
             assert left.recv(1) == b""  # closed by the actor, no other connection needed
     finally:
         server.close()
+
+
+def test_a_slow_reader_is_not_cut_only_one_that_stops(name, monkeypatch):
+    # Before: the stall timeout bounded each whole 4 MB `sendall`, so a reader slower than
+    # 4 MB per timeout was cut although it kept taking bytes (round 54).
+    monkeypatch.setattr(direct, "SEND_STALL_S", 0.5)
+    with _big_read(name, 40_000) as (s, ref, server, reader, request):
+        thread, raised = serve(server, s, [ref], request)
+        got, since_pause, buf = 0, 0, bytearray(1 << 16)
+        reader.settimeout(10)
+        while True:  # 1 MB, then 0.2 s: 5 MB/s, about 3 s for the 15 MB
+            n = reader.recv_into(buf)
+            if not n:
+                break
+            got, since_pause = got + n, since_pause + n
+            if since_pause >= 1 << 20:
+                time.sleep(0.2)
+                since_pause = 0
+        thread.join(10)
+        assert not thread.is_alive() and raised == []
+        assert got > 40_000 * 384  # every byte, DONE included
+
+
+def test_a_refused_reads_connection_is_closed_when_its_hello_comes_late(monkeypatch):
+    # Before: a hello that came after its call was refused waited a minute for a claim that
+    # never came, a descriptor each under bursts past the send cap (round 54).
+    monkeypatch.setattr(direct, "MAX_SENDS", 1)
+    server = direct.DirectServer("127.0.0.1")
+    try:
+        first = direct.connect((*server.address, server.secret), fresh)
+        _waiting_for(server, first.request)
+        late = b"l" * direct.REQUEST_BYTES
+        with (
+            server.stream(first.request),
+            pytest.raises(direct.DirectUnavailable, match="being sent already"),
+        ):
+            server.stream(late).__enter__()
+        with socket.create_connection(server.address) as c:
+            c.sendall(direct.HELLO + server.secret + late)
+            c.settimeout(5)
+            assert c.recv(1) == b""  # closed at once
+        first.close()
+    finally:
+        server.close()
+
+
+def test_the_endpoint_cache_cleared_by_another_thread_mid_call_is_not_a_raw_error(store):
+    # Before: `_endpoints` read the shared cache again for its answer: a thread that cleared
+    # it meanwhile (the cache full) made the call raise KeyError (round 54).
+    import inspect
+    import sys
+
+    from routing_replay.ray import remote
+
+    _, refs = store
+    ref = refs[0]
+    endpoint = ("127.0.0.1", 1, b"s" * direct.SECRET_BYTES)
+    remote._ENDPOINTS[ref.store, ref.node_id] = endpoint
+    lines, first = inspect.getsourcelines(remote._endpoints)
+    last = first + len(lines) - 1
+
+    def clear_at_return(frame, event, arg):
+        if frame.f_code is remote._endpoints.__code__ and frame.f_lineno == last:
+            remote._ENDPOINTS.clear()
+        return clear_at_return
+
+    sys.settrace(clear_at_return)
+    try:
+        got = remote._endpoints([None], [[ref]])
+    finally:
+        sys.settrace(None)
+        remote._ENDPOINTS.clear()
+    assert got == [endpoint]

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 
 import line_stops
 import numpy as np
@@ -233,7 +234,7 @@ class Reader:
         real_init = direct.DirectPull.__init__
 
         def init(pull, *args) -> None:
-            made.append(pull)
+            made.append(weakref.ref(pull))  # (a pull nothing holds closes as it goes)
             real_init(pull, *args)
 
         problems = []
@@ -246,7 +247,8 @@ class Reader:
                     interrupted_at(stop, lambda: fetch_batch(refs), lines=lines)
                 except Exception as e:
                     problems.append(f"{stop}: {type(e).__name__}: {e}")
-                if any(getattr(p, "sock", None) and p.sock.fileno() != -1 for p in made):
+                alive = [p for p in (ref() for ref in made) if p is not None]
+                if any(getattr(p, "sock", None) and p.sock.fileno() != -1 for p in alive):
                     problems.append(f"{stop} ({lines[-1]}): a connection left open")
                 got = [r.numpy() for r in _split(fetch_batch(refs))]
                 if not all(np.array_equal(g, w) for g, w in zip(got, want, strict=True)):

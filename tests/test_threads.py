@@ -563,3 +563,31 @@ def test_attached_stopped_at_each_line_leaves_nothing_that_blocks_another_thread
         for cached in [n for n in client._attached if n.startswith(name)]:
             client._close([client._attached.pop(cached)])
         owner.close()
+
+
+def test_a_cached_mapping_another_thread_closed_is_judged_gone_not_raised(name):
+    """`attached` looks at every cached mapping; one that another thread has just taken out
+    and closed (its store died) must read as gone, whatever its probe then raises. Before:
+    `node_store` and same-node reads of a live store raised a raw `OSError` (EBADF), an
+    `AttributeError`, or the dead store's "closed in this process" (round 54)."""
+    from routing_replay.ray import client
+
+    owner = RoutingStore.create(name, LAYOUT, 256, page_tokens=8)
+    other = RoutingStore.create(f"{name}-other", LAYOUT, 64, page_tokens=8)
+    closing = RoutingStore.attach(other.name, LAYOUT)
+    segment = closing._core.segment
+    real_fd, gone_fd = segment._lock_fd, os.dup(segment._lock_fd)
+    os.close(gone_fd)
+    segment._lock_fd = gone_fd  # (where another thread's close is: its lock descriptor shut)
+    try:
+        client._attached[other.name] = closing
+        assert client.attached(name, LAYOUT).stats().samples == 0
+        assert other.name not in client._attached
+    finally:
+        for cached in [n for n in client._attached if n.startswith(name)]:
+            client._close([client._attached.pop(cached)])
+        segment._lock_fd = real_fd
+        with contextlib.suppress(Exception):
+            closing.close()
+        other.close()
+        owner.close()

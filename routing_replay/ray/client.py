@@ -77,7 +77,7 @@ def _close_dead() -> None:
     name that maps to a dead store never maps to a live one; each dead mapping is taken out
     (`pop`) by one thread only, and each waiting close by the thread that popped it."""
     for name, store in list(_attached.items()):
-        if not _is_live(store):
+        if _is_gone(name, store):
             gone = _attached.pop(name, None)
             if gone is not None:
                 _closing.append(gone)
@@ -101,6 +101,18 @@ def _close(stores: list[RoutingStore]) -> list[RoutingStore]:
         except OSError:
             pass  # closed half-way already: nothing left to give back
     return busy
+
+
+def _is_gone(name: str, store: RoutingStore) -> bool:
+    """Whether the cached mapping `name` -> `store` is of a store that is gone. Another
+    thread may be closing it already (it took it out first): a probe of a handle closed
+    under it fails any way it likes, and means gone as well."""
+    if _attached.get(name) is not store:
+        return False  # (taken out by another thread: that one closes it)
+    try:
+        return not _is_live(store)
+    except Exception:
+        return True
 
 
 def _is_live(store: RoutingStore) -> bool:

@@ -1,4 +1,6 @@
 """Reads across nodes over a TCP connection from the store actor straight to the reader.
+(One module over 400 lines by design: one wire protocol, the actor's end and the reader's,
+side by side.)
 
 Ray's object store moved a read's wire form at 0.7-1.3 GB/s on the 2-core VM where this was
 measured (the actor's `ray.put` copies it into the object store, the object manager sends
@@ -54,8 +56,7 @@ ACCEPT_RETRY_S = 0.05  # an accept that failed (no descriptors left) is tried ag
 CLAIM_WAIT_S = 10.0  # a call waits this long for its reader's connection
 UNCLAIMED_S = 60.0  # a connection no call claimed in this long is closed
 SWEEP_EVERY_S = 5.0  # how often the server looks for such connections
-SEND_CHUNK_BYTES = 4 << 20  # sent at a time: a reader that takes none of it in
-SEND_STALL_S = 30.0  # this long is given up (its read then goes through Ray)
+SEND_STALL_S = 30.0  # a reader that takes no byte for this long is given up (read via Ray)
 MAX_SENDS = 12  # streams an actor sends at once (of its 16 threads); more go through Ray:
 # threads stay free for puts, stats and Ray-path reads however many readers stop taking bytes
 LOCAL_ERRNOS = frozenset(  # a connect that fails for want of something here, not there
@@ -103,6 +104,7 @@ class DirectServer:
         self._listener = socket.create_server((host, 0), backlog=128)
         self.address = (host, self._listener.getsockname()[1])
         self._waiting: dict[bytes, tuple[socket.socket, float]] = {}
+        self._refused: dict[bytes, float] = {}  # requests refused before their hello came
         self._cond = threading.Condition()
         self._hellos = threading.BoundedSemaphore(MAX_HELLOS)
         self._sends = threading.BoundedSemaphore(MAX_SENDS)
@@ -132,7 +134,7 @@ class DirectServer:
     def _hello(self, conn: socket.socket) -> None:
         try:
             hello = _recv_by(conn, len(HELLO) + SECRET_BYTES + REQUEST_BYTES, HELLO_TIMEOUT_S)
-            conn.settimeout(SEND_STALL_S)  # (each send is of SEND_CHUNK_BYTES at most)
+            conn.settimeout(SEND_STALL_S)  # (each `send` waits this long at most for room)
         except OSError:
             conn.close()
             return
@@ -144,6 +146,9 @@ class DirectServer:
             return
         self._sweep()
         with self._cond:
+            if self._refused.pop(request, None) is not None:  # its call was refused: the
+                conn.close()  # reader reads through Ray, and sees this stream end at once
+                return
             previous = self._waiting.pop(request, None)
             if previous is not None:  # (a request id said twice: neither is trusted)
                 previous[0].close()
@@ -160,6 +165,9 @@ class DirectServer:
                 if now - since > UNCLAIMED_S:
                     del self._waiting[key]
                     old.close()
+            for key, since in list(self._refused.items()):
+                if now - since > UNCLAIMED_S:  # (its hello never came)
+                    del self._refused[key]
 
     @contextlib.contextmanager
     def stream(self, request: bytes) -> Iterator[socket.socket]:
@@ -169,6 +177,8 @@ class DirectServer:
         if not self._sends.acquire(blocking=False):
             with self._cond:  # (its reader sees the stream end and reads through Ray)
                 waiting = self._waiting.pop(request, None)
+                if waiting is None:
+                    self._refused[request] = time.monotonic()  # (closed when it comes)
             if waiting is not None:
                 waiting[0].close()
             raise DirectUnavailable(f"{MAX_SENDS} direct reads are being sent already")
@@ -208,15 +218,32 @@ def send(conn: socket.socket, wire: WireBatch) -> None:
     try:
         _send(conn, wire)
     except OSError as e:
+        _reset(conn)
         raise DirectUnavailable(f"the reader's connection failed: {e!r}") from None
 
 
 def done(conn: socket.socket) -> None:
     """Say the read was checked: the reader may use what it received."""
     try:
-        conn.sendall(DONE)
+        _send_all(conn, DONE)
     except OSError as e:
+        _reset(conn)
         raise DirectUnavailable(f"the reader's connection failed: {e!r}") from None
+
+
+def _send_all(conn: socket.socket, data: Any) -> None:
+    """`sendall`, with the socket's timeout per `send` (a reader that stops is given up,
+    one that is slow is not: `sendall`'s timeout is for the whole call)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[conn.send(view) :]
+
+
+def _reset(conn: socket.socket) -> None:
+    """Make the connection's close a reset: a reader given up learns it at once, not after
+    the bytes still queued for it."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 def _send(conn: socket.socket, wire: WireBatch) -> None:
@@ -234,11 +261,10 @@ def _send(conn: socket.socket, wire: WireBatch) -> None:
             "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
         }
     ).encode()
-    conn.sendall(LENGTH.pack(len(header)) + header)
+    _send_all(conn, LENGTH.pack(len(header)) + header)
     for a in arrays:
-        data = memoryview(a.reshape(-1).view(np.uint8))
-        for at in range(0, len(data), SEND_CHUNK_BYTES):  # (the timeout is per sendall)
-            conn.sendall(data[at : at + SEND_CHUNK_BYTES])
+        if a.nbytes:
+            _send_all(conn, a.reshape(-1).view(np.uint8))
 
 
 # -- the reader's side -------------------------------------------------------------------

@@ -228,12 +228,14 @@ def _endpoints(actors: list[Any], groups: list[list[RoutingRef]]) -> list[Any]:
     for key, actor in zip(keys, actors, strict=True):
         if key not in _ENDPOINTS and key not in asked:
             asked[key] = actor.endpoint.remote()
+    found = {key: _ENDPOINTS.get(key) for key in keys if key not in asked}
     for key, call in asked.items():
         try:
-            _ENDPOINTS[key] = ray.get(call)
+            found[key] = ray.get(call)
         except Exception:  # (an actor that died: its read says so)
-            _ENDPOINTS[key] = None
-    return [_ENDPOINTS[key] for key in keys]
+            found[key] = None
+        _ENDPOINTS[key] = found[key]  # (other threads may clear the cache meanwhile)
+    return [found[key] for key in keys]
 
 
 def _ask_again(actor: Any, ref: RoutingRef) -> tuple[str, int, bytes] | None:
