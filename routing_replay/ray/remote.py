@@ -196,13 +196,10 @@ class RemoteReads:
         import ray
 
         try:
-            for pull in self.pulls:
+            for pull in self.pulls:  # (one a stop skips closes as it goes: its __del__)
                 if pull is not None:
                     pull.close()
-        finally:  # (stopped in the loop: the rest are closed all the same)
-            for pull in self.pulls:
-                if pull is not None:
-                    pull.close()
+        finally:
             calls, self.calls = self.calls, []
             for call in calls:
                 with contextlib.suppress(Exception):

@@ -16,9 +16,8 @@ never re-read: that is what makes sharing a changed page impossible.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,29 +67,12 @@ def page_keys(tokens_NP: np.ndarray) -> list[int]:
     return (h_N | np.uint64(1)).tolist()
 
 
-def _libc_memcmp() -> Callable[[int, int, int], int] | None:
-    """libc's memcmp (glibc, musl, macOS), or None where no C library loads."""
-    try:
-        fn = ctypes.CDLL(None).memcmp
-    except (OSError, AttributeError):
-        return None
-    fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    return fn
-
-
-_MEMCMP = _libc_memcmp()
-
-
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays of the same dtype and size hold the same bytes (memcmp where both
-    are contiguous: no temporary, and it stops at the first difference)."""
-    if a.size != b.size or a.nbytes != b.nbytes:
+    """Whether two arrays of the same dtype and size hold the same bytes."""
+    if a.size != b.size:
         return False
-    if a.flags.c_contiguous and b.flags.c_contiguous:
-        if _MEMCMP is not None:
-            return a.nbytes == 0 or _MEMCMP(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
-        if a.nbytes % 8 == 0:
-            a, b = a.reshape(-1).view(np.uint64), b.reshape(-1).view(np.uint64)  # 8x fewer
+    if a.flags.c_contiguous and b.flags.c_contiguous and a.nbytes % 8 == 0:
+        a, b = a.reshape(-1).view(np.uint64), b.reshape(-1).view(np.uint64)  # 8x fewer elements
     return bool(np.array_equal(a.reshape(-1), b.reshape(-1)))
 
 
