@@ -328,8 +328,7 @@ def _with_no_descriptor_free(endpoint, conn) -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
     try:
-        direct.connect(endpoint, fresh)
-        out["connect"] = "connected"
+        out["connect"] = f"returned {direct.connect(endpoint, fresh)!r}"
     except direct.DirectUnavailable as e:
         out["connect"] = f"DirectUnavailable: {e}"
     except BaseException as e:
