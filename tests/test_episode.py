@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import linecache
+import subprocess
 import sys
 import threading
 
@@ -406,3 +407,51 @@ def test_a_signal_handler_closing_the_episode_inside_its_turn_is_refused(name):
             store.release([ref])
             stop += 7
         assert refused > 20
+
+
+def test_a_collection_inside_the_threads_frames_read_does_not_deadlock(name):
+    # CPython before 3.11.9 (gh-106883): a collection that starts inside
+    # sys._current_frames frees a threading.local, whose clear waits for the lock that call
+    # holds: the process hangs. An audit hook leaves such a local in a cycle, due, as the
+    # call starts. Before: add_turn never returned (this run saw the suite hang there).
+    script = f"""
+import gc, sys, threading
+import numpy as np
+from routing_replay import Episode, RoutingLayout, RoutingStore
+
+def due(event, args):
+    if event == "sys._current_frames" and not seen:
+        seen.append(1)
+        holder = {{"local": threading.local()}}
+        holder["self"] = holder  # a cycle only a collection frees
+        del holder
+        spare = {{}}
+        del spare  # (the call's dict comes from the free list: no collection before the lock)
+        gc.set_threshold(1)  # the next object tracked starts one
+
+seen = []
+layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+rng = np.random.default_rng(0)
+tokens, routes = rng.integers(0, 100, 8), layout.random_routes(rng, 8)
+with RoutingStore.create({name!r}, layout, 1024, page_tokens=4) as store:
+    sys.addaudithook(due)
+    ref = Episode(store, "e").add_turn(tokens, routes)
+    gc.set_threshold(700)
+    assert seen and gc.isenabled()
+    np.testing.assert_array_equal(store.get(ref), routes)
+print("returned")
+"""
+    done = _run_with_deadline(script, 30)
+    assert done == "returned", done
+
+
+def _run_with_deadline(script: str, seconds: float) -> str:
+    """Run `script` in a new interpreter; its last line of output, or why it gave none."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=seconds
+        )
+    except subprocess.TimeoutExpired:
+        return f"no answer in {seconds} s: the process hangs"
+    lines = done.stdout.split()
+    return lines[-1] if done.returncode == 0 and lines else done.stderr[-2000:]

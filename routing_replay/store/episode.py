@@ -34,7 +34,7 @@ from routing_replay.errors import (
     TokenMismatchError,
 )
 from routing_replay.layout import MISSING
-from routing_replay.store.calls import inside_call
+from routing_replay.store.calls import inside_call, thread_frames
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
 from routing_replay.store.refs import RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
@@ -180,7 +180,7 @@ class Episode:
         (its turns come one after another; a close must not overtake a turn). Read from the
         threads' stacks, not from a registry a stopped call could leave behind."""
         me, caller = threading.get_ident(), sys._getframe(1)  # (add_turn's or close's)
-        for ident, frame in sys._current_frames().items():
+        for ident, frame in thread_frames().items():
             # (this thread: a call below the caller, which a signal handler interrupted)
             if inside_call(self, caller.f_back if ident == me else frame, _CALLS):
                 raise RoutingReplayError(
