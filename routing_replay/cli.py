@@ -83,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="DIR",
-        help="also remove store directories under DIR (a spill_dir) that no live store owns",
+        help=(
+            "also remove store directories under DIR (a spill_dir) that no live store owns: "
+            "no process holds the store open and its segment is gone (another pod's: no "
+            "process holds it open)"
+        ),
     )
     args = parser.parse_args(argv)
     if args.command == "ls":

@@ -11,6 +11,7 @@ import functools
 import inspect
 import multiprocessing as mp
 import os
+import pathlib
 import re
 import signal
 import stat
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -194,7 +196,8 @@ def test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods(
 ):
     """The owner died; this process still uses its store (attached after). A sweep from a pod
     with its own /dev/shm (where no store has that name) on the same spill disk keeps the
-    directory while a handle is open anywhere, and removes it once the last one closed."""
+    directory while a handle is open anywhere; once the last one closed, a create's sweep
+    there still keeps it (the store may be attached again), one asked for dead owners not."""
     from routing_replay.store import segment
 
     child = FORK.Process(target=_spill_and_exit, args=(name, str(tmp_path)))
@@ -215,6 +218,113 @@ def test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods(
     finally:
         store.close()
     (left,) = store_dirs(tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(segment, "SHM_DIR", str(other_pod))
+        assert sweep_spill_dirs(tmp_path, dead_owners=False) == []
+        assert sweep_spill_dirs(tmp_path) == [str(tmp_path / left)]
+    os.unlink(segment_path(name))
+
+
+def _pod_creates(shm: str, spill_dir: str, store_name: str) -> str:
+    """Another pod (its own shared-memory directory, another device) creates a spilling store
+    on the same spill disk, as its first store, and unlinks it; its output or its error."""
+    code = f"""
+from routing_replay import RoutingLayout, RoutingStore
+layout = RoutingLayout(num_layers=3, top_k=2, num_experts=16)
+with RoutingStore.create({store_name!r}, layout, 16, page_tokens=8, spill_dir={spill_dir!r}):
+    print("created")
+"""
+    env = {**os.environ, "ROUTING_REPLAY_SHM_DIR": shm}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return done.stdout.strip() or done.stderr[-1500:]
+
+
+@pytest.mark.stress  # a subprocess that imports the package
+def test_a_store_closed_without_unlink_keeps_its_spilled_samples_against_sweeps(name, tmp_path):
+    # Round 55: the owner closed its handle without unlink(), so the store stays to be
+    # attached again; a create in another pod (another /dev/shm) and a sweep_spill_dirs here
+    # removed its spill directory (its lock was free), and its spilled samples then raised
+    # CorruptStoreError. Now the directory goes with its segment.
+    rng = np.random.default_rng(5)
+    spill, shm = tmp_path / "spill", tmp_path / "other-pod-shm"
+    shm.mkdir()
+    assert os.stat(shm).st_dev != os.stat(segment.SHM_DIR).st_dev  # another device
+    store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=spill)
+    rows = {f"s{i}": TINY.random_routes(rng, 2 * P) for i in range(4)}
+    for sample_id, routes in rows.items():
+        store.put(sample_id, routes)
+    assert store.stats().samples_spilled == 2
+    store.close()  # not unlinked: the store stays
+    (kept,) = store_dirs(spill)
+    assert _pod_creates(str(shm), str(spill), name + "-b") == "created"
+    assert sweep_spill_dirs(spill, dead_owners=False) == []
+    assert sweep_spill_dirs(spill) == []  # its segment is here
+    assert store_dirs(spill) == [kept]
+    store = RoutingStore.attach(name)
+    try:
+        for sample_id, routes in rows.items():
+            np.testing.assert_array_equal(store.get(sample_id), routes)
+        store.verify()  # (raises on a broken table)
+    finally:
+        store.close()
+    assert [i.name for i in sweep_stores(prefix=name)] == [name]  # segment and files together
+    assert store_dirs(spill) == []
+
+
+def test_a_damaged_home_record_never_lets_a_sweep_remove_a_store_still_here(
+    name, tmp_path, monkeypatch
+):
+    """Every bit of a closed store's home record flipped, and the record cut at every length:
+    no sweep removes the directory, here (its segment is here) or from another pod's
+    /dev/shm that was not asked for dead owners; restored, every sample reads back."""
+    rng = np.random.default_rng(6)
+    store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=tmp_path)
+    rows = {f"s{i}": TINY.random_routes(rng, 2 * P) for i in range(4)}
+    for sample_id, routes in rows.items():
+        store.put(sample_id, routes)
+    lock = pathlib.Path(store.spill_dir) / "owner.lock"
+    store.close()
+    good = lock.read_bytes()
+    other_pod = tmp_path / "other-pod-shm"
+    other_pod.mkdir()
+
+    def sweeps() -> list[str]:
+        removed = sweep_spill_dirs(tmp_path, dead_owners=False) + sweep_spill_dirs(tmp_path)
+        with monkeypatch.context() as m:
+            m.setattr(segment, "SHM_DIR", str(other_pod))
+            return removed + sweep_spill_dirs(tmp_path, dead_owners=False)
+
+    assert sweeps() == []  # the record intact (before: the default sweep removed it)
+    removed, damaged = [], [good[:cut] for cut in range(len(good))]
+    for i in range(len(good)):
+        damaged += [good[:i] + bytes([good[i] ^ 1 << bit]) + good[i + 1 :] for bit in range(8)]
+    for record in damaged:
+        lock.write_bytes(record)
+        removed += sweeps()
+    assert removed == [] and len(damaged) == 9 * len(good) > 0
+    lock.write_bytes(good)
+    store = RoutingStore.attach(name)
+    for sample_id, routes in rows.items():
+        np.testing.assert_array_equal(store.get(sample_id), routes)
+    store.close()
+    assert [i.name for i in sweep_stores(prefix=name)] == [name]
+
+
+def test_a_dir_of_another_boot_is_swept_by_any_create(name, tmp_path, monkeypatch):
+    """A directory whose record names another boot of the host (its /dev/shm went with the
+    reboot) is removed by a create's sweep from any /dev/shm; one of this boot in another
+    /dev/shm is kept (`test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods`)."""
+    child = FORK.Process(target=_spill_and_exit, args=(name, str(tmp_path)))
+    child.start()
+    child.join()
+    (left,) = store_dirs(tmp_path)
+    lock = tmp_path / left / "owner.lock"
+    boot, dev, _ = lock.read_bytes().split()
+    assert len(boot) == 36 and boot != b"0" * 36
+    text = b"0" * 36 + b" " + dev  # another boot id, the same /dev/shm device
+    lock.write_bytes(b"%s %08x\n" % (text, zlib.crc32(text)))
+    other_pod = tmp_path / "other-pod-shm"
+    other_pod.mkdir()
     with monkeypatch.context() as m:
         m.setattr(segment, "SHM_DIR", str(other_pod))
         assert sweep_spill_dirs(tmp_path, dead_owners=False) == [str(tmp_path / left)]
@@ -312,9 +422,10 @@ def test_a_handle_attaching_at_each_line_of_another_pods_sweep_never_loses_its_d
                     thread.join(0.3)  # done, or waiting for the sweep's lock
             return tracer
 
+        (path,) = [str(tmp_path / d) for d in store_dirs(tmp_path)]
         sys.settrace(tracer)
-        try:  # judged by the users lock alone, as another pod's sweep judges it
-            swept = sweep_spill_dirs(tmp_path)
+        try:  # judged by the users lock alone, as another pod's sweep for dead owners does
+            swept = [path] if spill_dirs.remove_spill_dir_if_unused(path) else []
         finally:
             sys.settrace(None)
         try:
@@ -1405,9 +1516,10 @@ def test_an_attach_out_of_file_descriptors_says_so_or_holds_its_spill_dir(name, 
         assert seen[-1] == ("attached", [], 3 * P), seen
         assert set(seen[:-1]) == {"StoreUnavailableError"}, seen
     finally:
-        with RoutingStore.attach(name) as again:  # (the name fixture removes the segment)
+        with RoutingStore.attach(name) as again:
             np.testing.assert_array_equal(again.get("a"), rows)
-        assert len(sweep_spill_dirs(tmp_path)) == 1
+        assert [i.name for i in sweep_stores(prefix=name)] == [name]  # the store, its files
+        assert store_dirs(tmp_path) == []
 
 
 def test_a_close_stopped_at_each_line_then_closed_again_never_closes_another_handles_files(

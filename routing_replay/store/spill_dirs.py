@@ -1,5 +1,6 @@
-"""Spill directories: the root, its budget from the disk, each store's own directory and the
-shared users lock its handles hold, so that sweeps remove only directories no store uses."""
+"""Spill directories: the root, its budget from the disk, each store's own directory, the
+shared users lock its handles hold and the record of the /dev/shm its store lives in, so
+that sweeps remove only directories no store uses."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import os
 import re
 import stat
 import time
+import zlib
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
+from routing_replay.store import segment
 from routing_replay.store.files import close_each, open_file, open_into
 from routing_replay.store.format import ATTACH_WAIT_S, MAX_SPILL_DIR_BYTES
 from routing_replay.store.segment import is_store_name
@@ -25,6 +28,7 @@ DIR_MODE, FILE_MODE = 0o700, 0o600  # a store's spill directory and files: this 
 USERS_FILE = "owner.lock"
 HALF_MADE_S = 60.0  # a store directory without its users file is being made for this long
 TOMB_PREFIX = ".rr-removing-"  # a store directory being removed (no sweep or attach opens it)
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # the host's boot (a reboot wipes every /dev/shm)
 
 
 def store_spill_dir(spill_dir: str, name: str, store_uid: int) -> str:
@@ -76,7 +80,8 @@ def budget_for(spill_dir: str, name: str, page_file_bytes: int, budget: int | No
 def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) -> str:
     """Create a new store's own spill directory (private to this user) holding the users
     lock: a shared flock on `USERS_FILE` in it that every handle of the store holds, seen by
-    every process of the host whatever its /dev/shm (`sweep_spill_dirs` judges by it).
+    every process of the host whatever its /dev/shm, and the store's home (`home_record`):
+    `sweep_spill_dirs` judges by both.
     Returns the path; the lock's descriptor goes into `users`, for the new handle to adopt."""
     path = store_spill_dir(spill_dir, name, store_uid)  # ours alone: the store's uid names it
     try:
@@ -84,9 +89,14 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
         os.chmod(path, DIR_MODE)  # whatever the umask
         # Locked under a name no sweep opens, then renamed: a sweep sees no users file (a
         # store being created) or a held one, never a free lock of a live store.
-        flags = os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        open_into(users, os.path.join(path, USERS_FILE + ".new"), flags, FILE_MODE)
-        os.fchmod(users[0], FILE_MODE)  # whatever the umask
+        new = os.path.join(path, USERS_FILE + ".new")
+        with open_file(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) as file:
+            os.fchmod(file.fileno(), FILE_MODE)  # whatever the umask
+            if os.write(file.fileno(), home_record()) != HOME_BYTES:  # where the store lives
+                raise OSError(errno.ENOSPC, "its users file could not be written whole", path)
+        # Held read-only: a handle keeps no file of the disk open for writing (a remount
+        # read-only would be refused).
+        open_into(users, new, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fcntl.flock(users[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody holds it
         os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
         return path
@@ -163,19 +173,24 @@ def check_dir(path: str) -> None:
 def sweep_spill_dirs(
     spill_dir: str | os.PathLike, *, dead_owners: bool = True, dry_run: bool = False
 ) -> list[str]:
-    """Remove the store directories under `spill_dir` that no handle of their store uses any
-    more (its users lock is free: every process that had the store open has closed it or
-    died, whatever its /dev/shm): with `dead_owners=False` only those no store of this node
-    names any more either (no segment of that name, a wiped /dev/shm, a reboot; or one of
-    another incarnation), so that a dead owner's store that is attached again later still
-    finds its files. Directories of other hosts' or pods' live stores are kept: their
-    handles hold the lock. Only this user's own (mode 0700) directories are judged.
-    Returns the paths removed (with `dry_run`: that would be)."""
+    """Remove the store directories under `spill_dir` whose store is gone: no handle holds
+    its users lock (every process that had the store open closed it or died) and
+    - its store lived in this /dev/shm, which holds no segment of it any more (wiped, or
+      unlinked); one still there keeps its files, to be attached again or swept with its
+      segment (`sweep_stores`);
+    - or its store lived in a /dev/shm gone with a reboot;
+    - or, with `dead_owners` (the default), its store lives in another /dev/shm of this boot
+      (another pod's or container's, whose segments this process cannot see): its owners
+      closed or died. `create` sweeps with `dead_owners=False`, so a store closed without
+      `unlink()` in one pod keeps its files against another pod's creates.
+    A directory whose home record cannot be read (damaged) is judged as one of another
+    /dev/shm that this one does not name. Only this user's own (mode 0700) directories are
+    judged. Returns the paths removed (with `dry_run`: that would be)."""
     try:
         entries = list(os.scandir(spill_dir))
     except OSError:
         return []
-    removed = []
+    removed, here = [], home_record()
     for entry in entries:
         if entry.name.startswith(TOMB_PREFIX):  # a sweep stopped while removing it
             with contextlib.suppress(OSError):
@@ -190,7 +205,7 @@ def sweep_spill_dirs(
             check_dir(entry.path)
         except OSError:
             continue  # not ours to judge
-        if not dead_owners and _named_here(m.group(1), int(m.group(2), 16)):
+        if _kept(entry.path, here, m.group(1), int(m.group(2), 16), dead_owners):
             continue
         if _unused(entry.path) if dry_run else remove_spill_dir_if_unused(entry.path):
             removed.append(entry.path)
@@ -267,6 +282,58 @@ def _unused(path: str) -> bool:
         except OSError:  # BlockingIOError: a handle holds it
             return False
     return True
+
+
+def home_record() -> bytes:
+    """Where this process's stores live, as a store directory records it: the host's boot
+    and the device of its /dev/shm (another pod's is another tmpfs), with a CRC-32."""
+    try:
+        with open(BOOT_ID, "rb") as f:
+            boot = f.read(36).decode("ascii", "replace")
+    except OSError:
+        boot = "-"
+    try:
+        dev = os.stat(segment.SHM_DIR).st_dev
+    except OSError:
+        dev = 0
+    text = f"{boot:<36.36} {dev:016x}"
+    return f"{text} {zlib.crc32(text.encode()):08x}\n".encode()
+
+
+HOME_BYTES = 36 + 1 + 16 + 1 + 8 + 1  # the record's length
+
+
+def _home_of(path: str) -> bytes | None:
+    """A store directory's home record (`home_record`): b"" if it has no users file (being
+    made, or half made), None if its record cannot be read or fails its check (a flipped
+    bit, a directory made before records)."""
+    try:
+        with open_file(os.path.join(path, USERS_FILE), os.O_RDONLY) as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                return None
+            raw = os.pread(file.fileno(), HOME_BYTES + 1, 0)
+    except FileNotFoundError:
+        return b""
+    except OSError:
+        return None
+    text, _, crc = raw[:-1].rpartition(b" ")
+    good = len(raw) == HOME_BYTES and raw.endswith(b"\n")
+    return raw if good and crc == b"%08x" % zlib.crc32(text) else None
+
+
+def _kept(path: str, here: bytes, name: str, store_uid: int, dead_owners: bool) -> bool:
+    """Whether a sweep from `here` (`home_record`) keeps a store directory whatever its lock
+    says (`sweep_spill_dirs`)."""
+    home = _home_of(path)
+    if home == b"":
+        return False  # no users file: judged by its age (`remove_spill_dir_if_unused`)
+    if home is not None and home[:36] != here[:36]:
+        return False  # another boot: its /dev/shm is gone
+    if home == here:
+        return _named_here(name, store_uid)
+    # Another /dev/shm of this boot (or a record that cannot be read): left to sweeps that
+    # were asked for dead owners, unless this /dev/shm has the store.
+    return not dead_owners or _named_here(name, store_uid)
 
 
 def _named_here(name: str, store_uid: int) -> bool:
