@@ -409,11 +409,12 @@ def test_a_signal_handler_closing_the_episode_inside_its_turn_is_refused(name):
         assert refused > 20
 
 
-def test_a_collection_inside_the_threads_frames_read_does_not_deadlock(name):
+def test_an_episode_reads_no_threads_frames_where_a_collection_can_hang(name):
     # CPython before 3.11.9 (gh-106883): a collection that starts inside
     # sys._current_frames frees a threading.local, whose clear waits for the lock that call
-    # holds: the process hangs. An audit hook leaves such a local in a cycle, due, as the
-    # call starts. Before: add_turn never returned (this run saw the suite hang there).
+    # holds, and the process hangs. An audit hook leaves such a local in a cycle, due, as
+    # that call starts. Before: add_turn read every thread's frames there and never
+    # returned (the suite hung in it); it reads none now.
     script = f"""
 import gc, sys, threading
 import numpy as np
@@ -432,12 +433,13 @@ def due(event, args):
 seen = []
 layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
 rng = np.random.default_rng(0)
-tokens, routes = rng.integers(0, 100, 8), layout.random_routes(rng, 8)
+tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
 with RoutingStore.create({name!r}, layout, 1024, page_tokens=4) as store:
     sys.addaudithook(due)
-    ref = Episode(store, "e").add_turn(tokens, routes)
-    gc.set_threshold(700)
-    assert seen and gc.isenabled()
+    episode = Episode(store, "e")
+    episode.add_turn(tokens[:8], routes[:8])
+    ref = episode.add_turn(tokens, routes)
+    assert episode.close() == ref and not seen
     np.testing.assert_array_equal(store.get(ref), routes)
 print("returned")
 """

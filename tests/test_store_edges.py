@@ -244,11 +244,15 @@ def test_a_store_closed_without_unlink_keeps_its_spilled_samples_against_sweeps(
     # Round 55: the owner closed its handle without unlink(), so the store stays to be
     # attached again; a create in another pod (another /dev/shm) and a sweep_spill_dirs here
     # removed its spill directory (its lock was free), and its spilled samples then raised
-    # CorruptStoreError. Now the directory goes with its segment.
+    # CorruptStoreError. Now the directory goes with its segment. The other pods: one with
+    # a /dev/shm of its own (another device), one whose /dev/shm is a directory of this one
+    # (a bind mount; round 56: the device alone took it for this one).
     rng = np.random.default_rng(5)
     spill, shm = tmp_path / "spill", tmp_path / "other-pod-shm"
     shm.mkdir()
     assert os.stat(shm).st_dev != os.stat(segment.SHM_DIR).st_dev  # another device
+    bound = os.path.join(segment.SHM_DIR, f"{name}-pod")
+    os.mkdir(bound)
     store = RoutingStore.create(name, TINY, 4 * P, page_tokens=P, spill_dir=spill)
     rows = {f"s{i}": TINY.random_routes(rng, 2 * P) for i in range(4)}
     for sample_id, routes in rows.items():
@@ -256,7 +260,11 @@ def test_a_store_closed_without_unlink_keeps_its_spilled_samples_against_sweeps(
     assert store.stats().samples_spilled == 2
     store.close()  # not unlinked: the store stays
     (kept,) = store_dirs(spill)
-    assert _pod_creates(str(shm), str(spill), name + "-b") == "created"
+    try:
+        assert _pod_creates(str(shm), str(spill), name + "-b") == "created"
+        assert _pod_creates(bound, str(spill), name + "-c") == "created"
+    finally:
+        os.rmdir(bound)  # (each pod unlinked its store)
     assert sweep_spill_dirs(spill, dead_owners=False) == []
     assert sweep_spill_dirs(spill) == []  # its segment is here
     assert store_dirs(spill) == [kept]
@@ -319,9 +327,9 @@ def test_a_dir_of_another_boot_is_swept_by_any_create(name, tmp_path, monkeypatc
     child.join()
     (left,) = store_dirs(tmp_path)
     lock = tmp_path / left / "owner.lock"
-    boot, dev, _ = lock.read_bytes().split()
+    boot, dev, ino, _ = lock.read_bytes().split()
     assert len(boot) == 36 and boot != b"0" * 36
-    text = b"0" * 36 + b" " + dev  # another boot id, the same /dev/shm device
+    text = b"0" * 36 + b" " + dev + b" " + ino  # another boot id, the same /dev/shm
     lock.write_bytes(b"%s %08x\n" % (text, zlib.crc32(text)))
     other_pod = tmp_path / "other-pod-shm"
     other_pod.mkdir()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import inspect
 import operator
 import os
@@ -118,19 +117,6 @@ def inside_call(handle: object, frame: Any, calls: Any = None) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def thread_frames() -> dict[int, Any]:
-    """`sys._current_frames()` with the collector off while it runs: on CPython before
-    3.11.9 a collection starting inside it can free a `threading.local`, whose clear waits
-    for the lock that call holds, and the process hangs (gh-106883)."""
-    was = gc.isenabled()
-    try:  # one line: a stop lands before it or after it, never with the collector left off
-        frames = (gc.disable(), sys._current_frames(), was and gc.enable())[1]
-    finally:
-        if was and not gc.isenabled():  # (a signal that came inside that line)
-            gc.enable()
-    return frames
 
 
 def closed_error(name: str, closed: bool = False) -> StoreUnavailableError:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from routing_replay.errors import (
     TokenMismatchError,
 )
 from routing_replay.layout import MISSING
-from routing_replay.store.calls import inside_call, thread_frames
+from routing_replay.store.calls import inside_call
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
 from routing_replay.store.refs import RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
@@ -71,6 +70,7 @@ class Episode:
         # and after it was stopped).
         self._putting: tuple[str, int, int | None] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
+        self._calls: dict[object, Any] = {}  # add_turn and close calls running: their frames
 
     @property
     def num_turns(self) -> int:
@@ -97,8 +97,11 @@ class Episode:
         the engine returned none). `policy_version`: the version this turn was generated
         with (the ref then carries one span per version).
         """
-        self._alone()
-        return self._add_turn(token_ids, routes, policy_version)
+        call = self._alone()
+        try:
+            return self._add_turn(token_ids, routes, policy_version)
+        finally:
+            self._calls.pop(call, None)
 
     def _add_turn(self, token_ids: Any, routes: Any, policy_version: int | None) -> RoutingRef:
         if self._closed:
@@ -175,20 +178,37 @@ class Episode:
             raise
         return ref
 
-    def _alone(self) -> None:
-        """Refuse a call while another thread is inside add_turn or close of this episode
-        (its turns come one after another; a close must not overtake a turn). Read from the
-        threads' stacks, not from a registry a stopped call could leave behind."""
-        me, caller = threading.get_ident(), sys._getframe(1)  # (add_turn's or close's)
-        for ident, frame in thread_frames().items():
-            # (this thread: a call below the caller, which a signal handler interrupted)
-            if inside_call(self, caller.f_back if ident == me else frame, _CALLS):
-                raise RoutingReplayError(
-                    f"episode {self.episode_id!r}: another call is inside add_turn or close "
-                    "of this episode (another thread's, or this thread's, interrupted by a "
-                    "signal handler); its calls come one after another: call again once it "
-                    "returned"
-                )
+    def _alone(self) -> object:
+        """Refuse a call while another add_turn or close of this episode runs (its turns come
+        one after another; a close must not overtake a turn): one of another thread, or one
+        of this thread that a signal handler interrupted. Returns the caller's entry in
+        `_calls`, which it removes when it returns.
+
+        Each call enters its frame, then looks at the others' (of two at once, neither goes
+        on). A frame entered by a call that a stop cut short is dropped once that call is
+        done: `frame.clear()` refuses a running frame only. (Not `sys._current_frames()`: a
+        collection inside it can hang CPython before 3.11.9, gh-106883.)"""
+        caller, call = sys._getframe(1), object()  # (add_turn's or close's frame)
+        self._calls[call] = caller
+        # This thread's call below the caller (it may not have entered yet), then the others.
+        alone = not inside_call(self, caller.f_back, _CALLS)
+        for other, frame in list(self._calls.items()) if alone else ():
+            if other is not call:
+                try:
+                    frame.clear()  # a call that is done: its entry was left by a stop
+                except RuntimeError:  # running
+                    alone = False
+                    break
+                self._calls.pop(other, None)
+        if not alone:
+            self._calls.pop(call, None)
+            raise RoutingReplayError(
+                f"episode {self.episode_id!r}: another call is inside add_turn or close "
+                "of this episode (another thread's, or this thread's, interrupted by a "
+                "signal handler); its calls come one after another: call again once it "
+                "returned"
+            )
+        return call
 
     def _drop_unrecorded(self) -> None:
         """Release the sample of a turn whose put committed but never reached `refs` (an
@@ -236,7 +256,13 @@ class Episode:
     def close(self) -> RoutingRef:
         """Release the earlier turns' samples; the last turn's ref is the episode's. A close
         stopped half-way is finished by the next."""
-        self._alone()
+        call = self._alone()
+        try:
+            return self._close()
+        finally:
+            self._calls.pop(call, None)
+
+    def _close(self) -> RoutingRef:
         self._drop_unrecorded()
         if not self.refs:
             raise RoutingReplayError(f"episode {self.episode_id!r} has no turns")

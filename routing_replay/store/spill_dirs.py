@@ -285,22 +285,24 @@ def _unused(path: str) -> bool:
 
 
 def home_record() -> bytes:
-    """Where this process's stores live, as a store directory records it: the host's boot
-    and the device of its /dev/shm (another pod's is another tmpfs), with a CRC-32."""
+    """Where this process's stores live, as a store directory records it: the host's boot,
+    and the device and inode of its /dev/shm (another pod's is another tmpfs, or another
+    directory of one bound there), with a CRC-32."""
     try:
         with open(BOOT_ID, "rb") as f:
             boot = f.read(36).decode("ascii", "replace")
     except OSError:
         boot = "-"
     try:
-        dev = os.stat(segment.SHM_DIR).st_dev
+        st = os.stat(segment.SHM_DIR)
+        dev, ino = st.st_dev, st.st_ino
     except OSError:
-        dev = 0
-    text = f"{boot:<36.36} {dev:016x}"
+        dev = ino = 0
+    text = f"{boot:<36.36} {dev:016x} {ino:016x}"
     return f"{text} {zlib.crc32(text.encode()):08x}\n".encode()
 
 
-HOME_BYTES = 36 + 1 + 16 + 1 + 8 + 1  # the record's length
+HOME_BYTES = 36 + 1 + 16 + 1 + 16 + 1 + 8 + 1  # the record's length
 
 
 def _home_of(path: str) -> bytes | None:
