@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import linecache
+import os
 import subprocess
 import sys
 import threading
@@ -457,3 +458,56 @@ def _run_with_deadline(script: str, seconds: float) -> str:
         return f"no answer in {seconds} s: the process hangs"
     lines = done.stdout.split()
     return lines[-1] if done.returncode == 0 and lines else done.stderr[-2000:]
+
+
+class _Blocking:
+    """Token ids whose conversion waits for `go`: an add_turn held inside its call."""
+
+    def __init__(self, tokens, inside: threading.Event, go: threading.Event):
+        self.tokens, self.inside, self.go = tokens, inside, go
+
+    def __array__(self, dtype=None, copy=None):
+        self.inside.set()
+        self.go.wait(30)
+        return np.asarray(self.tokens, dtype=dtype)
+
+
+def test_a_fork_child_of_a_process_with_a_turn_running_can_go_on_with_the_episode(name):
+    # Round 57: another thread was inside add_turn when the process forked; in the child
+    # that thread is gone but its frame never ends, and every call of the episode there
+    # was refused for good. Calls of threads that are gone no longer count.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(2)
+    tokens, routes = rng.integers(0, 100, 24), layout.random_routes(rng, 24)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:8], routes[:8])
+        inside, go = threading.Event(), threading.Event()
+        held, said = _Blocking(tokens[:16], inside, go), []
+
+        def turn() -> None:
+            try:
+                episode.add_turn(held, routes[:16])
+            except DuplicateSampleError as e:  # the child's turn 2 is in the shared store
+                said.append(e)
+
+        thread = threading.Thread(target=turn)
+        thread.start()
+        try:
+            assert inside.wait(30)
+            with pytest.raises(RoutingReplayError, match="another call is inside"):
+                episode.add_turn(tokens, routes)  # (here that thread still runs)
+            pid = os.fork()
+            if pid == 0:  # the child: the episode goes on there
+                code = 1
+                try:
+                    ref = episode.add_turn(tokens, routes)
+                    code = 0 if np.array_equal(store.get(ref), routes) else 2
+                finally:
+                    os._exit(code)
+            assert os.waitpid(pid, 0)[1] == 0  # (before: exit 1, refused)
+        finally:
+            go.set()
+            thread.join(30)
+        assert len(said) == 1 and episode.num_turns == 1  # here: refused, nothing stored
+        np.testing.assert_array_equal(store.get("e-t2"), routes)  # the child's turn

@@ -318,25 +318,95 @@ def test_a_damaged_home_record_never_lets_a_sweep_remove_a_store_still_here(
     assert [i.name for i in sweep_stores(prefix=name)] == [name]
 
 
-def test_a_dir_of_another_boot_is_swept_by_any_create(name, tmp_path, monkeypatch):
+def test_a_dir_of_another_boot_is_swept_unless_its_store_is_here(name, tmp_path, monkeypatch):
     """A directory whose record names another boot of the host (its /dev/shm went with the
-    reboot) is removed by a create's sweep from any /dev/shm; one of this boot in another
-    /dev/shm is kept (`test_a_dead_owners_store_in_use_keeps_its_spill_dir_against_other_pods`)."""
+    reboot) is removed by a create's sweep from another /dev/shm. Here, where its segment
+    still is, every sweep keeps it whatever the record says, and a sweeper that cannot read
+    its own boot id keeps another /dev/shm's (round 57: a boot id read as "-" made a store
+    of this /dev/shm "another boot's", and a create's sweep removed its spilled samples)."""
+    from routing_replay.store import spill_dirs
+
     child = FORK.Process(target=_spill_and_exit, args=(name, str(tmp_path)))
     child.start()
     child.join()
     (left,) = store_dirs(tmp_path)
     lock = tmp_path / left / "owner.lock"
     boot, dev, ino, _ = lock.read_bytes().split()
-    assert len(boot) == 36 and boot != b"0" * 36
-    text = b"0" * 36 + b" " + dev + b" " + ino  # another boot id, the same /dev/shm
-    lock.write_bytes(b"%s %08x\n" % (text, zlib.crc32(text)))
+    assert re.fullmatch(rb"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", boot)
+
+    def record(boot_id: bytes) -> None:
+        text = boot_id.ljust(36) + b" " + dev + b" " + ino
+        lock.write_bytes(b"%s %08x\n" % (text, zlib.crc32(text)))
+
+    other_boot = b"00000000-0000-0000-0000-000000000000"
+    for boot_id in (other_boot, b"-"):
+        record(boot_id)
+        assert sweep_spill_dirs(tmp_path, dead_owners=False) == []
+        assert sweep_spill_dirs(tmp_path) == []  # (before: both removed it)
     other_pod = tmp_path / "other-pod-shm"
     other_pod.mkdir()
+    record(boot)
+    with monkeypatch.context() as m:
+        m.setattr(segment, "SHM_DIR", str(other_pod))
+        m.setattr(spill_dirs, "BOOT_ID", str(tmp_path / "no-boot-id"))
+        assert sweep_spill_dirs(tmp_path, dead_owners=False) == []
+    record(other_boot)
     with monkeypatch.context() as m:
         m.setattr(segment, "SHM_DIR", str(other_pod))
         assert sweep_spill_dirs(tmp_path, dead_owners=False) == [str(tmp_path / left)]
     os.unlink(segment_path(name))
+
+
+NOFILE_CREATE = """
+import os, resource, sys
+from routing_replay import RoutingLayout, RoutingStore
+from routing_replay.errors import StoreUnavailableError
+layout, spill_dir, name = RoutingLayout(num_layers=3, top_k=2, num_experts=16), *sys.argv[1:]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+seen = []
+for k in range(12):
+    top = max(int(f) for f in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + k, hard))
+    try:
+        store = RoutingStore.create(f"{name}-{k}", layout, 32, page_tokens=8, spill_dir=spill_dir)
+    except StoreUnavailableError:
+        seen.append("refused")
+        continue
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open(os.path.join(store.spill_dir, "owner.lock"), "rb") as f:
+        seen.append(f.read().split()[0].decode())
+    store.close()
+    store.unlink()
+print(seen)
+"""
+
+
+@pytest.mark.stress  # a subprocess that imports the package
+def test_a_create_near_the_descriptor_limit_records_the_boot_or_is_refused(name, tmp_path):
+    # Round 57: out of descriptors when the boot id was read, create recorded "-" and went
+    # on; the store was then "another boot's" to every sweep. Now it is refused (nothing
+    # made) or records the host's boot.
+    done = subprocess.run(
+        [sys.executable, "-c", NOFILE_CREATE, str(tmp_path), name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = eval(done.stdout)
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    assert set(seen) == {"refused", boot} and seen[-1] == boot, seen
+    assert seen.index(boot) == len(seen) - seen[::-1].index("refused"), seen  # then all made
+    assert store_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"/tmp"])
+def test_sweep_spill_dirs_refuses_what_is_not_a_directory_path(bad):
+    # Round 57: None swept the working directory, bytes raised a raw TypeError.
+    with pytest.raises(InvalidArgumentError, match="spill_dir must be a non-empty path"):
+        sweep_spill_dirs(bad)
 
 
 def _spill_fork_and_wait(name: str, spill_dir: str, use: bool, conn) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ class Episode:
         # and after it was stopped).
         self._putting: tuple[str, int, int | None] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
-        self._calls: dict[object, Any] = {}  # add_turn and close calls running: their frames
+        self._calls: dict[object, Any] = {}  # add_turn and close calls running: thread, frame
 
     @property
     def num_turns(self) -> int:
@@ -189,13 +190,15 @@ class Episode:
         done: `frame.clear()` refuses a running frame only. (Not `sys._current_frames()`: a
         collection inside it can hang CPython before 3.11.9, gh-106883.)"""
         caller, call = sys._getframe(1), object()  # (add_turn's or close's frame)
-        self._calls[call] = caller
+        self._calls[call] = (threading.current_thread().ident, caller)  # (enumerated)
         # This thread's call below the caller (it may not have entered yet), then the others.
         alone = not inside_call(self, caller.f_back, _CALLS)
-        for other, frame in list(self._calls.items()) if alone else ():
+        threads = {t.ident for t in threading.enumerate()}  # (after a fork: this one)
+        for other, (ident, frame) in list(self._calls.items()) if alone else ():
             if other is not call:
                 try:
-                    frame.clear()  # a call that is done: its entry was left by a stop
+                    if ident in threads:  # (a frame of a thread that is gone never ends)
+                        frame.clear()  # a call that is done: its entry was left by a stop
                 except RuntimeError:  # running
                     alone = False
                     break

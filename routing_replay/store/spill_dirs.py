@@ -85,6 +85,7 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
     Returns the path; the lock's descriptor goes into `users`, for the new handle to adopt."""
     path = store_spill_dir(spill_dir, name, store_uid)  # ours alone: the store's uid names it
     try:
+        home = home_record()  # (first: nothing made if it cannot be read)
         os.mkdir(path, DIR_MODE)
         os.chmod(path, DIR_MODE)  # whatever the umask
         # Locked under a name no sweep opens, then renamed: a sweep sees no users file (a
@@ -92,7 +93,7 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
         new = os.path.join(path, USERS_FILE + ".new")
         with open_file(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE) as file:
             os.fchmod(file.fileno(), FILE_MODE)  # whatever the umask
-            if os.write(file.fileno(), home_record()) != HOME_BYTES:  # where the store lives
+            if os.write(file.fileno(), home) != HOME_BYTES:  # where the store lives
                 raise OSError(errno.ENOSPC, "its users file could not be written whole", path)
         # Held read-only: a handle keeps no file of the disk open for writing (a remount
         # read-only would be refused).
@@ -186,11 +187,12 @@ def sweep_spill_dirs(
     A directory whose home record cannot be read (damaged) is judged as one of another
     /dev/shm that this one does not name. Only this user's own (mode 0700) directories are
     judged. Returns the paths removed (with `dry_run`: that would be)."""
+    root = spill_root_of(spill_dir)
     try:
-        entries = list(os.scandir(spill_dir))
+        entries, here = list(os.scandir(root)), home_record()
     except OSError:
-        return []
-    removed, here = [], home_record()
+        return []  # nothing to judge, or where this process is cannot be told now
+    removed = []
     for entry in entries:
         if entry.name.startswith(TOMB_PREFIX):  # a sweep stopped while removing it
             with contextlib.suppress(OSError):
@@ -285,23 +287,24 @@ def _unused(path: str) -> bool:
 
 
 def home_record() -> bytes:
-    """Where this process's stores live, as a store directory records it: the host's boot,
-    and the device and inode of its /dev/shm (another pod's is another tmpfs, or another
-    directory of one bound there), with a CRC-32."""
+    """Where this process's stores live, as a store directory records it: the host's boot
+    ("-" where the host has no boot id to read), and the device and inode of its /dev/shm
+    (another pod's is another tmpfs, or another directory of one bound there), with a
+    CRC-32. An OSError if either cannot be read now (out of descriptors, say)."""
     try:
         with open(BOOT_ID, "rb") as f:
-            boot = f.read(36).decode("ascii", "replace")
-    except OSError:
-        boot = "-"
-    try:
-        st = os.stat(segment.SHM_DIR)
-        dev, ino = st.st_dev, st.st_ino
-    except OSError:
-        dev = ino = 0
-    text = f"{boot:<36.36} {dev:016x} {ino:016x}"
+            boot = f.read(37).decode("ascii", "replace").strip()
+    except (FileNotFoundError, PermissionError):
+        boot = ""
+    if not _BOOT.fullmatch(boot):
+        boot = UNKNOWN_BOOT
+    st = os.stat(segment.SHM_DIR)
+    text = f"{boot:<36} {st.st_dev:016x} {st.st_ino:016x}"
     return f"{text} {zlib.crc32(text.encode()):08x}\n".encode()
 
 
+_BOOT = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+UNKNOWN_BOOT = "-"
 HOME_BYTES = 36 + 1 + 16 + 1 + 16 + 1 + 8 + 1  # the record's length
 
 
@@ -326,16 +329,19 @@ def _home_of(path: str) -> bytes | None:
 def _kept(path: str, here: bytes, name: str, store_uid: int, dead_owners: bool) -> bool:
     """Whether a sweep from `here` (`home_record`) keeps a store directory whatever its lock
     says (`sweep_spill_dirs`)."""
+    if _named_here(name, store_uid):
+        return True  # its store is in this /dev/shm, whatever its record says
     home = _home_of(path)
     if home == b"":
         return False  # no users file: judged by its age (`remove_spill_dir_if_unused`)
-    if home is not None and home[:36] != here[:36]:
-        return False  # another boot: its /dev/shm is gone
     if home == here:
-        return _named_here(name, store_uid)
-    # Another /dev/shm of this boot (or a record that cannot be read): left to sweeps that
-    # were asked for dead owners, unless this /dev/shm has the store.
-    return not dead_owners or _named_here(name, store_uid)
+        return False  # its store lived in this /dev/shm, which no longer has it
+    boots = {b.decode().strip() for b in (home[:36], here[:36])} if home is not None else set()
+    if len(boots) == 2 and UNKNOWN_BOOT not in boots:
+        return False  # another boot: its /dev/shm is gone
+    # Another /dev/shm of this boot (or a record or boot that cannot be read): left to
+    # sweeps asked for dead owners.
+    return not dead_owners
 
 
 def _named_here(name: str, store_uid: int) -> bool:
