@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 from store_stats import held
 
-from routing_replay import RoutingLayout, RoutingRef, RoutingStore, cu_seqlens, to_torch
+from routing_replay import (
+    PutRequest,
+    RoutingLayout,
+    RoutingRef,
+    RoutingStore,
+    cu_seqlens,
+    to_torch,
+)
 from routing_replay.errors import (
     DuplicateSampleError,
     InvalidArgumentError,
@@ -750,3 +757,41 @@ def test_writer_leases_run_out_with_a_clear_error_and_come_back(name):
         assert np.array_equal(store.get("mine"), sample(2)[0])
         assert np.array_equal(store.get("w0"), sample(1)[0])
         store.verify()
+
+
+def test_the_digests_of_a_put_hash_a_shared_prompt_once_and_equal_each_samples_own(name):
+    """A put's samples that share a prompt hash it once; each ref's digest is still
+    blake2b-64 of that sample's own int32 token ids: prompts shared, one differing in its
+    last prompt token, of other lengths, none, and whole-sample prompts."""
+    import hashlib
+
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, 1000, 40)
+    cases = []  # (tokens, prompt_len)
+    for j in range(3):
+        cases.append((np.concatenate([prompt, rng.integers(0, 1000, 20 + j)]), 40))
+    other = prompt.copy()
+    other[-1] += 1
+    cases += [
+        (np.concatenate([other, rng.integers(0, 1000, 8)]), 40),
+        (np.concatenate([prompt, rng.integers(0, 1000, 8)]), 40),
+        (np.concatenate([prompt, rng.integers(0, 1000, 8)]), 24),
+        (np.concatenate([prompt, rng.integers(0, 1000, 8)]), None),
+        (prompt.copy(), 40),
+        (prompt.copy(), 0),
+    ]
+    with RoutingStore.create(name, LAYOUT, 10_000, page_tokens=16) as store:
+        refs = store.put_many(
+            [
+                PutRequest(f"s{i}", LAYOUT.random_routes(rng, len(t)), prompt_len=n, token_ids=t)
+                for i, (t, n) in enumerate(cases)
+            ]
+        )
+    want = [
+        int.from_bytes(
+            hashlib.blake2b(t.astype(np.int32).tobytes(), digest_size=8).digest(), "little"
+        )
+        | 1
+        for t, _ in cases
+    ]
+    assert [r.tokens_digest for r in refs] == want

@@ -62,7 +62,7 @@ from routing_replay.store.refs import (
     timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
-from routing_replay.store.samples import token_digest
+from routing_replay.store.samples import token_digests
 from routing_replay.validate import host_array
 
 if TYPE_CHECKING:
@@ -125,6 +125,7 @@ class PutTransaction:
         if not requests:
             raise InvalidArgumentError("put_many needs at least one PutRequest")
         self.samples = [self._prepare(r) for r in requests]
+        self._key()
         t = core.tables
         if len(self.samples) == 1:
             self._twin = [[0] * len(self.samples[0].keys)]
@@ -172,18 +173,33 @@ class PutTransaction:
         if request.token_ids is not None:
             tokens = _token_ids(request.token_ids, num_tokens, sample_id)
         full = num_tokens // P * P if tokens is not None else 0
-        keys = page_keys(tokens[:full].reshape(-1, P)) if full else []
         return _Sample(
             raw_id=raw_id,
             rows=rows,
             tokens=tokens,
-            keys=keys,
+            keys=[],  # (`_key`)
             keyed=core.as_stored(rows[:full]),
             prompt_len=prompt_len,
-            digest=NO_DIGEST if tokens is None else token_digest(tokens),
+            digest=NO_DIGEST,  # (`_key`)
             versions=versions,
             num_pages=-(-num_tokens // P),
         )
+
+    def _key(self) -> None:
+        """The page keys and token digest of every sample with token ids, in one pass over
+        the put: one key computation for all, a shared prompt hashed once."""
+        P, given = self.core.page_tokens, [s for s in self.samples if s.tokens is not None]
+        if not given:
+            return
+        full = [len(s.tokens) // P for s in given]
+        if sum(full):
+            pages = np.concatenate([s.tokens[: n * P] for s, n in zip(given, full, strict=True)])
+            keys, at = page_keys(pages.reshape(-1, P)), 0
+            for s, n in zip(given, full, strict=True):
+                s.keys, at = keys[at : at + n], at + n
+        digests = token_digests([s.tokens for s in given], [s.prompt_len for s in given])
+        for s, digest in zip(given, digests, strict=True):
+            s.digest = digest
 
     def _batch_twins(self) -> None:
         """For every full page of every sample, the earliest sample of the put whose tokens
@@ -204,9 +220,12 @@ class PutTransaction:
                 group = heads.setdefault((twins[-1] if twins else -1, s.keys[i]), [])
                 match = next((j for j in group if self._same_pages(j, k, i, i + 1)), k)
                 twins.append(match)
-                if match == k:
-                    group.append(k)
-                    continue
+                if match == k:  # then so is every later page's: no earlier sample's group
+                    group.append(k)  # is under k (theirs are under earlier samples)
+                    rest = s.keys[i + 1 :]
+                    heads.update(((k, key), [k]) for key in rest)
+                    twins += [k] * len(rest)
+                    break
                 # A later page that `match` holds itself under the same key heads its group
                 # (no earlier sample has `match` as a twin), so page by page would compare
                 # `match` first there too: one comparison of the run decides those pages.
@@ -350,16 +369,19 @@ class PutTransaction:
             )
         first = samples.next_serial()
         hold.write()
-        refs = []
+        refs, keyed = [], ([], [], [])  # (pages, parents, keys) of the new full pages
         for n, s in enumerate(self.samples):
             new = resv.pages[s.local_base : s.local_base + s.num_pages - s.first_new]
             shared = [resv.pages[-2 - p] if p < NO_PAGE else p for p in s.shared]
             chain = np.concatenate([np.array(shared, dtype=np.int64), new]) if shared else new
             if len(new):
                 before = int(chain[s.first_new - 1]) if s.first_new else NO_PAGE
-                t.p_parent[new] = [before, *new[:-1].tolist()]
-            for i in range(s.first_new, len(s.keys)):
-                core.prefix.link(int(chain[i]), int(t.p_parent[chain[i]]), s.keys[i])
+                parents = [before, *new[:-1].tolist()]
+                t.p_parent[new] = parents
+                full = len(s.keys) - s.first_new  # (the last page may be partial: no key)
+                keyed[0].extend(new[:full].tolist())
+                keyed[1].extend(parents[:full])
+                keyed[2].extend(s.keys[s.first_new :])
             core.pages.reference(chain)
             serial = first + n
             samples.publish(
@@ -385,6 +407,8 @@ class PutTransaction:
                     serial,
                 )
             )
+        if keyed[0]:
+            core.prefix.link_many(*keyed)
         core.pages.publish(resv)
         samples.commit(first + len(self.samples))  # the commit point of the whole put
         t.timed("put", time.monotonic_ns() - self.started)
@@ -443,6 +467,9 @@ class PutTransaction:
         )
 
 
+_MAX_TOKEN = np.iinfo(TOKEN_DTYPE).max
+
+
 def _token_ids(token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
     """Checked token ids as stored (int32)."""
     tokens = host_array(token_ids, f"sample {sample_id!r}: token_ids")
@@ -451,7 +478,9 @@ def _token_ids(token_ids: Any, num_tokens: int, sample_id: str) -> np.ndarray:
             f"sample {sample_id!r}: token_ids must be a 1-D integer array with one id per "
             f"routes row ({num_tokens}), got shape {tokens.shape} and dtype {tokens.dtype}"
         )
-    if len(tokens) and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
+    low = tokens.dtype.kind == "i"  # (a bound the dtype cannot pass is not scanned for)
+    high = np.iinfo(tokens.dtype).max > _MAX_TOKEN
+    if len(tokens) and ((low and tokens.min() < 0) or (high and tokens.max() > _MAX_TOKEN)):
         raise InvalidArgumentError(
             f"sample {sample_id!r}: token ids must be in [0, 2**31), got "
             f"[{tokens.min()}, {tokens.max()}]"

@@ -47,6 +47,19 @@ def token_digest(token_ids: np.ndarray) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") | 1
 
 
+def token_digests(tokens: list[np.ndarray], prompt_lens: list[int]) -> list[int]:
+    """`token_digest` of each sample's int32 token ids; a prompt that the sample before has
+    too (GRPO's samples of one prompt) is hashed once, its hash state copied."""
+    digests, prompt, state = [], EMPTY, None
+    for ids, n in zip(tokens, prompt_lens, strict=True):
+        if n <= 0 or state is None or not np.array_equal(prompt, ids[:n]):
+            prompt, state = ids[: max(n, 0)], hashlib.blake2b(ids[: max(n, 0)], digest_size=8)
+        hashed = state.copy()
+        hashed.update(ids[len(prompt) :])
+        digests.append(int.from_bytes(hashed.digest(), "little") | 1)
+    return digests
+
+
 def checksum(
     raw_id: bytes,
     serial: int,
