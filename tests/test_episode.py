@@ -498,14 +498,18 @@ def test_a_fork_child_of_a_process_with_a_turn_running_can_go_on_with_the_episod
             with pytest.raises(RoutingReplayError, match="another call is inside"):
                 episode.add_turn(tokens, routes)  # (here that thread still runs)
             pid = os.fork()
-            if pid == 0:  # the child: the episode goes on there
-                code = 1
+            if pid == 0:  # the child: the episode goes on there, from a new thread
+                code, refs = 1, []  # (which may get the ident of the thread gone: round 58)
                 try:
-                    ref = episode.add_turn(tokens, routes)
-                    code = 0 if np.array_equal(store.get(ref), routes) else 2
+                    child = threading.Thread(
+                        target=lambda: refs.append(episode.add_turn(tokens, routes))
+                    )
+                    child.start()
+                    child.join(30)
+                    code = 0 if refs and np.array_equal(store.get(refs[0]), routes) else 2
                 finally:
                     os._exit(code)
-            assert os.waitpid(pid, 0)[1] == 0  # (before: exit 1, refused)
+            assert os.waitpid(pid, 0)[1] == 0  # (before: refused, exit 2)
         finally:
             go.set()
             thread.join(30)

@@ -190,14 +190,16 @@ class Episode:
         done: `frame.clear()` refuses a running frame only. (Not `sys._current_frames()`: a
         collection inside it can hang CPython before 3.11.9, gh-106883.)"""
         caller, call = sys._getframe(1), object()  # (add_turn's or close's frame)
-        self._calls[call] = (threading.current_thread().ident, caller)  # (enumerated)
+        self._calls[call] = (threading.current_thread(), caller)  # (enumerated from now)
         # This thread's call below the caller (it may not have entered yet), then the others.
         alone = not inside_call(self, caller.f_back, _CALLS)
-        threads = {t.ident for t in threading.enumerate()}  # (after a fork: this one)
-        for other, (ident, frame) in list(self._calls.items()) if alone else ():
+        # Threads as objects: after a fork only this one is left, and a new thread of the
+        # child may get the ident of one that is gone.
+        threads = set(threading.enumerate())
+        for other, (thread, frame) in list(self._calls.items()) if alone else ():
             if other is not call:
                 try:
-                    if ident in threads:  # (a frame of a thread that is gone never ends)
+                    if thread in threads:  # (a frame of a thread that is gone never ends)
                         frame.clear()  # a call that is done: its entry was left by a stop
                 except RuntimeError:  # running
                     alone = False

@@ -336,7 +336,9 @@ def _kept(path: str, here: bytes, name: str, store_uid: int, dead_owners: bool) 
         return False  # no users file: judged by its age (`remove_spill_dir_if_unused`)
     if home == here:
         return False  # its store lived in this /dev/shm, which no longer has it
-    boots = {b.decode().strip() for b in (home[:36], here[:36])} if home is not None else set()
+    boots = (
+        {b.decode("ascii", "replace").strip() for b in (home[:36], here[:36])} if home else set()
+    )
     if len(boots) == 2 and UNKNOWN_BOOT not in boots:
         return False  # another boot: its /dev/shm is gone
     # Another /dev/shm of this boot (or a record or boot that cannot be read): left to
