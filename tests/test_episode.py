@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import inspect
 import linecache
 import os
 import subprocess
@@ -515,3 +517,128 @@ def test_a_fork_child_of_a_process_with_a_turn_running_can_go_on_with_the_episod
             thread.join(30)
         assert len(said) == 1 and episode.num_turns == 1  # here: refused, nothing stored
         np.testing.assert_array_equal(store.get("e-t2"), routes)  # the child's turn
+
+
+def _alone_line(text: str) -> int:
+    """The line of `Episode._alone` whose code contains `text`."""
+    lines, first = inspect.getsourcelines(Episode._alone)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_of_two_calls_entered_at_once_the_first_goes_on(name):
+    # Round 59: a call was refused by any other entered call, so threads that called again
+    # after a refusal kept refusing each other (2 threads: 11 turns in 3 s). Now the call
+    # entered first goes on and the later one waits for it.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(4)
+    tokens, routes = rng.integers(0, 100, 30), layout.random_routes(rng, 30)
+    code, line = Episode._alone.__code__, _alone_line("alone = not inside_call")
+    entered = {who: threading.Event() for who in ("first", "second")}
+    go = {who: threading.Event() for who in ("first", "second")}
+    said = {}
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:10], routes[:10])
+
+        def turn(who: str, n: int) -> None:
+            def hook(frame, event, arg):
+                if frame.f_code is not code:
+                    return None
+                if event == "line" and frame.f_lineno == line:  # its frame entered
+                    entered[who].set()
+                    go[who].wait(30)
+                return hook
+
+            sys.settrace(hook)
+            try:
+                said[who] = episode.add_turn(tokens[:n], routes[:n])
+            except RoutingReplayError as e:
+                said[who] = e
+            finally:
+                sys.settrace(None)
+
+        first = threading.Thread(target=turn, args=("first", 20))
+        first.start()
+        assert entered["first"].wait(30)
+        second = threading.Thread(target=turn, args=("second", 30))
+        second.start()
+        assert entered["second"].wait(30)
+        go["first"].set()  # both entered: the first looks at the calls entered before it
+        first.join(30)
+        go["second"].set()
+        second.join(30)
+        assert isinstance(said["first"], RoutingRef), said  # (before: refused)
+        assert isinstance(said["second"], RoutingRef) and episode.num_turns == 3
+        np.testing.assert_array_equal(store.get(episode.ref), routes)
+
+
+@pytest.mark.stress  # 14 full collections of the suite's heap: 6 s
+def test_a_call_entering_while_another_copies_the_entries_is_no_raw_error(name):
+    # Round 59: `_alone` listed the live dict of entered calls; a collection during the
+    # listing ran a finalizer that let another thread enter, and the listing raised a raw
+    # RuntimeError (dictionary changed size). Each threshold makes the collection start at
+    # another allocation of that line.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(5)
+    tokens, routes = rng.integers(0, 100, 30), layout.random_routes(rng, 30)
+    code, line = Episode._alone.__code__, _alone_line("self._calls.")
+    entered_line = _alone_line("alone = not inside_call")
+    outcomes = []
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        for threshold in range(1, 8):
+            episode = Episode(store, f"e{threshold}")
+            episode.add_turn(tokens[:10], routes[:10])
+            go, inside, release, other = threading.Event(), threading.Event(), threading.Event(), []
+
+            def enter(episode=episode, go=go, inside=inside, release=release, other=other):
+                def hold(frame, event, arg):
+                    if event == "line" and frame.f_code is code and frame.f_lineno == entered_line:
+                        inside.set()
+                        release.wait(10)
+                    return hold
+
+                go.wait(10)
+                sys.settrace(hold)
+                try:
+                    other.append(episode.add_turn(tokens[:30], routes[:30]))
+                except RoutingReplayError as e:
+                    other.append(e)
+                finally:
+                    sys.settrace(None)
+
+            thread = threading.Thread(target=enter)
+            thread.start()
+
+            class Finalizer:
+                def __del__(self, go=go, inside=inside):
+                    go.set()
+                    inside.wait(10)  # the other thread's call has entered
+
+            def at(frame, event, arg, fired=[], threshold=threshold):  # noqa: B006 (once)
+                if event == "line" and frame.f_code is code and frame.f_lineno == line:
+                    if not fired:
+                        fired.append(1)
+                        gc.collect()
+                        cycle = Finalizer()
+                        cycle.me = cycle
+                        del cycle
+                        gc.set_threshold(threshold)
+                    return None
+                return at if frame.f_code is code else None
+
+            sys.settrace(at)
+            try:
+                episode.add_turn(tokens[:20], routes[:20])
+                outcomes.append("went on")
+            except RoutingReplayError:
+                outcomes.append("refused")
+            except RuntimeError as e:  # (before: dictionary changed size during iteration)
+                outcomes.append(f"raw: {e}")
+            finally:
+                sys.settrace(None)
+                gc.set_threshold(700)
+                go.set()
+                release.set()
+                thread.join(30)
+            gc.collect()
+    assert not [o for o in outcomes if o.startswith("raw")], outcomes

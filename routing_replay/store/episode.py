@@ -185,26 +185,29 @@ class Episode:
         of this thread that a signal handler interrupted. Returns the caller's entry in
         `_calls`, which it removes when it returns.
 
-        Each call enters its frame, then looks at the others' (of two at once, neither goes
-        on). A frame entered by a call that a stop cut short is dropped once that call is
-        done: `frame.clear()` refuses a running frame only. (Not `sys._current_frames()`: a
+        Each call enters its frame, then looks at the frames entered before its own (the
+        dict keeps their order): of calls at once the first goes on, the others are refused.
+        A frame entered by a call that a stop cut short is dropped once that call is done:
+        `frame.clear()` refuses a running frame only. (Not `sys._current_frames()`: a
         collection inside it can hang CPython before 3.11.9, gh-106883.)"""
         caller, call = sys._getframe(1), object()  # (add_turn's or close's frame)
         self._calls[call] = (threading.current_thread(), caller)  # (enumerated from now)
         # This thread's call below the caller (it may not have entered yet), then the others.
         alone = not inside_call(self, caller.f_back, _CALLS)
         # Threads as objects: after a fork only this one is left, and a new thread of the
-        # child may get the ident of one that is gone.
-        threads = set(threading.enumerate())
-        for other, (thread, frame) in list(self._calls.items()) if alone else ():
-            if other is not call:
-                try:
-                    if thread in threads:  # (a frame of a thread that is gone never ends)
-                        frame.clear()  # a call that is done: its entry was left by a stop
-                except RuntimeError:  # running
-                    alone = False
-                    break
-                self._calls.pop(other, None)
+        # child may get the ident of one that is gone. The entries copied in C: another
+        # thread may enter meanwhile.
+        threads, entries = set(threading.enumerate()), tuple(self._calls.copy().items())
+        for other, (thread, frame) in entries if alone else ():
+            if other is call:
+                break  # (the calls entered after this one wait for it)
+            try:
+                if thread in threads:  # (a frame of a thread that is gone never ends)
+                    frame.clear()  # a call that is done: its entry was left by a stop
+            except RuntimeError:  # running
+                alone = False
+                break
+            self._calls.pop(other, None)
         if not alone:
             self._calls.pop(call, None)
             raise RoutingReplayError(
