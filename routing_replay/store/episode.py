@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,8 @@ class Episode:
         # and after it was stopped).
         self._putting: tuple[str, int, int | None] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
-        self._calls: dict[object, Any] = {}  # add_turn and close calls running: thread, frame
+        # The add_turn and close calls running: their threads and frames (`_alone`).
+        self._calls: dict[object, tuple[threading.Thread, FrameType]] = {}
 
     @property
     def num_turns(self) -> int:

@@ -43,8 +43,7 @@ EMPTY = np.empty(0, dtype=np.int64)
 
 def token_digest(token_ids: np.ndarray) -> int:
     """64-bit digest of a sample's token ids (as int32): what a ref carries (never NO_DIGEST)."""
-    data = np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") | 1
+    return token_digests([np.ascontiguousarray(token_ids, dtype=TOKEN_DTYPE)], [0])[0]
 
 
 def token_digests(tokens: list[np.ndarray], prompt_lens: list[int]) -> list[int]:

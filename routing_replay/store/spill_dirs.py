@@ -99,7 +99,7 @@ def make_spill_dir(spill_dir: str, name: str, store_uid: int, users: list[int]) 
         # read-only would be refused).
         open_into(users, new, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fcntl.flock(users[0], fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new name: nobody holds it
-        os.rename(os.path.join(path, USERS_FILE + ".new"), os.path.join(path, USERS_FILE))
+        os.rename(new, os.path.join(path, USERS_FILE))
         return path
     except BaseException as e:
         close_each(users)
@@ -336,10 +336,8 @@ def _kept(path: str, here: bytes, name: str, store_uid: int, dead_owners: bool) 
         return False  # no users file: judged by its age (`remove_spill_dir_if_unused`)
     if home == here:
         return False  # its store lived in this /dev/shm, which no longer has it
-    boots = (
-        {b.decode("ascii", "replace").strip() for b in (home[:36], here[:36])} if home else set()
-    )
-    if len(boots) == 2 and UNKNOWN_BOOT not in boots:
+    boots, unknown = (home[:36], here[:36]) if home else (), UNKNOWN_BOOT.encode().ljust(36)
+    if boots and boots[0] != boots[1] and unknown not in boots:
         return False  # another boot: its /dev/shm is gone
     # Another /dev/shm of this boot (or a record or boot that cannot be read): left to
     # sweeps asked for dead owners.
