@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import linecache
@@ -29,6 +30,7 @@ from routing_replay.errors import (
     DuplicateSampleError,
     InvalidArgumentError,
     InvalidRoutesError,
+    StoreBusyError,
     TokenMismatchError,
 )
 from routing_replay.model.adapters import find_routers
@@ -302,6 +304,57 @@ def test_a_turn_stopped_at_any_line_never_releases_a_later_episodes_sample(name,
             assert len(store) == 0, f"line event {stop}"
             stop += stride
         assert stop > 10 * stride
+        store.verify()
+
+
+@pytest.mark.parametrize("stride", [pytest.param(1, marks=pytest.mark.slow), 11])
+def test_a_turn_stopped_inside_its_put_never_releases_a_live_twins_turn_put_meanwhile(name, stride):
+    # Round 60: two live episodes of one id (a restarted loop while the old one runs). At
+    # each line of the first's turn, the second (another handle, as from another process)
+    # puts that turn, then the first is stopped. Before, a put stopped before its commit
+    # judged a commit by a window of serials, the second's fell in it, and the first's
+    # next call released the second's sample.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(0)
+    mine, theirs_routes = layout.random_routes(rng, 10), layout.random_routes(rng, 10)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        other = RoutingStore.attach(name)
+        stop, outcomes = 1, set()
+        while True:
+            first, second = Episode(store, f"w{stop}"), Episode(other, f"w{stop}")
+            theirs = []
+
+            def meanwhile(second=second, theirs=theirs):
+                # Nothing put if the first's put committed, or holds the lock.
+                with contextlib.suppress(DuplicateSampleError, StoreBusyError):
+                    theirs.append(second.add_turn(np.arange(10), theirs_routes))
+                raise KeyboardInterrupt
+
+            try:
+                interrupted_at(
+                    stop, lambda e=first: e.add_turn(np.arange(10), mine), action=meanwhile
+                )
+                break  # ran to its end: every line was a stop point
+            except KeyboardInterrupt:
+                pass
+            if theirs:
+                assert theirs[0] in store, f"line event {stop}"
+                with pytest.raises(DuplicateSampleError):
+                    first.add_turn(np.arange(10), mine)
+                assert theirs[0] in store, f"line event {stop}: the live twin's turn released"
+                np.testing.assert_array_equal(store.get(theirs[0]), theirs_routes)
+                store.release(theirs)
+                outcomes.add("theirs kept")
+            else:  # the first's put committed, or never ran: the first goes on
+                if not first.num_turns:
+                    first.add_turn(np.arange(10), mine)
+                np.testing.assert_array_equal(store.get(first.close()), mine)
+                store.release([first.ref])
+                outcomes.add("mine")
+            assert len(store) == 0, f"line event {stop}"
+            stop += stride
+        other.close()
+        assert outcomes == {"theirs kept", "mine"} and stop > 10 * stride
         store.verify()
 
 

@@ -18,6 +18,7 @@ trainer gets.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from types import FrameType
@@ -37,7 +38,7 @@ from routing_replay.errors import (
 from routing_replay.layout import MISSING
 from routing_replay.store.calls import inside_call
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
-from routing_replay.store.refs import RoutingRef, sample_id_bytes, whole_number
+from routing_replay.store.refs import PutRequest, RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
 from routing_replay.validate import host_array
 
@@ -68,9 +69,8 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
-        # A turn's put until it is in `refs`: (sample id, store's next serial before it,
-        # and after it was stopped).
-        self._putting: tuple[str, int, int | None] | None = None
+        # A turn's put until it is in `refs`: (sample id, the mark its slot carries).
+        self._putting: tuple[str, int] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
         # The add_turn and close calls running: their threads and frames (`_alone`).
         self._calls: dict[object, tuple[threading.Thread, FrameType]] = {}
@@ -156,29 +156,16 @@ class Episode:
                 f"store {self.store.name!r} (another episode with this id?): give every "
                 "episode a unique id; nothing of this turn was stored"
             )
-        floor = self.store._next_serial()  # this put's serial, if it commits, is >= floor
-        self._putting = (sample_id, floor, None)  # (cleared by the next call once settled)
-        try:
-            try:
-                ref = self.store.put(
-                    sample_id,
-                    rows,
-                    prompt_len=self.prompt_len,
-                    token_ids=tokens,
-                    policy_version=versions or None,
-                )
-            except RoutingReplayError:
-                self._putting = None  # a put that raises stored nothing of itself
-                raise
-            turns = [*self.refs, ref]
-            # One line, no call in it: a stop lands before or after, never between the
-            # turn's ref and the state the next turn builds on.
-            self.refs, self._tokens, self._routes, self._versions = turns, tokens, rows, versions
-            self._putting = None
-        except BaseException:  # stopped (Ctrl-C): committed or not, below this serial
-            if self._putting is not None:
-                self._putting = (sample_id, floor, self.store._next_serial())
-            raise
+        mark = int.from_bytes(os.urandom(8), "little") | 1  # this put's, never NO_MARK
+        request = PutRequest(sample_id, rows, self.prompt_len, tokens, versions or None)
+        # Stopped (Ctrl-C) or raising, with or without its commit: the next call settles it.
+        self._putting = (sample_id, mark)
+        ref = self.store._put_marked(request, mark)
+        turns = [*self.refs, ref]
+        # One line, no call in it: a stop lands before or after, never between the turn's
+        # ref and the state the next turn builds on.
+        self.refs, self._tokens, self._routes, self._versions = turns, tokens, rows, versions
+        self._putting = None
         return ref
 
     def _alone(self) -> object:
@@ -223,15 +210,15 @@ class Episode:
     def _drop_unrecorded(self) -> None:
         """Release the sample of a turn whose put committed but never reached `refs` (an
         interruption in between), so that the turn can be added again and `close` leaves
-        nothing: the sample under its id if its put serial lies between the store's next
-        serial before the put and after the stop (a later put of that id is another's).
-        Cleared only once settled."""
+        nothing: the sample under its id if its slot carries that put's mark (a put of that
+        id by another, before, meanwhile or after, carries another). Cleared once settled."""
         if self._putting is None:
             return
-        sample_id, floor, ceiling = self._putting
+        sample_id, mark = self._putting
         recorded = bool(self.refs) and self.refs[-1].sample_id == sample_id
-        serial = self.store._serial_of(sample_id) if ceiling is not None else None
-        if not recorded and serial is not None and floor <= serial < ceiling:
+        stored = None if recorded else self.store._put_of(sample_id)
+        if stored is not None and stored[1] == mark:
+            serial = stored[0]
             ours = RoutingRef(
                 sample_id, self.store.name, self.store.node_id, 0, None, self.store.store_uid,
                 serial=serial,

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 MAGIC = b"RRSTORE1"
-VERSION = 9  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
+VERSION = 10  # 3: kernel leases, free stacks, checksums, store uid; 4: token ids; 5: put serials;
 # 6: spill to disk; 7: a release of several samples commits at one point; 8: put/read timings;
-# 9: the owner marks a store it removes
+# 9: the owner marks a store it removes; 10: a put's mark in its slot
 ALIGN = 64
 HEADER_BYTES = 4096
 MAX_SAMPLE_ID_BYTES = 128
@@ -48,6 +48,7 @@ NO_SERIAL = 0  # on a ref: the put is not checked (made by hand); in a slot: a f
 TOKEN_DTYPE = np.dtype("<i4")  # token ids as stored, read and compared
 MAX_SPILL_DIR_BYTES = 1024
 READ = 1  # slot flag: read since put. A hint for the spill order, set without the dirty flag
+NO_MARK = 0  # slot mark field: put without one
 NOT_SPILLED = 0  # slot spill field: the routes are in the segment's pages
 
 HEADER_DTYPE = np.dtype(
@@ -123,6 +124,9 @@ SLOT_DTYPE = np.dtype(
         # NOT_SPILLED, or the routes are in this store's spill file `spill_name(serial, spill)`
         # (the writer that spilled them): setting it is the commit point of a spill.
         ("spill", "<u8"),
+        # NO_MARK, or the putter's own random mark: after a stop, `Episode` tells its put
+        # from another's of the same id by it. Not in the checksum: it only names a put.
+        ("mark", "<u8"),
         ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
     ]
 )

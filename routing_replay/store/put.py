@@ -46,6 +46,7 @@ from routing_replay.store.format import (
     CHECK_CHUNK_BYTES,
     MIN_LOCK_WAIT_S,
     NO_DIGEST,
+    NO_MARK,
     NO_PAGE,
     TOKEN_DTYPE,
 )
@@ -118,9 +119,14 @@ class PutTransaction:
     """One put of one or more samples into a store: all of them are stored, or none."""
 
     def __init__(
-        self, core: StoreCore, requests: Sequence[PutRequest], timeout: float | None
+        self,
+        core: StoreCore,
+        requests: Sequence[PutRequest],
+        timeout: float | None,
+        mark: int = NO_MARK,
     ) -> None:
         self.core = core
+        self.mark = mark  # every slot's (`RoutingStore._put_marked`)
         self.timeout = core.put_timeout if timeout is None else timeout_seconds(timeout)
         if not requests:
             raise InvalidArgumentError("put_many needs at least one PutRequest")
@@ -393,6 +399,7 @@ class PutTransaction:
                 s.digest,
                 chain,
                 t.p_gen[chain],
+                self.mark,
             )
             refs.append(
                 RoutingRef(

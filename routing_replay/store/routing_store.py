@@ -585,17 +585,20 @@ class RoutingStore:
         from, while the read is valid, and its result is returned."""
         return read_settled(self._core, sample_ids, lambda plan: plan.wire(part, ranges, ship))
 
-    def _next_serial(self) -> int:
-        """The put serial the store gives next (a header field read once; `Episode`)."""
-        return int(self._core.tables.hdr["next_serial"])
+    @store_call
+    def _put_marked(self, request: PutRequest, mark: int) -> RoutingRef:
+        """`put` of one request whose slot carries `mark` (`Episode`: after a stop, `_put_of`
+        tells whether its put committed, whoever else put that id meanwhile)."""
+        return PutTransaction(self._core, [request], None, mark).run()[0]
 
     @store_call
-    def _serial_of(self, sample_id: str) -> int | None:
-        """The put serial of the sample stored under `sample_id`, None if none (`Episode`)."""
+    def _put_of(self, sample_id: str) -> tuple[int, int] | None:
+        """(put serial, mark) of the sample stored under `sample_id`, None if none."""
         raw_id = sample_id_bytes(sample_id)
         with self._core.lock.held("serial", self._core.deadline()):
             slot = self._core.samples.find(raw_id)
-            return None if slot == NO_PAGE else self._core.samples.serial(slot)
+            samples = self._core.samples
+            return None if slot == NO_PAGE else (samples.serial(slot), samples.mark(slot))
 
     @store_call
     def __contains__(self, sample_id: object) -> bool:

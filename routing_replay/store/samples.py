@@ -111,6 +111,10 @@ class SampleIndex:
         """The put serial of a slot; `chain` checks it."""
         return int(self._t.s_serial[slot])
 
+    def mark(self, slot: int) -> int:
+        """The mark its putter gave a slot (NO_MARK: none); unchecked, it only names a put."""
+        return int(self._t.s_mark[slot])
+
     def chain(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """(pages, their generations, num_tokens, prompt_len) of a published slot, every field
         (the digest too) range-checked and the checksum verified (under the lock)."""
@@ -209,10 +213,12 @@ class SampleIndex:
         digest: int,
         chain: np.ndarray,
         gens: np.ndarray,
+        mark: int,
     ) -> None:
         """Fill a taken slot and link it (inside a write); `commit` makes it stay."""
         t = self._t
         t.s_serial[slot] = serial
+        t.s_mark[slot] = mark
         t.s_num_tokens[slot] = num_tokens
         t.s_prompt_len[slot] = prompt_len
         t.s_digest[slot] = digest

@@ -190,6 +190,7 @@ class Tables:
     s_check: np.ndarray
     s_digest: np.ndarray
     s_serial: np.ndarray
+    s_mark: np.ndarray
     s_sample_id: np.ndarray
 
     def corrupt(self, what: str) -> CorruptStoreError:
