@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -570,6 +571,46 @@ def test_a_fork_child_of_a_process_with_a_turn_running_can_go_on_with_the_episod
             thread.join(30)
         assert len(said) == 1 and episode.num_turns == 1  # here: refused, nothing stored
         np.testing.assert_array_equal(store.get("e-t2"), routes)  # the child's turn
+
+
+def test_a_fork_child_never_releases_the_put_a_parent_thread_is_making(name):
+    # Round 61: a thread's turn waits inside its put (the store is full) when the process
+    # forks. The child's copy of the episode held that put's mark, and once the parent's
+    # put committed, the child's close() took it for its own stopped put and released it:
+    # the parent's ref named nothing.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(3)
+    tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
+    with RoutingStore.create(name, layout, 16, page_tokens=4) as store:
+        store.put_timeout = 30
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:8], routes[:8])
+        filler = store.put("filler", routes[:8])  # the store is full
+        refs = []
+        thread = threading.Thread(target=lambda: refs.append(episode.add_turn(tokens, routes)))
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while episode._putting is None and time.monotonic() < deadline:
+                time.sleep(0.001)  # until the turn is inside its put, waiting for room
+            pid = os.fork()
+            if pid == 0:  # the child: once the parent's turn is in, its copy closes
+                code = 1
+                try:
+                    while "e-t2" not in store and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    code = 0 if episode.close().sample_id == "e-t1" else 2
+                finally:
+                    os._exit(code)
+            store.release([filler])  # room: the parent's put commits
+            thread.join(30)
+            assert os.waitpid(pid, 0)[1] == 0
+        finally:
+            store.release([r for r in [filler] if r in store])
+            thread.join(30)
+        assert refs == [episode.ref] and refs[0] in store  # before: released by the child
+        np.testing.assert_array_equal(store.get(episode.close()), routes)
+        assert len(store) == 1
 
 
 def _alone_line(text: str) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from lean_workers import in_lean_workers
 
-from routing_replay import RoutingLayout, RoutingStore
+from routing_replay import Episode, RoutingLayout, RoutingStore
 from routing_replay import cli as cli_module
 from routing_replay.errors import CorruptStoreError, RoutingReplayError, StoreUnavailableError
 from routing_replay.store import list_stores, sweep_stores
@@ -418,6 +418,39 @@ def field_spans(raw: bytes) -> list[tuple[str, int, int]]:
     ):
         spans += [(f"{region}[{i}]", off[region] + 4 * i, 4) for i in range(count)]
     return spans
+
+
+def test_a_flipped_bit_of_a_turns_put_mark_is_caught(name):
+    # Round 61: the mark an Episode's put leaves in its slot was outside the checksum: a
+    # flipped bit passed verify(), and the turn, stopped after its commit, was refused for
+    # good (DuplicateSampleError) with its sample stranded. Each bit is caught now.
+    tokens, r = np.arange(12), routes(5, 12)
+    with RoutingStore.create(name, LAYOUT, 1024, page_tokens=4) as store:
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:8], r[:8])
+        ref = episode.add_turn(tokens, r)
+        with open(segment_path(name), "r+b") as f:
+            raw = f.read()
+            value = {w: raw[at : at + n] for w, at, n in field_spans(raw)}
+            (at,) = [
+                at
+                for w, at, n in field_spans(raw)
+                if w.endswith(".mark") and value[w.replace(".mark", ".serial")] != bytes(8)
+                and value[w.replace(".mark", ".sample_id")].rstrip(b"\0") == b"e-t2"
+            ]  # fmt: skip
+            for bit in range(64):
+                f.seek(at + bit // 8)
+                f.write(bytes([raw[at + bit // 8] ^ 1 << bit % 8]))
+                f.flush()
+                with pytest.raises(CorruptStoreError, match="checksum"):
+                    store.verify()
+                with pytest.raises(CorruptStoreError, match="checksum"):
+                    store.get(ref)
+                f.seek(at + bit // 8)
+                f.write(raw[at + bit // 8 : at + bit // 8 + 1])
+                f.flush()
+        store.verify()
+        np.testing.assert_array_equal(store.get(episode.close()), r)
 
 
 def region_of(what: str) -> str:

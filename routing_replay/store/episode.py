@@ -40,6 +40,7 @@ from routing_replay.store.calls import inside_call
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
 from routing_replay.store.refs import PutRequest, RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
+from routing_replay.store.segment import fork_epoch
 from routing_replay.validate import host_array
 
 TURN_DIGITS = 6  # turns an episode id leaves room for: up to 999,999
@@ -69,8 +70,9 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
-        # A turn's put until it is in `refs`: (sample id, the mark its slot carries).
-        self._putting: tuple[str, int] | None = None
+        # A turn's put until it is in `refs`: (sample id, the mark its slot carries, the
+        # fork epoch of the process that made it).
+        self._putting: tuple[str, int, int] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
         # The add_turn and close calls running: their threads and frames (`_alone`).
         self._calls: dict[object, tuple[threading.Thread, FrameType]] = {}
@@ -159,7 +161,7 @@ class Episode:
         mark = int.from_bytes(os.urandom(8), "little") | 1  # this put's, never NO_MARK
         request = PutRequest(sample_id, rows, self.prompt_len, tokens, versions or None)
         # Stopped (Ctrl-C) or raising, with or without its commit: the next call settles it.
-        self._putting = (sample_id, mark)
+        self._putting = (sample_id, mark, fork_epoch())
         ref = self.store._put_marked(request, mark)
         turns = [*self.refs, ref]
         # One line, no call in it: a stop lands before or after, never between the turn's
@@ -211,20 +213,22 @@ class Episode:
         """Release the sample of a turn whose put committed but never reached `refs` (an
         interruption in between), so that the turn can be added again and `close` leaves
         nothing: the sample under its id if its slot carries that put's mark (a put of that
-        id by another, before, meanwhile or after, carries another). Cleared once settled."""
+        id by another, before, meanwhile or after, carries another). A fork child's copy of
+        the episode leaves the parent's put to the parent (one of its threads may be making
+        it). Cleared once settled."""
         if self._putting is None:
             return
-        sample_id, mark = self._putting
+        sample_id, mark, epoch = self._putting
         recorded = bool(self.refs) and self.refs[-1].sample_id == sample_id
-        stored = None if recorded else self.store._put_of(sample_id)
+        ours = not recorded and epoch == fork_epoch()
+        stored = self.store._put_of(sample_id) if ours else None
         if stored is not None and stored[1] == mark:
-            serial = stored[0]
-            ours = RoutingRef(
+            put = RoutingRef(
                 sample_id, self.store.name, self.store.node_id, 0, None, self.store.store_uid,
-                serial=serial,
+                serial=stored[0],
             )  # fmt: skip
             with contextlib.suppress(SampleReplacedError, SampleNotFoundError):
-                self.store.release([ours])  # (that very put only)
+                self.store.release([put])  # (that very put only)
         self._putting = None
 
     def check_history(self, token_ids: Any, turn: int | None = None) -> None:

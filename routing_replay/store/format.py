@@ -125,7 +125,7 @@ SLOT_DTYPE = np.dtype(
         # (the writer that spilled them): setting it is the commit point of a spill.
         ("spill", "<u8"),
         # NO_MARK, or the putter's own random mark: after a stop, `Episode` tells its put
-        # from another's of the same id by it. Not in the checksum: it only names a put.
+        # from another's of the same id by it.
         ("mark", "<u8"),
         ("sample_id", f"S{MAX_SAMPLE_ID_BYTES}"),
     ]

@@ -593,12 +593,15 @@ class RoutingStore:
 
     @store_call
     def _put_of(self, sample_id: str) -> tuple[int, int] | None:
-        """(put serial, mark) of the sample stored under `sample_id`, None if none."""
-        raw_id = sample_id_bytes(sample_id)
+        """(put serial, mark) of the sample stored under `sample_id`, None if none; its slot
+        checked first (CorruptStoreError)."""
+        raw_id, samples = sample_id_bytes(sample_id), self._core.samples
         with self._core.lock.held("serial", self._core.deadline()):
-            slot = self._core.samples.find(raw_id)
-            samples = self._core.samples
-            return None if slot == NO_PAGE else (samples.serial(slot), samples.mark(slot))
+            slot = samples.find(raw_id)
+            if slot == NO_PAGE:
+                return None
+            samples.chain(slot)
+            return samples.serial(slot), samples.mark(slot)
 
     @store_call
     def __contains__(self, sample_id: object) -> bool:

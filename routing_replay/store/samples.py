@@ -67,12 +67,13 @@ def checksum(
     digest: int,
     chain: np.ndarray,
     gens: np.ndarray,
+    mark: int,
     spill: int = NOT_SPILLED,
 ) -> int:
     """crc32 of a sample's fields, chain pages and their generations (a spilled sample: its
     spill field and no chain)."""
     fields = np.array([num_tokens, prompt_len, len(chain)], dtype="<i4").tobytes()
-    words = np.array([digest, serial, spill], dtype="<u8").tobytes()
+    words = np.array([digest, serial, spill, mark], dtype="<u8").tobytes()
     crc = zlib.crc32(fields + words + raw_id)
     crc = zlib.crc32(np.ascontiguousarray(chain, dtype="<i4"), crc)
     return zlib.crc32(np.ascontiguousarray(gens, dtype="<u4"), crc)
@@ -112,7 +113,7 @@ class SampleIndex:
         return int(self._t.s_serial[slot])
 
     def mark(self, slot: int) -> int:
-        """The mark its putter gave a slot (NO_MARK: none); unchecked, it only names a put."""
+        """The mark its putter gave a slot (NO_MARK: none); `chain` checks it."""
         return int(self._t.s_mark[slot])
 
     def chain(self, slot: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -161,7 +162,8 @@ class SampleIndex:
         if not (tokens > 0 and -1 <= prompt_len <= tokens):
             raise t.corrupt(f"slot {slot}: {tokens} tokens, prompt_len {prompt_len}")
         raw_id, digest, serial = self.sample_id(slot), self.digest(slot), self.serial(slot)
-        check = checksum(raw_id, serial, tokens, prompt_len, digest, pages, gens, spill)
+        mark = self.mark(slot)
+        check = checksum(raw_id, serial, tokens, prompt_len, digest, pages, gens, mark, spill)
         if check != int(t.s_check[slot]):
             raise t.corrupt(
                 f"sample {raw_id.decode(errors='replace')!r} (slot {slot}) fails its checksum: "
@@ -227,7 +229,9 @@ class SampleIndex:
         t.s_sample_id[slot] = raw_id
         t.s_spill[slot] = NOT_SPILLED
         t.s_flags[slot] = 0
-        t.s_check[slot] = checksum(raw_id, serial, num_tokens, prompt_len, digest, chain, gens)
+        t.s_check[slot] = checksum(
+            raw_id, serial, num_tokens, prompt_len, digest, chain, gens, mark
+        )
         b = self._bucket(raw_id)
         t.s_next[slot] = t.sample_heads[b]
         t.sample_heads[b] = slot

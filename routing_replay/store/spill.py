@@ -607,6 +607,7 @@ def mark_spilled(t: Tables, slot: int, code: int) -> None:
         int(t.s_digest[slot]),
         EMPTY,
         EMPTY.astype(np.uint32),
+        int(t.s_mark[slot]),
         code,
     )
     t.s_num_pages[slot] = 0
