@@ -613,6 +613,45 @@ def test_a_fork_child_never_releases_the_put_a_parent_thread_is_making(name):
         assert len(store) == 1
 
 
+def test_a_fork_child_settles_a_turn_its_own_thread_stopped_before_the_fork(name):
+    # Round 62: a turn stopped after its put committed, then the process forks and the
+    # child goes on with the episode. Round 61's fix left every put made before a fork to
+    # the parent: the child's turn was refused for good and its sample stranded. A put the
+    # forking thread made was over at the fork: the child settles it.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(4)
+    tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
+
+    def stop_after_the_put(frame, event, arg):
+        here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        if frame.f_code is Episode._add_turn.__code__ and "turns = [*self.refs" in here:
+            raise KeyboardInterrupt
+        return stop_after_the_put
+
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:8], routes[:8])
+        sys.settrace(stop_after_the_put)
+        try:
+            episode.add_turn(tokens, routes)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert episode.num_turns == 1 and "e-t2" in store  # committed, not recorded
+        pid = os.fork()
+        if pid == 0:  # the child: the turn again, then close
+            code = 1
+            try:
+                episode.add_turn(tokens, routes)
+                ref = episode.close()
+                code = 0 if np.array_equal(store.get(ref), routes) else 2
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0  # before: DuplicateSampleError, exit 1
+        assert len(store) == 1 and "e-t2" in store  # the child's episode, nothing stranded
+
+
 def _alone_line(text: str) -> int:
     """The line of `Episode._alone` whose code contains `text`."""
     lines, first = inspect.getsourcelines(Episode._alone)

@@ -71,8 +71,8 @@ class Episode:
         self._versions: list[tuple[int, int]] = []
         self._closed = False
         # A turn's put until it is in `refs`: (sample id, the mark its slot carries, the
-        # fork epoch of the process that made it).
-        self._putting: tuple[str, int, int] | None = None
+        # fork epoch of the process and the thread that made it).
+        self._putting: tuple[str, int, int, threading.Thread] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
         # The add_turn and close calls running: their threads and frames (`_alone`).
         self._calls: dict[object, tuple[threading.Thread, FrameType]] = {}
@@ -155,13 +155,14 @@ class Episode:
         if sample_id in self.store:  # another's (a restarted loop's): never ours to release
             raise DuplicateSampleError(
                 f"episode {self.episode_id!r} turn {turn}: sample {sample_id!r} is already in "
-                f"store {self.store.name!r} (another episode with this id?): give every "
+                f"store {self.store.name!r} (another episode with this id, or this turn put "
+                "by another thread of the process this one was forked from?): give every "
                 "episode a unique id; nothing of this turn was stored"
             )
         mark = int.from_bytes(os.urandom(8), "little") | 1  # this put's, never NO_MARK
         request = PutRequest(sample_id, rows, self.prompt_len, tokens, versions or None)
         # Stopped (Ctrl-C) or raising, with or without its commit: the next call settles it.
-        self._putting = (sample_id, mark, fork_epoch())
+        self._putting = (sample_id, mark, fork_epoch(), threading.current_thread())
         ref = self.store._put_marked(request, mark)
         turns = [*self.refs, ref]
         # One line, no call in it: a stop lands before or after, never between the turn's
@@ -213,15 +214,15 @@ class Episode:
         """Release the sample of a turn whose put committed but never reached `refs` (an
         interruption in between), so that the turn can be added again and `close` leaves
         nothing: the sample under its id if its slot carries that put's mark (a put of that
-        id by another, before, meanwhile or after, carries another). A fork child's copy of
-        the episode leaves the parent's put to the parent (one of its threads may be making
-        it). Cleared once settled."""
+        id by another, before, meanwhile or after, carries another). A fork child settles a
+        put its forking thread made (done before the fork), never one of another thread of
+        the parent (that thread may still be making it). Cleared once settled."""
         if self._putting is None:
             return
-        sample_id, mark, epoch = self._putting
+        sample_id, mark, epoch, maker = self._putting
         recorded = bool(self.refs) and self.refs[-1].sample_id == sample_id
-        ours = not recorded and epoch == fork_epoch()
-        stored = self.store._put_of(sample_id) if ours else None
+        here = epoch == fork_epoch() or maker is threading.current_thread()
+        stored = self.store._put_of(sample_id) if here and not recorded else None
         if stored is not None and stored[1] == mark:
             put = RoutingRef(
                 sample_id, self.store.name, self.store.node_id, 0, None, self.store.store_uid,
