@@ -613,11 +613,13 @@ def test_a_fork_child_never_releases_the_put_a_parent_thread_is_making(name):
         assert len(store) == 1
 
 
-def test_a_fork_child_settles_a_turn_its_own_thread_stopped_before_the_fork(name):
+@pytest.mark.parametrize("stopped_in", ["the forking thread", "another thread"])
+def test_a_fork_child_settles_a_turn_stopped_before_the_fork(name, stopped_in):
     # Round 62: a turn stopped after its put committed, then the process forks and the
     # child goes on with the episode. Round 61's fix left every put made before a fork to
-    # the parent: the child's turn was refused for good and its sample stranded. A put the
-    # forking thread made was over at the fork: the child settles it.
+    # the parent: the child's turn was refused for good and its sample stranded. Round 63:
+    # round 62's fix settled it only if the forking thread had made it. A put whose call
+    # ended before the fork was over: the child settles it.
     layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
     rng = np.random.default_rng(4)
     tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
@@ -628,9 +630,7 @@ def test_a_fork_child_settles_a_turn_its_own_thread_stopped_before_the_fork(name
             raise KeyboardInterrupt
         return stop_after_the_put
 
-    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
-        episode = Episode(store, "e")
-        episode.add_turn(tokens[:8], routes[:8])
+    def stopped_turn():
         sys.settrace(stop_after_the_put)
         try:
             episode.add_turn(tokens, routes)
@@ -638,6 +638,16 @@ def test_a_fork_child_settles_a_turn_its_own_thread_stopped_before_the_fork(name
             pass
         finally:
             sys.settrace(None)
+
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:8], routes[:8])
+        if stopped_in == "another thread":
+            thread = threading.Thread(target=stopped_turn)
+            thread.start()
+            thread.join(30)
+        else:
+            stopped_turn()
         assert episode.num_turns == 1 and "e-t2" in store  # committed, not recorded
         pid = os.fork()
         if pid == 0:  # the child: the turn again, then close
@@ -650,6 +660,50 @@ def test_a_fork_child_settles_a_turn_its_own_thread_stopped_before_the_fork(name
                 os._exit(code)
         assert os.waitpid(pid, 0)[1] == 0  # before: DuplicateSampleError, exit 1
         assert len(store) == 1 and "e-t2" in store  # the child's episode, nothing stranded
+
+
+def test_a_fork_child_never_settles_a_turn_whose_call_ran_at_the_fork(name):
+    # Round 63: the thread making a turn forks inside that call (a signal handler, a
+    # hook), just before the put. Parent and child both put the turn under one mark; the
+    # parent's commits first, the child's is refused, and round 62's rule (the forking
+    # thread made it) let the child's close() release the parent's recorded turn.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(5)
+    tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        episode = Episode(store, "e")
+        episode.add_turn(tokens[:8], routes[:8])
+        pid = None
+
+        def fork_before_the_put(frame, event, arg):
+            nonlocal pid
+            here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            if frame.f_code is Episode._add_turn.__code__ and "._put_marked(" in here:
+                sys.settrace(None)
+                pid = os.fork()
+                if pid == 0:  # the child goes on once the parent's put is in
+                    deadline = time.monotonic() + 30
+                    while "e-t2" not in store and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                return None
+            return fork_before_the_put
+
+        sys.settrace(fork_before_the_put)
+        try:
+            ref = episode.add_turn(tokens, routes)
+        except DuplicateSampleError:  # the child: the parent's put is in
+            code = 1
+            try:
+                code = 0 if episode.close().sample_id == "e-t1" else 2
+            finally:
+                os._exit(code)
+        finally:
+            sys.settrace(None)
+            if pid == 0:
+                os._exit(3)  # (the child never gets here)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert ref == episode.ref and ref in store  # before: released by the child
+        np.testing.assert_array_equal(store.get(episode.close()), routes)
 
 
 def _alone_line(text: str) -> int:

@@ -71,8 +71,9 @@ class Episode:
         self._versions: list[tuple[int, int]] = []
         self._closed = False
         # A turn's put until it is in `refs`: (sample id, the mark its slot carries, the
-        # fork epoch of the process and the thread that made it).
-        self._putting: tuple[str, int, int, threading.Thread] | None = None
+        # fork epoch the put was made in, and the one its add_turn call ended in: None
+        # until it ends).
+        self._putting: tuple[str, int, int, int | None] | None = None
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
         # The add_turn and close calls running: their threads and frames (`_alone`).
         self._calls: dict[object, tuple[threading.Thread, FrameType]] = {}
@@ -107,6 +108,8 @@ class Episode:
             return self._add_turn(token_ids, routes, policy_version)
         finally:
             self._calls.pop(call, None)
+            if self._putting is not None and self._putting[3] is None:  # stopped or raised
+                self._putting = (*self._putting[:3], fork_epoch())
 
     def _add_turn(self, token_ids: Any, routes: Any, policy_version: int | None) -> RoutingRef:
         if self._closed:
@@ -162,7 +165,7 @@ class Episode:
         mark = int.from_bytes(os.urandom(8), "little") | 1  # this put's, never NO_MARK
         request = PutRequest(sample_id, rows, self.prompt_len, tokens, versions or None)
         # Stopped (Ctrl-C) or raising, with or without its commit: the next call settles it.
-        self._putting = (sample_id, mark, fork_epoch(), threading.current_thread())
+        self._putting = (sample_id, mark, fork_epoch(), None)
         ref = self.store._put_marked(request, mark)
         turns = [*self.refs, ref]
         # One line, no call in it: a stop lands before or after, never between the turn's
@@ -214,15 +217,16 @@ class Episode:
         """Release the sample of a turn whose put committed but never reached `refs` (an
         interruption in between), so that the turn can be added again and `close` leaves
         nothing: the sample under its id if its slot carries that put's mark (a put of that
-        id by another, before, meanwhile or after, carries another). A fork child settles a
-        put its forking thread made (done before the fork), never one of another thread of
-        the parent (that thread may still be making it). Cleared once settled."""
+        id by another, before, meanwhile or after, carries another). A fork child settles
+        only a put whose add_turn call had ended before the fork: one running then (in
+        another thread, or this one, forked from inside it) is the parent's to settle.
+        Cleared once settled."""
         if self._putting is None:
             return
-        sample_id, mark, epoch, maker = self._putting
+        sample_id, mark, epoch, ended = self._putting
         recorded = bool(self.refs) and self.refs[-1].sample_id == sample_id
-        here = epoch == fork_epoch() or maker is threading.current_thread()
-        stored = self.store._put_of(sample_id) if here and not recorded else None
+        over = epoch == fork_epoch() or (ended is not None and ended < fork_epoch())
+        stored = self.store._put_of(sample_id) if over and not recorded else None
         if stored is not None and stored[1] == mark:
             put = RoutingRef(
                 sample_id, self.store.name, self.store.node_id, 0, None, self.store.store_uid,
