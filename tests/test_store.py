@@ -17,6 +17,7 @@ import uuid
 
 import numpy as np
 import pytest
+from line_stops import PACKAGE
 from store_stats import held
 
 from routing_replay import (
@@ -263,6 +264,66 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
         assert os.path.exists(segment_path(name))  # the child's close() did not unlink
         stats = store.stats()
         assert (stats.samples, stats.pages_pending) == (2, 0)
+
+
+@pytest.mark.parametrize("stride", [pytest.param(3, marks=pytest.mark.slow), 23])
+def test_a_fork_inside_a_put_never_lets_the_child_write_the_store(name, stride):
+    # Round 63: a process forked inside a put, on the putting thread (a signal handler or
+    # a hook forks). The child went on with the put on the store itself, under a lock of
+    # its own, alongside the parent's: a store verify() calls corrupt, or the parent's put
+    # refused as a duplicate. The child's call now goes on with a copy of the store that
+    # only it sees, and the handle refuses every later call there.
+    routes = sample(7, max_len=40)[0]
+    tokens = np.arange(len(routes))
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=20_000, page_tokens=4) as store:
+        base = store.put("base", routes, token_ids=tokens)  # the put below shares its pages
+        stop, inherited = 1, 0
+        while True:
+            seen, pid, error = 0, None, None
+
+            def fork_at(frame, event, arg, stop=stop):
+                nonlocal seen, pid
+                if not frame.f_code.co_filename.startswith(PACKAGE):
+                    return None
+                if event == "line":
+                    seen += 1
+                    if seen == stop:
+                        sys.settrace(None)
+                        pid = os.fork()
+                        return None
+                return fork_at
+
+            sys.settrace(fork_at)
+            try:
+                store.put(f"s{stop}", routes, token_ids=tokens)
+            except BaseException as e:  # (the child's errors too: it must reach its exit)
+                error = e
+            finally:
+                sys.settrace(None)
+            if pid == 0:  # the child: did its handle refuse, or was the fork before the call?
+                code = 9
+                try:
+                    store.stats()
+                    code = 0
+                except StoreUnavailableError as e:
+                    code = 4 if "forked" in str(e) else 5
+                finally:
+                    os._exit(code)
+            if pid is None:  # the put ran to its end: every line was a fork point
+                assert error is None
+                break
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            assert code in (0, 4), f"line event {stop}: the child exited {code}"
+            inherited += code == 4
+            # The parent's put stored its sample, or (forked before its call began, the
+            # child put first) refused a duplicate; never a corrupt store or a wrong route.
+            assert error is None or isinstance(error, DuplicateSampleError), repr(error)
+            store.verify()
+            np.testing.assert_array_equal(store.get(f"s{stop}"), routes)
+            np.testing.assert_array_equal(store.get(base), routes)
+            store.release([f"s{stop}"])
+            stop += stride
+        assert inherited > 0.9 * (stop // stride) and stop > 700  # (the rest: its edges)
 
 
 def _die_inside_critical_section(name: str) -> None:

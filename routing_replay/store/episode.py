@@ -158,8 +158,8 @@ class Episode:
         if sample_id in self.store:  # another's (a restarted loop's): never ours to release
             raise DuplicateSampleError(
                 f"episode {self.episode_id!r} turn {turn}: sample {sample_id!r} is already in "
-                f"store {self.store.name!r} (another episode with this id, or this turn put "
-                "by another thread of the process this one was forked from?): give every "
+                f"store {self.store.name!r} (another episode with this id, or this turn "
+                "still being put when this process was forked: the parent's?): give every "
                 "episode a unique id; nothing of this turn was stored"
             )
         mark = int.from_bytes(os.urandom(8), "little") | 1  # this put's, never NO_MARK

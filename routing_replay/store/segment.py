@@ -29,11 +29,13 @@ import os
 import pwd
 import re
 import stat
+import threading
 import warnings
 import weakref
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.files import close_each, open_into
+from routing_replay.store.libc import map_privately
 from routing_replay.store.ofd_locks import lease_try
 
 # Where segments live: POSIX shared memory on Linux. ROUTING_REPLAY_SHM_DIR points the
@@ -118,6 +120,8 @@ class Segment:
         self.fd = fd  # the mapped description: fstat, reopening; never locked
         self._lock_fd = lock_fd
         self.epoch = _fork_epoch
+        self.private = False  # `keep_to_itself`: this process's copy, no longer the store
+        self.calls: dict[object, int] = {}  # the store calls in flight (`StoreCore.calls`)
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
         # What close() closes, once: the list create/attach filled as they opened, so that
@@ -278,6 +282,14 @@ class Segment:
         with contextlib.suppress(BufferError):
             self.mmap.close()
 
+    def keep_to_itself(self) -> None:
+        """In a forked child whose forking thread was inside a call of this store: map the
+        file copy-on-write at the same address, so that the call goes on (its views stay
+        valid) without ever writing the parent's tables or pages."""
+        if not map_privately(self.mmap, self.fd):  # (no memory): a write would reach the
+            os._exit(70)  # parent's store, so the child ends here
+        self.private = True
+
     def _forget_parents_locks(self) -> None:
         """In a forked child: close the lock description shared with the parent."""
         if self._lock_fd >= 0:
@@ -372,8 +384,11 @@ def _after_fork_in_child() -> None:
     with the parent; stores see the new epoch and take leases and thread locks of their own."""
     global _fork_epoch
     _fork_epoch += 1
+    me = threading.get_ident()  # (the forking thread: the only one left)
     for segment in list(_SEGMENTS):
         segment._forget_parents_locks()
+        if me in list(segment.calls.values()):  # forked inside a call: it goes on, alone
+            segment.keep_to_itself()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
