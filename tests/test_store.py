@@ -40,7 +40,7 @@ from routing_replay.errors import (
 )
 from routing_replay.store import token_digest
 from routing_replay.store.lock import interleave
-from routing_replay.store.segment import segment_path
+from routing_replay.store.segment import FORKED_INSIDE_EXIT, segment_path
 
 # 6 layers, the first and fourth dense (DeepSeek-style), top-2 of 16 experts.
 LAYOUT = RoutingLayout(num_layers=6, top_k=2, num_experts=16, moe_layers=(1, 2, 4, 5))
@@ -267,12 +267,12 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
 
 
 @pytest.mark.parametrize("stride", [pytest.param(3, marks=pytest.mark.slow), 23])
-def test_a_fork_inside_a_put_never_lets_the_child_write_the_store(name, stride):
-    # Round 63: a process forked inside a put, on the putting thread (a signal handler or
-    # a hook forks). The child went on with the put on the store itself, under a lock of
-    # its own, alongside the parent's: a store verify() calls corrupt, or the parent's put
-    # refused as a duplicate. The child's call now goes on with a copy of the store that
-    # only it sees, and the handle refuses every later call there.
+def test_a_child_forked_inside_a_put_ends_before_it_touches_the_store(name, stride):
+    # Rounds 63-64: a process forked inside a put, on the putting thread (a signal handler
+    # or a hook forks). The child went on with the put on the store itself, under a lock
+    # of its own, alongside the parent's: a store verify() calls corrupt, or the parent's
+    # put refused as a duplicate. Such a child now exits at once (status 70), before any
+    # line of the call runs there.
     routes = sample(7, max_len=40)[0]
     tokens = np.arange(len(routes))
     with RoutingStore.create(name, LAYOUT, capacity_tokens=20_000, page_tokens=4) as store:
@@ -300,21 +300,19 @@ def test_a_fork_inside_a_put_never_lets_the_child_write_the_store(name, stride):
                 error = e
             finally:
                 sys.settrace(None)
-            if pid == 0:  # the child: did its handle refuse, or was the fork before the call?
+            if pid == 0:  # the child of a fork before the call began, or after it ended
                 code = 9
                 try:
                     store.stats()
                     code = 0
-                except StoreUnavailableError as e:
-                    code = 4 if "forked" in str(e) else 5
                 finally:
                     os._exit(code)
             if pid is None:  # the put ran to its end: every line was a fork point
                 assert error is None
                 break
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            assert code in (0, 4), f"line event {stop}: the child exited {code}"
-            inherited += code == 4
+            assert code in (0, FORKED_INSIDE_EXIT), f"line event {stop}: the child exited {code}"
+            inherited += code == FORKED_INSIDE_EXIT
             # The parent's put stored its sample, or (forked before its call began, the
             # child put first) refused a duplicate; never a corrupt store or a wrong route.
             assert error is None or isinstance(error, DuplicateSampleError), repr(error)
@@ -324,6 +322,58 @@ def test_a_fork_inside_a_put_never_lets_the_child_write_the_store(name, stride):
             store.release([f"s{stop}"])
             stop += stride
         assert inherited > 0.9 * (stop // stride) and stop > 700  # (the rest: its edges)
+
+
+def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tmp_path):
+    # Round 64: a fork inside RoutingStore.create (with a spill directory): the child's
+    # create went on, failed, and its clean-up removed the parent's new segment and spill
+    # directory; or, forked before the handle knew its owner, the child removed the store
+    # as its owner. Such a child now exits at once (status 70).
+    routes = sample(8, max_len=40)[0]
+    stop, inherited = 1, 0
+    while True:
+        seen, pid, made = 0, None, None
+
+        def fork_at(frame, event, arg, stop=stop):
+            nonlocal seen, pid
+            if not frame.f_code.co_filename.startswith(PACKAGE):
+                return None
+            if event == "line":
+                seen += 1
+                if seen == stop:
+                    sys.settrace(None)
+                    pid = os.fork()
+                    return None
+            return fork_at
+
+        sys.settrace(fork_at)
+        try:
+            made = RoutingStore.create(f"{name}-{stop}", LAYOUT, 4096, spill_dir=str(tmp_path))
+        except BaseException as e:  # (the child's errors too: it must reach its exit)
+            made = e
+        finally:
+            sys.settrace(None)
+        if pid == 0:  # forked before the create began: its own create (one of two wins)
+            os._exit(0 if not isinstance(made, RoutingStore) else made.unlink() or 1)
+        if pid is None:
+            made.close()
+            made.unlink()
+            break
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        inherited += code == FORKED_INSIDE_EXIT
+        if code == FORKED_INSIDE_EXIT:  # the parent's store is whole and its own
+            with made as store:
+                store.put("s", routes)
+                with RoutingStore.attach(store.name) as other:  # (another process's view)
+                    np.testing.assert_array_equal(other.get("s"), routes)
+                assert os.path.isdir(store.spill_dir)
+        else:  # the child's create came first, or the parent's did and the child's failed
+            assert code in (0, 1), f"line event {stop}: the child exited {code}"
+            if isinstance(made, RoutingStore):
+                made.close()
+                made.unlink()
+        stop += 5
+    assert inherited > 0.5 * (stop // 5)
 
 
 def _die_inside_critical_section(name: str) -> None:

@@ -589,5 +589,6 @@ def test_a_cached_mapping_another_thread_closed_is_judged_gone_not_raised(name):
         segment._lock_fd = real_fd
         with contextlib.suppress(Exception):
             closing.close()
+        other.unlink()
         other.close()
         owner.close()

@@ -3,7 +3,7 @@
 One small object per concept, read in this order:
 
 - `ofd_locks`: leases, the kernel's byte-range locks (free when their holder is gone);
-- `libc`: memcmp and a copy-on-write mapping, the C calls numpy and `mmap` lack;
+- `libc`: memcmp, a compare numpy lacks (it writes nothing);
 - `segment`: the shared-memory file, its trusted creation and attachment, its locks;
 - `format`: constants, record types and regions of the segment;
 - `tables`: typed views of one segment and their bounds checks;

@@ -50,34 +50,23 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
                 raise closed_error(
                     core.name, closed=core.segment.fd < 0 or core.segment.mmap.closed
                 )
-            if core.segment.private and not nested:
-                raise forked_inside_error(core.name)
             return method(self, *args, **kwargs)
         except BaseException as e:
             forget_frames(e)
-            if core.segment.private and isinstance(e, Exception):  # (a copy: lock fd gone)
-                raise forked_inside_error(core.name) from e
             raise
         finally:
-            core.calls.pop(token, None)
-            if not nested and not core.segment.private:  # (a copy's locks are not the store's)
-                core.lock.settle()
-                core.spill.settle()
+            try:
+                if not nested:
+                    core.lock.settle()
+                    core.spill.settle()
+            finally:
+                core.calls.pop(token, None)  # (after settling: a fork there ends the child)
 
     _CALLS.add(call.__code__)
     return call
 
 
 _CALLS: set[Any] = set()  # the code of `store_call`'s wrapper
-
-
-def forked_inside_error(name: str) -> StoreUnavailableError:
-    """The error of a handle whose process was forked inside one of its calls."""
-    return StoreUnavailableError(
-        f"store {name!r}: this process was forked while a call of this handle ran on the "
-        "forking thread; that call went on with a copy of the store, never the store itself "
-        f"(the parent's call is the one that counts). Attach again: RoutingStore.attach({name!r})"
-    )
 
 
 def calls_running(frame: Any) -> int:

@@ -64,7 +64,7 @@ from routing_replay.store.refs import (
     timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
-from routing_replay.store.segment import Segment
+from routing_replay.store.segment import Segment, making
 from routing_replay.store.spill import page_file_bytes, spill_slots
 from routing_replay.store.spill_dirs import (
     budget_for,
@@ -231,19 +231,20 @@ class RoutingStore:
         }
         seg = None
         spill_path, users = "", []  # the dir's users lock: the new handle adopts it
-        try:
-            seg = Segment.create(name, offsets["end"], OWNER_LEASE)
-            if spill_root:  # after the segment: a directory whose store is gone is an orphan
-                spill_path = make_spill_dir(spill_root, name, uid, users)
-            initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
-            return cls(seg, put_timeout, users)
-        except BaseException as e:
-            forget_frames(e)  # views of the half-made handle in the error: the mapping goes
-            close_each(users)  # made or not, its lock on the directory goes
-            if seg is not None:
-                seg.discard()  # nothing half-made stays behind, no descriptor stays open
-            remove_spill_dir(spill_path)
-            raise
+        with making():  # (a child forked in here ends: its clean-up would remove the store)
+            try:
+                seg = Segment.create(name, offsets["end"], OWNER_LEASE)
+                if spill_root:  # after the segment: a directory whose store is gone is an orphan
+                    spill_path = make_spill_dir(spill_root, name, uid, users)
+                initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
+                return cls(seg, put_timeout, users)
+            except BaseException as e:
+                forget_frames(e)  # views of the half-made handle in the error: the mapping goes
+                close_each(users)  # made or not, its lock on the directory goes
+                if seg is not None:
+                    seg.discard()  # nothing half-made stays behind, no descriptor stays open
+                remove_spill_dir(spill_path)
+                raise
 
     @classmethod
     def attach(

@@ -10,9 +10,8 @@ Every handle has two descriptions of the file: one mapped (the data), and one fo
 (`Segment.lock_fd`), never mapped. Kernel file locks belong to an open file description
 and last until its last reference goes, and a mapping is a reference: locks on the mapped
 description would outlive a dead holder as long as a forked child still maps the file.
-In a forked child the lock description is closed at once (see `_after_fork_in_child`)
-and a new one opened on first use, so a child never holds, or keeps alive, its parent's
-locks.
+In a forked child the lock description is closed at once and a new one opened on first
+use: a child never holds, or keeps alive, its parent's locks (`_after_fork_in_child`).
 
 Two kinds of lock, independent on Linux: `flock` on the whole file is the store's commit
 lock; open-file-description (OFD) byte-range locks at offsets past any data are leases,
@@ -32,10 +31,10 @@ import stat
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
 from routing_replay.store.files import close_each, open_into
-from routing_replay.store.libc import map_privately
 from routing_replay.store.ofd_locks import lease_try
 
 # Where segments live: POSIX shared memory on Linux. ROUTING_REPLAY_SHM_DIR points the
@@ -50,6 +49,8 @@ OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _fork_epoch = 0  # bumped in every forked child: handles notice they were inherited
+_MAKING: set[int] = set()  # threads inside a RoutingStore.create (`making`)
+FORKED_INSIDE_EXIT = 70  # a child forked inside a store call exits with this status
 
 
 def fork_epoch() -> int:
@@ -120,7 +121,6 @@ class Segment:
         self.fd = fd  # the mapped description: fstat, reopening; never locked
         self._lock_fd = lock_fd
         self.epoch = _fork_epoch
-        self.private = False  # `keep_to_itself`: this process's copy, no longer the store
         self.calls: dict[object, int] = {}  # the store calls in flight (`StoreCore.calls`)
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
@@ -282,14 +282,6 @@ class Segment:
         with contextlib.suppress(BufferError):
             self.mmap.close()
 
-    def keep_to_itself(self) -> None:
-        """In a forked child whose forking thread was inside a call of this store: map the
-        file copy-on-write at the same address, so that the call goes on (its views stay
-        valid) without ever writing the parent's tables or pages."""
-        if not map_privately(self.mmap, self.fd):  # (no memory): a write would reach the
-            os._exit(70)  # parent's store, so the child ends here
-        self.private = True
-
     def _forget_parents_locks(self) -> None:
         """In a forked child: close the lock description shared with the parent."""
         if self._lock_fd >= 0:
@@ -380,15 +372,29 @@ _SEGMENTS: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    """In a forked child (one thread): every segment drops the lock description it shares
-    with the parent; stores see the new epoch and take leases and thread locks of their own."""
+    """In a forked child: segments drop the parent's lock description. A child forked inside
+    a store call (by a signal handler or a hook) ends: it would change the parent's store."""
     global _fork_epoch
     _fork_epoch += 1
     me = threading.get_ident()  # (the forking thread: the only one left)
+    inside = [f"a call of store {s.name!r}" for s in _SEGMENTS if me in list(s.calls.values())]
     for segment in list(_SEGMENTS):
         segment._forget_parents_locks()
-        if me in list(segment.calls.values()):  # forked inside a call: it goes on, alone
-            segment.keep_to_itself()
+    if inside or me in _MAKING:
+        what = (inside or ["a RoutingStore.create"])[0]
+        os.write(2, f"routing_replay: process {os.getpid()} was forked inside {what}: it exits "
+            f"({FORKED_INSIDE_EXIT}); fork outside store calls\n".encode())  # fmt: skip
+        os._exit(FORKED_INSIDE_EXIT)
+
+
+@contextlib.contextmanager
+def making() -> Iterator[None]:
+    """Around a store's creation: a child forked inside it ends (`_after_fork_in_child`)."""
+    _MAKING.add(threading.get_ident())
+    try:
+        yield
+    finally:
+        _MAKING.discard(threading.get_ident())
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
