@@ -52,3 +52,32 @@ def interrupted_at(
     finally:
         sys.settrace(None)
     return seen, result
+
+
+def forked_at(stop: int, call: Callable[[], Any]) -> tuple[int | None, Any]:
+    """Run `call`, forking at its `stop`-th line event in package code (as a signal handler
+    or a hook that forks would). Returns (pid, outcome): pid None if `call` ended first, 0
+    in the child, the child's in the parent; outcome what `call` returned or raised (the
+    child's errors too: it must reach its exit)."""
+    seen, pid = 0, None
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal seen, pid
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "line":
+            seen += 1
+            if seen == stop:
+                sys.settrace(None)
+                pid = os.fork()
+                return None
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        outcome = call()
+    except BaseException as e:
+        outcome = e
+    finally:
+        sys.settrace(None)
+    return pid, outcome

@@ -17,7 +17,7 @@ import uuid
 
 import numpy as np
 import pytest
-from line_stops import PACKAGE
+from line_stops import forked_at
 from store_stats import held
 
 from routing_replay import (
@@ -279,27 +279,10 @@ def test_a_child_forked_inside_a_put_ends_before_it_touches_the_store(name, stri
         base = store.put("base", routes, token_ids=tokens)  # the put below shares its pages
         stop, inherited = 1, 0
         while True:
-            seen, pid, error = 0, None, None
-
-            def fork_at(frame, event, arg, stop=stop):
-                nonlocal seen, pid
-                if not frame.f_code.co_filename.startswith(PACKAGE):
-                    return None
-                if event == "line":
-                    seen += 1
-                    if seen == stop:
-                        sys.settrace(None)
-                        pid = os.fork()
-                        return None
-                return fork_at
-
-            sys.settrace(fork_at)
-            try:
-                store.put(f"s{stop}", routes, token_ids=tokens)
-            except BaseException as e:  # (the child's errors too: it must reach its exit)
-                error = e
-            finally:
-                sys.settrace(None)
+            pid, put = forked_at(
+                stop, lambda stop=stop: store.put(f"s{stop}", routes, token_ids=tokens)
+            )
+            error = put if isinstance(put, BaseException) else None
             if pid == 0:  # the child of a fork before the call began, or after it ended
                 code = 9
                 try:
@@ -332,27 +315,12 @@ def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tm
     routes = sample(8, max_len=40)[0]
     stop, inherited = 1, 0
     while True:
-        seen, pid, made = 0, None, None
-
-        def fork_at(frame, event, arg, stop=stop):
-            nonlocal seen, pid
-            if not frame.f_code.co_filename.startswith(PACKAGE):
-                return None
-            if event == "line":
-                seen += 1
-                if seen == stop:
-                    sys.settrace(None)
-                    pid = os.fork()
-                    return None
-            return fork_at
-
-        sys.settrace(fork_at)
-        try:
-            made = RoutingStore.create(f"{name}-{stop}", LAYOUT, 4096, spill_dir=str(tmp_path))
-        except BaseException as e:  # (the child's errors too: it must reach its exit)
-            made = e
-        finally:
-            sys.settrace(None)
+        pid, made = forked_at(
+            stop,
+            lambda stop=stop: RoutingStore.create(
+                f"{name}-{stop}", LAYOUT, 4096, spill_dir=str(tmp_path)
+            ),
+        )
         if pid == 0:  # forked before the create began: its own create (one of two wins)
             os._exit(0 if not isinstance(made, RoutingStore) else made.unlink() or 1)
         if pid is None:
