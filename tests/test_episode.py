@@ -36,6 +36,7 @@ from routing_replay.errors import (
 )
 from routing_replay.model.adapters import find_routers
 from routing_replay.model.agreement import routing_agreement
+from routing_replay.store.segment import FORKED_INSIDE_EXIT
 from routing_replay.testing import tiny_moe
 
 
@@ -662,48 +663,40 @@ def test_a_fork_child_settles_a_turn_stopped_before_the_fork(name, stopped_in):
         assert len(store) == 1 and "e-t2" in store  # the child's episode, nothing stranded
 
 
-def test_a_fork_child_never_settles_a_turn_whose_call_ran_at_the_fork(name):
-    # Round 63: the thread making a turn forks inside that call (a signal handler, a
-    # hook), just before the put. Parent and child both put the turn under one mark; the
-    # parent's commits first, the child's is refused, and round 62's rule (the forking
-    # thread made it) let the child's close() release the parent's recorded turn.
+def test_a_child_forked_inside_a_turn_ends_and_the_parents_turn_stands(name):
+    # Rounds 63 and 65: the thread making a turn forked inside that call (a signal handler,
+    # a hook), before its put. Parent and child both put the turn; the child's copy then
+    # released the parent's recorded turn (round 62's rule), or, winning the put, left
+    # the parent's turn refused for good. A child forked inside a turn now ends at once.
     layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
     rng = np.random.default_rng(5)
     tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
     with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
-        episode = Episode(store, "e")
-        episode.add_turn(tokens[:8], routes[:8])
-        pid = None
+        for line in ("check_history(tokens", "._put_marked(", "turns = [*self.refs"):
+            episode, pid = Episode(store, f"e{len(line)}"), None
+            episode.add_turn(tokens[:8], routes[:8])
 
-        def fork_before_the_put(frame, event, arg):
-            nonlocal pid
-            here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-            if frame.f_code is Episode._add_turn.__code__ and "._put_marked(" in here:
-                sys.settrace(None)
-                pid = os.fork()
-                if pid == 0:  # the child goes on once the parent's put is in
-                    deadline = time.monotonic() + 30
-                    while "e-t2" not in store and time.monotonic() < deadline:
-                        time.sleep(0.001)
-                return None
-            return fork_before_the_put
+            def fork_there(frame, event, arg, line=line):
+                nonlocal pid
+                here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+                if frame.f_code is Episode._add_turn.__code__ and line in here:
+                    sys.settrace(None)
+                    pid = os.fork()
+                    return None
+                return fork_there
 
-        sys.settrace(fork_before_the_put)
-        try:
-            ref = episode.add_turn(tokens, routes)
-        except DuplicateSampleError:  # the child: the parent's put is in
-            code = 1
+            sys.settrace(fork_there)
             try:
-                code = 0 if episode.close().sample_id == "e-t1" else 2
+                ref = episode.add_turn(tokens, routes)
             finally:
-                os._exit(code)
-        finally:
-            sys.settrace(None)
-            if pid == 0:
-                os._exit(3)  # (the child never gets here)
-        assert os.waitpid(pid, 0)[1] == 0
-        assert ref == episode.ref and ref in store  # before: released by the child
-        np.testing.assert_array_equal(store.get(episode.close()), routes)
+                sys.settrace(None)
+                if pid == 0:
+                    os._exit(3)  # (the child never gets here: it ended in the fork)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == FORKED_INSIDE_EXIT
+            assert ref == episode.ref and ref in store, line
+            np.testing.assert_array_equal(store.get(episode.close()), routes)
+            assert len(store) == 1
+            store.release([ref])
 
 
 def _alone_line(text: str) -> int:

@@ -272,39 +272,30 @@ def test_a_child_forked_inside_a_put_ends_before_it_touches_the_store(name, stri
     # or a hook forks). The child went on with the put on the store itself, under a lock
     # of its own, alongside the parent's: a store verify() calls corrupt, or the parent's
     # put refused as a duplicate. Such a child now exits at once (status 70), before any
-    # line of the call runs there.
+    # line of the call runs there, from the call's first line (round 65: not before it
+    # registered).
     routes = sample(7, max_len=40)[0]
     tokens = np.arange(len(routes))
     with RoutingStore.create(name, LAYOUT, capacity_tokens=20_000, page_tokens=4) as store:
         base = store.put("base", routes, token_ids=tokens)  # the put below shares its pages
-        stop, inherited = 1, 0
+        stop = 1
         while True:
             pid, put = forked_at(
                 stop, lambda stop=stop: store.put(f"s{stop}", routes, token_ids=tokens)
             )
-            error = put if isinstance(put, BaseException) else None
-            if pid == 0:  # the child of a fork before the call began, or after it ended
-                code = 9
-                try:
-                    store.stats()
-                    code = 0
-                finally:
-                    os._exit(code)
+            if pid == 0:
+                os._exit(3)  # (never: a child forked inside a store call ends in the fork)
             if pid is None:  # the put ran to its end: every line was a fork point
-                assert error is None
                 break
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            assert code in (0, FORKED_INSIDE_EXIT), f"line event {stop}: the child exited {code}"
-            inherited += code == FORKED_INSIDE_EXIT
-            # The parent's put stored its sample, or (forked before its call began, the
-            # child put first) refused a duplicate; never a corrupt store or a wrong route.
-            assert error is None or isinstance(error, DuplicateSampleError), repr(error)
+            assert code == FORKED_INSIDE_EXIT, f"line event {stop}: the child exited {code}"
+            assert isinstance(put, RoutingRef), f"line event {stop}: {put!r}"
             store.verify()
-            np.testing.assert_array_equal(store.get(f"s{stop}"), routes)
+            np.testing.assert_array_equal(store.get(put), routes)
             np.testing.assert_array_equal(store.get(base), routes)
-            store.release([f"s{stop}"])
+            store.release([put])
             stop += stride
-        assert inherited > 0.9 * (stop // stride) and stop > 700  # (the rest: its edges)
+        assert stop > 700
 
 
 def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tmp_path):
@@ -313,7 +304,7 @@ def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tm
     # directory; or, forked before the handle knew its owner, the child removed the store
     # as its owner. Such a child now exits at once (status 70).
     routes = sample(8, max_len=40)[0]
-    stop, inherited = 1, 0
+    stop = 1
     while True:
         pid, made = forked_at(
             stop,
@@ -321,27 +312,22 @@ def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tm
                 f"{name}-{stop}", LAYOUT, 4096, spill_dir=str(tmp_path)
             ),
         )
-        if pid == 0:  # forked before the create began: its own create (one of two wins)
-            os._exit(0 if not isinstance(made, RoutingStore) else made.unlink() or 1)
+        if pid == 0:
+            os._exit(3)  # (never: a child forked inside a create ends in the fork)
+        assert isinstance(made, RoutingStore), f"line event {stop}: {made!r}"
         if pid is None:
             made.close()
             made.unlink()
             break
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        inherited += code == FORKED_INSIDE_EXIT
-        if code == FORKED_INSIDE_EXIT:  # the parent's store is whole and its own
-            with made as store:
-                store.put("s", routes)
-                with RoutingStore.attach(store.name) as other:  # (another process's view)
-                    np.testing.assert_array_equal(other.get("s"), routes)
-                assert os.path.isdir(store.spill_dir)
-        else:  # the child's create came first, or the parent's did and the child's failed
-            assert code in (0, 1), f"line event {stop}: the child exited {code}"
-            if isinstance(made, RoutingStore):
-                made.close()
-                made.unlink()
+        assert code == FORKED_INSIDE_EXIT, f"line event {stop}: the child exited {code}"
+        with made as store:  # the parent's store is whole and its own
+            store.put("s", routes)
+            with RoutingStore.attach(store.name) as other:  # (another process's view)
+                np.testing.assert_array_equal(other.get("s"), routes)
+            assert os.path.isdir(store.spill_dir)
         stop += 5
-    assert inherited > 0.5 * (stop // 5)
+    assert stop > 200
 
 
 def _die_inside_critical_section(name: str) -> None:

@@ -60,13 +60,30 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
                     core.lock.settle()
                     core.spill.settle()
             finally:
-                core.calls.pop(token, None)  # (after settling: a fork there ends the child)
+                core.calls.pop(token, None)
 
     _CALLS.add(call.__code__)
     return call
 
 
 _CALLS: set[Any] = set()  # the code of `store_call`'s wrapper
+_FORK_BOUND: set[Any] = set()  # more calls a child forked inside them must not go on with
+
+
+def fork_bound(*functions: Any) -> None:
+    """Count `functions` (besides every store call) among the calls whose parent owns them
+    across a fork: a child forked inside one ends (`running_at_fork`)."""
+    _FORK_BOUND.update(getattr(f, "__func__", f).__code__ for f in functions)
+
+
+def running_at_fork(frame: Any) -> str | None:
+    """The name of a store call (or fork-bound call) running at `frame` or below it, the
+    innermost; None if none. A fork there copies a call that is its parent's."""
+    for f, _ in traceback.walk_stack(frame):
+        if f.f_code in _CALLS or f.f_code in _FORK_BOUND:
+            inner = f.f_locals.get("method") if f.f_code in _CALLS else None
+            return getattr(inner, "__qualname__", f.f_code.co_qualname)
+    return None
 
 
 def calls_running(frame: Any) -> int:

@@ -74,7 +74,6 @@ class StoreCore:
         self.prefix = PrefixIndex(self.tables)
         self.puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
         self.calls: dict[object, int] = {}  # store calls in flight: token -> thread ident
-        segment.calls = self.calls  # (a fork inside one ends the child: `segment`)
         self.closing = False  # set by close(): calls starting then refuse
         self.close_mutex = threading.RLock()  # one close() at a time; the next finds it closed
         self.spill = Spiller(me, users)  # last: it takes the spill directory's lock

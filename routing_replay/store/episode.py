@@ -36,7 +36,7 @@ from routing_replay.errors import (
     TokenMismatchError,
 )
 from routing_replay.layout import MISSING
-from routing_replay.store.calls import inside_call
+from routing_replay.store.calls import fork_bound, inside_call
 from routing_replay.store.format import MAX_SAMPLE_ID_BYTES
 from routing_replay.store.refs import PutRequest, RoutingRef, sample_id_bytes, whole_number
 from routing_replay.store.routing_store import RoutingStore
@@ -281,6 +281,7 @@ class Episode:
 
 
 _CALLS = {Episode.add_turn.__code__, Episode.close.__code__}  # (`Episode._alone`)
+fork_bound(Episode.add_turn, Episode.close)  # a turn running at a fork is the parent's
 
 
 def _turn_tokens(token_ids: Any, episode_id: str) -> np.ndarray:

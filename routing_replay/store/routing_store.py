@@ -31,7 +31,13 @@ from routing_replay.errors import (
     StoreUnavailableError,
 )
 from routing_replay.layout import RoutingLayout
-from routing_replay.store.calls import forget_frames, inside_call, others_in_flight, store_call
+from routing_replay.store.calls import (
+    forget_frames,
+    fork_bound,
+    inside_call,
+    others_in_flight,
+    store_call,
+)
 from routing_replay.store.core import StoreCore, StoreStats
 from routing_replay.store.files import close_each
 from routing_replay.store.format import (
@@ -64,7 +70,7 @@ from routing_replay.store.refs import (
     timeout_seconds,
 )
 from routing_replay.store.repair import reclaim_dead
-from routing_replay.store.segment import Segment, making
+from routing_replay.store.segment import Segment
 from routing_replay.store.spill import page_file_bytes, spill_slots
 from routing_replay.store.spill_dirs import (
     budget_for,
@@ -231,20 +237,19 @@ class RoutingStore:
         }
         seg = None
         spill_path, users = "", []  # the dir's users lock: the new handle adopts it
-        with making():  # (a child forked in here ends: its clean-up would remove the store)
-            try:
-                seg = Segment.create(name, offsets["end"], OWNER_LEASE)
-                if spill_root:  # after the segment: a directory whose store is gone is an orphan
-                    spill_path = make_spill_dir(spill_root, name, uid, users)
-                initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
-                return cls(seg, put_timeout, users)
-            except BaseException as e:
-                forget_frames(e)  # views of the half-made handle in the error: the mapping goes
-                close_each(users)  # made or not, its lock on the directory goes
-                if seg is not None:
-                    seg.discard()  # nothing half-made stays behind, no descriptor stays open
-                remove_spill_dir(spill_path)
-                raise
+        try:
+            seg = Segment.create(name, offsets["end"], OWNER_LEASE)
+            if spill_root:  # after the segment: a directory whose store is gone is an orphan
+                spill_path = make_spill_dir(spill_root, name, uid, users)
+            initialise(seg.mmap, offsets, {**fields, "spill_dir": spill_path.encode()})
+            return cls(seg, put_timeout, users)
+        except BaseException as e:
+            forget_frames(e)  # views of the half-made handle in the error: the mapping goes
+            close_each(users)  # made or not, its lock on the directory goes
+            if seg is not None:
+                seg.discard()  # nothing half-made stays behind, no descriptor stays open
+            remove_spill_dir(spill_path)
+            raise
 
     @classmethod
     def attach(
@@ -636,3 +641,6 @@ class RoutingStore:
     def stats(self) -> StoreStats:
         """Capacity, use and prefix-sharing savings (from the header's counters)."""
         return self._core.stats()
+
+
+fork_bound(RoutingStore.create)  # (a child forked inside one would remove the store)

@@ -28,12 +28,12 @@ import os
 import pwd
 import re
 import stat
-import threading
+import sys
 import warnings
 import weakref
-from collections.abc import Iterator
 
 from routing_replay.errors import InvalidArgumentError, StoreUnavailableError
+from routing_replay.store.calls import running_at_fork
 from routing_replay.store.files import close_each, open_into
 from routing_replay.store.ofd_locks import lease_try
 
@@ -49,7 +49,6 @@ OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _fork_epoch = 0  # bumped in every forked child: handles notice they were inherited
-_MAKING: set[int] = set()  # threads inside a RoutingStore.create (`making`)
 FORKED_INSIDE_EXIT = 70  # a child forked inside a store call exits with this status
 
 
@@ -121,7 +120,6 @@ class Segment:
         self.fd = fd  # the mapped description: fstat, reopening; never locked
         self._lock_fd = lock_fd
         self.epoch = _fork_epoch
-        self.calls: dict[object, int] = {}  # the store calls in flight (`StoreCore.calls`)
         self.mmap = mm
         self._creator = os.getpid() if owner else 0
         # What close() closes, once: the list create/attach filled as they opened, so that
@@ -376,25 +374,13 @@ def _after_fork_in_child() -> None:
     a store call (by a signal handler or a hook) ends: it would change the parent's store."""
     global _fork_epoch
     _fork_epoch += 1
-    me = threading.get_ident()  # (the forking thread: the only one left)
-    inside = [f"a call of store {s.name!r}" for s in _SEGMENTS if me in list(s.calls.values())]
     for segment in list(_SEGMENTS):
         segment._forget_parents_locks()
-    if inside or me in _MAKING:
-        what = (inside or ["a RoutingStore.create"])[0]
-        os.write(2, f"routing_replay: process {os.getpid()} was forked inside {what}: it exits "
-            f"({FORKED_INSIDE_EXIT}); fork outside store calls\n".encode())  # fmt: skip
+    inside = running_at_fork(sys._getframe())  # (the forking thread: the only one left)
+    if inside:
+        os.write(2, f"routing_replay: process {os.getpid()} was forked inside {inside}: it "
+            f"exits ({FORKED_INSIDE_EXIT}); fork outside store calls\n".encode())  # fmt: skip
         os._exit(FORKED_INSIDE_EXIT)
-
-
-@contextlib.contextmanager
-def making() -> Iterator[None]:
-    """Around a store's creation: a child forked inside it ends (`_after_fork_in_child`)."""
-    _MAKING.add(threading.get_ident())
-    try:
-        yield
-    finally:
-        _MAKING.discard(threading.get_ident())
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
