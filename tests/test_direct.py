@@ -375,6 +375,7 @@ def test_a_connection_no_call_claims_is_closed_with_no_other_coming(monkeypatch)
         server.close()
 
 
+@pytest.mark.slow  # (3 s of waiting for a reader on purpose)
 def test_a_slow_reader_is_not_cut_only_one_that_stops(name, monkeypatch):
     # Before: the stall timeout bounded each whole 4 MB `sendall`, so a reader slower than
     # 4 MB per timeout was cut although it kept taking bytes (round 54).

@@ -266,7 +266,8 @@ def test_forked_child_with_the_parents_handle_waits_for_the_lock(name, locked_at
         assert (stats.samples, stats.pages_pending) == (2, 0)
 
 
-@pytest.mark.parametrize("stride", [pytest.param(3, marks=pytest.mark.slow), 23])
+# (A fork of the whole suite's grown process costs tens of ms: every 11th point when slow.)
+@pytest.mark.parametrize("stride", [pytest.param(11, marks=pytest.mark.slow), 97])
 def test_a_child_forked_inside_a_put_ends_before_it_touches_the_store(name, stride):
     # Rounds 63-64: a process forked inside a put, on the putting thread (a signal handler
     # or a hook forks). The child went on with the put on the store itself, under a lock
@@ -298,7 +299,8 @@ def test_a_child_forked_inside_a_put_ends_before_it_touches_the_store(name, stri
         assert stop > 700
 
 
-def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tmp_path):
+@pytest.mark.parametrize("stride", [pytest.param(5, marks=pytest.mark.slow), 37])
+def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tmp_path, stride):
     # Round 64: a fork inside RoutingStore.create (with a spill directory): the child's
     # create went on, failed, and its clean-up removed the parent's new segment and spill
     # directory; or, forked before the handle knew its owner, the child removed the store
@@ -326,7 +328,7 @@ def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tm
             with RoutingStore.attach(store.name) as other:  # (another process's view)
                 np.testing.assert_array_equal(other.get("s"), routes)
             assert os.path.isdir(store.spill_dir)
-        stop += 5
+        stop += stride
     assert stop > 200
 
 
