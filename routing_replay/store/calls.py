@@ -55,12 +55,10 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
             forget_frames(e)
             raise
         finally:
-            try:
-                if not nested:
-                    core.lock.settle()
-                    core.spill.settle()
-            finally:
-                core.calls.pop(token, None)
+            core.calls.pop(token, None)
+            if not nested:
+                core.lock.settle()
+                core.spill.settle()
 
     _CALLS.add(call.__code__)
     return call
