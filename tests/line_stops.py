@@ -54,11 +54,12 @@ def interrupted_at(
     return seen, result
 
 
-def forked_at(stop: int, call: Callable[[], Any]) -> tuple[int | None, Any]:
-    """Run `call`, forking at its `stop`-th line event in package code (as a signal handler
-    or a hook that forks would). Returns (pid, outcome): pid None if `call` ended first, 0
-    in the child, the child's in the parent; outcome what `call` returned or raised (the
-    child's errors too: it must reach its exit)."""
+def forked_at(stop: int | Callable[[Any], bool], call: Callable[[], Any]) -> tuple[int | None, Any]:
+    """Run `call`, forking at its `stop`-th line event in package code, or at the first
+    whose frame `stop(frame)` accepts (as a signal handler or a hook that forks would).
+    Returns (pid, outcome): pid None if `call` ended first, 0 in the child, the child's in
+    the parent; outcome what `call` returned or raised (the child's errors too: it must
+    reach its exit)."""
     seen, pid = 0, None
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
@@ -67,7 +68,7 @@ def forked_at(stop: int, call: Callable[[], Any]) -> tuple[int | None, Any]:
             return None
         if event == "line":
             seen += 1
-            if seen == stop:
+            if seen == stop if isinstance(stop, int) else stop(frame):
                 sys.settrace(None)
                 pid = os.fork()
                 return None

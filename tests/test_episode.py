@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from line_stops import PACKAGE, interrupted_at
+from line_stops import PACKAGE, forked_at, interrupted_at
 
 from routing_replay import (
     MISSING,
@@ -673,25 +673,16 @@ def test_a_child_forked_inside_a_turn_ends_and_the_parents_turn_stands(name):
     tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
     with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
         for line in ("check_history(tokens", "._put_marked(", "turns = [*self.refs"):
-            episode, pid = Episode(store, f"e{len(line)}"), None
+            episode = Episode(store, f"e{len(line)}")
             episode.add_turn(tokens[:8], routes[:8])
 
-            def fork_there(frame, event, arg, line=line):
-                nonlocal pid
+            def there(frame, line=line):
                 here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-                if frame.f_code is Episode._add_turn.__code__ and line in here:
-                    sys.settrace(None)
-                    pid = os.fork()
-                    return None
-                return fork_there
+                return frame.f_code is Episode._add_turn.__code__ and line in here
 
-            sys.settrace(fork_there)
-            try:
-                ref = episode.add_turn(tokens, routes)
-            finally:
-                sys.settrace(None)
-                if pid == 0:
-                    os._exit(3)  # (the child never gets here: it ended in the fork)
+            pid, ref = forked_at(there, lambda e=episode: e.add_turn(tokens, routes))
+            if pid == 0:
+                os._exit(3)  # (the child never gets here: it ended in the fork)
             assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == FORKED_INSIDE_EXIT
             assert ref == episode.ref and ref in store, line
             np.testing.assert_array_equal(store.get(episode.close()), routes)

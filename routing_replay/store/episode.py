@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,6 +44,15 @@ from routing_replay.store.segment import fork_epoch
 from routing_replay.validate import host_array
 
 TURN_DIGITS = 6  # turns an episode id leaves room for: up to 999,999
+
+
+class _Pending(NamedTuple):
+    """A turn's put not yet in `Episode.refs`, settled by the episode's next call."""
+
+    sample_id: str
+    mark: int  # the random mark its slot carries, if it committed
+    made_in: int  # the fork epoch of the process that made it
+    ended_in: int | None = None  # the fork epoch its add_turn call ended in (None: running)
 
 
 class Episode:
@@ -70,10 +79,7 @@ class Episode:
         self._routes: np.ndarray | None = None  # the last turn's stored routes
         self._versions: list[tuple[int, int]] = []
         self._closed = False
-        # A turn's put until it is in `refs`: (sample id, the mark its slot carries, the
-        # fork epoch the put was made in, and the one its add_turn call ended in: None
-        # until it ends).
-        self._putting: tuple[str, int, int, int | None] | None = None
+        self._putting: _Pending | None = None  # a turn's put until it is in `refs`
         self.conflicts = 0  # history rows an engine returned again, differently (kept: stored)
         # The add_turn and close calls running: their threads and frames (`_alone`).
         self._calls: dict[object, tuple[threading.Thread, FrameType]] = {}
@@ -108,8 +114,8 @@ class Episode:
             return self._add_turn(token_ids, routes, policy_version)
         finally:
             self._calls.pop(call, None)
-            if self._putting is not None and self._putting[3] is None:  # stopped or raised
-                self._putting = (*self._putting[:3], fork_epoch())
+            if self._putting is not None and self._putting.ended_in is None:  # stopped, raised
+                self._putting = self._putting._replace(ended_in=fork_epoch())
 
     def _add_turn(self, token_ids: Any, routes: Any, policy_version: int | None) -> RoutingRef:
         if self._closed:
@@ -165,7 +171,7 @@ class Episode:
         mark = int.from_bytes(os.urandom(8), "little") | 1  # this put's, never NO_MARK
         request = PutRequest(sample_id, rows, self.prompt_len, tokens, versions or None)
         # Stopped (Ctrl-C) or raising, with or without its commit: the next call settles it.
-        self._putting = (sample_id, mark, fork_epoch(), None)
+        self._putting = _Pending(sample_id, mark, fork_epoch())
         ref = self.store._put_marked(request, mark)
         turns = [*self.refs, ref]
         # One line, no call in it: a stop lands before or after, never between the turn's
@@ -223,9 +229,9 @@ class Episode:
         Cleared once settled."""
         if self._putting is None:
             return
-        sample_id, mark, epoch, ended = self._putting
+        sample_id, mark, made_in, ended_in = self._putting
         recorded = bool(self.refs) and self.refs[-1].sample_id == sample_id
-        over = epoch == fork_epoch() or (ended is not None and ended < fork_epoch())
+        over = made_in == fork_epoch() or (ended_in is not None and ended_in < fork_epoch())
         stored = self.store._put_of(sample_id) if over and not recorded else None
         if stored is not None and stored[1] == mark:
             put = RoutingRef(
