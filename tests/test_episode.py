@@ -690,6 +690,59 @@ def test_a_child_forked_inside_a_turn_ends_and_the_parents_turn_stands(name):
             store.release([ref])
 
 
+def test_a_childs_failed_turn_never_marks_a_parent_threads_running_put_as_over(name):
+    # Round 66: another thread forked while a turn was inside its put; the child's own
+    # add_turn raised early, and its clean-up stamped the parent's running put as ended
+    # there, so a grandchild's close() took it for a put over before its fork and
+    # released the parent's recorded turn.
+    layout = RoutingLayout(num_layers=2, top_k=2, num_experts=8)
+    rng = np.random.default_rng(6)
+    tokens, routes = rng.integers(0, 100, 16), layout.random_routes(rng, 16)
+    inside, go = threading.Event(), threading.Event()
+
+    def hold_before_the_put(frame, event, arg):
+        here = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        if frame.f_code is Episode._add_turn.__code__ and "._put_marked(" in here:
+            inside.set()
+            go.wait(30)
+        return hold_before_the_put
+
+    with RoutingStore.create(name, layout, 4096, page_tokens=4) as store:
+        episode, refs = Episode(store, "e"), []
+
+        def turn():
+            sys.settrace(hold_before_the_put)
+            try:
+                refs.append(episode.add_turn(tokens, routes))
+            finally:
+                sys.settrace(None)
+
+        thread = threading.Thread(target=turn)
+        thread.start()
+        try:
+            assert inside.wait(30)
+            pid = os.fork()  # (from this thread: not inside a call, the child goes on)
+            if pid == 0:
+                code = 1
+                try:
+                    with contextlib.suppress(InvalidRoutesError):
+                        episode.add_turn(tokens[:5], routes)  # raises before any put
+                    grandchild = os.fork()
+                    if grandchild == 0:
+                        with contextlib.suppress(RoutingReplayError):
+                            episode.close()  # ("has no turns")
+                        os._exit(0)
+                    code = os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1])
+                finally:
+                    os._exit(code)
+        finally:
+            go.set()
+            thread.join(30)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert refs == [episode.ref] and refs[0] in store  # before: released by the grandchild
+        np.testing.assert_array_equal(store.get(refs[0]), routes)
+
+
 def _alone_line(text: str) -> int:
     """The line of `Episode._alone` whose code contains `text`."""
     lines, first = inspect.getsourcelines(Episode._alone)

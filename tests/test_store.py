@@ -332,6 +332,51 @@ def test_a_child_forked_inside_a_create_never_removes_the_parents_store(name, tm
     assert stop > 200
 
 
+def test_a_child_forked_by_another_thread_mid_put_can_close_its_handle(name):
+    # Round 66: the handle counted its calls by thread ident; a child forked by another
+    # thread while a put ran inherited that call's entry, and a new thread of the child,
+    # given the vanished thread's ident, made close() wait for a call that was not there
+    # and raise StoreBusyError.
+    inside, go = threading.Event(), threading.Event()
+    with RoutingStore.create(name, LAYOUT, capacity_tokens=20_000) as store:
+
+        def hold_inside(frame, event, arg):
+            if store._core.calls and event == "line":
+                inside.set()
+                go.wait(30)
+                return None
+            return hold_inside
+
+        def put():
+            sys.settrace(hold_inside)
+            try:
+                store.put("a", sample(1)[0])
+            finally:
+                sys.settrace(None)
+
+        thread = threading.Thread(target=put)
+        thread.start()
+        try:
+            assert inside.wait(30)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    idle = threading.Event()
+                    new = threading.Thread(target=idle.wait)  # (may get the gone one's ident)
+                    new.start()
+                    store.close(timeout=1)
+                    code = 0
+                finally:
+                    idle.set()
+                    os._exit(code)
+        finally:
+            go.set()
+            thread.join(30)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0  # before: 1
+        np.testing.assert_array_equal(store.get("a"), sample(1)[0])
+
+
 def _die_inside_critical_section(name: str) -> None:
     store = RoutingStore.attach(name)
     with store._core.lock.held("test", time.monotonic() + 60) as hold:

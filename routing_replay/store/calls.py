@@ -45,7 +45,7 @@ def store_call(method: Callable[..., Any]) -> Callable[..., Any]:
         nested = calls_running(sys._getframe(1)) > 0
         token = object()
         try:
-            core.calls[token] = threading.get_ident()
+            core.calls[token] = threading.current_thread()
             if core.closing:
                 raise closed_error(
                     core.name, closed=core.segment.fd < 0 or core.segment.mmap.closed
@@ -93,10 +93,11 @@ def calls_running(frame: Any) -> int:
 _CODE, _FRAME = operator.attrgetter("f_code"), operator.itemgetter(0)
 
 
-def others_in_flight(calls: dict[object, int]) -> bool:
-    """Whether a thread other than this one (and alive) is inside a call of a handle."""
-    me, alive = threading.get_ident(), {t.ident for t in threading.enumerate()}
-    return any(ident != me and ident in alive for ident in list(calls.values()))
+def others_in_flight(calls: dict[object, threading.Thread]) -> bool:
+    """Whether a thread other than this one (and alive) is inside a call of a handle.
+    Threads as objects: after a fork a new thread may get the ident of one that is gone."""
+    me, alive = threading.current_thread(), set(threading.enumerate())
+    return any(thread is not me and thread in alive for thread in list(calls.values()))
 
 
 def forget_frames(error: BaseException, every: bool = False) -> None:

@@ -73,7 +73,7 @@ class StoreCore:
         self.samples = SampleIndex(self.tables)
         self.prefix = PrefixIndex(self.tables)
         self.puts_running: set[object] = set()  # a token per put in flight (add/discard: atomic)
-        self.calls: dict[object, int] = {}  # store calls in flight: token -> thread ident
+        self.calls: dict[object, threading.Thread] = {}  # store calls in flight: their threads
         self.closing = False  # set by close(): calls starting then refuse
         self.close_mutex = threading.RLock()  # one close() at a time; the next finds it closed
         self.spill = Spiller(me, users)  # last: it takes the spill directory's lock

@@ -114,8 +114,10 @@ class Episode:
             return self._add_turn(token_ids, routes, policy_version)
         finally:
             self._calls.pop(call, None)
-            if self._putting is not None and self._putting.ended_in is None:  # stopped, raised
-                self._putting = self._putting._replace(ended_in=fork_epoch())
+            # Stopped or raising: its put's call ended here (not a parent's running put).
+            pending = self._putting
+            if pending and pending.made_in == fork_epoch() and pending.ended_in is None:
+                self._putting = pending._replace(ended_in=fork_epoch())
 
     def _add_turn(self, token_ids: Any, routes: Any, policy_version: int | None) -> RoutingRef:
         if self._closed:

@@ -400,7 +400,7 @@ class RoutingStore:
         core, token = self._core, object()
         try:
             while True:  # counted as in flight, so that a close of another thread waits
-                core.calls[token] = threading.get_ident()
+                core.calls[token] = threading.current_thread()
                 if not core.closing:
                     self._mark_removed()
                     break
